@@ -1,0 +1,244 @@
+//! The one error type of cudrv.
+
+use std::fmt;
+
+use cudrv_sys::{CUresult, LoadAttempt};
+
+/// The result type of cudrv.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in cudrv.
+///
+/// ```
+/// use cudrv::{Error, sys::CUresult};
+/// let e = Error::driver("cuMemAllocAsync", CUresult::CUDA_ERROR_NOT_SUPPORTED);
+/// assert_eq!(
+///     e.to_string(),
+///     "cuMemAllocAsync failed: CUDA_ERROR_NOT_SUPPORTED (801): operation not supported"
+/// );
+/// assert_eq!(e.code(), Some(CUresult::CUDA_ERROR_NOT_SUPPORTED));
+/// ```
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A driver call returned an error code.
+    #[error("{call} failed: {name} ({}): {description}", .code.0)]
+    Driver {
+        /// The code the driver returned.
+        code: CUresult,
+        /// Its name (`CUDA_ERROR_OUT_OF_MEMORY`), from `cuGetErrorName` or cudrv's table.
+        name: String,
+        /// Its description, from `cuGetErrorString` or cudrv's table.
+        description: String,
+        /// The driver function that returned it (`cuMemAlloc`).
+        call: &'static str,
+    },
+    /// No CUDA driver library could be loaded.
+    #[error("{}", DriverNotFoundDisplay(.attempts))]
+    DriverNotFound {
+        /// Every library tried, with the operating system's reason.
+        attempts: Vec<LoadAttempt>,
+    },
+    /// The driver lacks a function that the operation needs (an older driver).
+    #[error("the CUDA driver (version {}) does not provide {name}", crate::version_string(*.driver_version))]
+    MissingSymbol {
+        /// The function (`cuMemAllocAsync`).
+        name: &'static str,
+        /// The driver's version (`cuDriverGetVersion`).
+        driver_version: i32,
+    },
+    /// The device does not support what was asked. Raised before the driver is called.
+    #[error("{feature} is not supported on device {device}: {reason}{}", Alternative(.alternative))]
+    Unsupported {
+        /// The feature (`memory pools`).
+        feature: &'static str,
+        /// The device's ordinal.
+        device: i32,
+        /// Why (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0 (Windows TCC driver model)`).
+        reason: String,
+        /// What to use instead, if anything.
+        alternative: Option<&'static str>,
+    },
+    /// Device memory is exhausted, also after cached memory was given back.
+    #[error(
+        "out of device memory on device {device}: {requested} bytes requested, {reserved} bytes reserved by the pool, {in_use} bytes in use"
+    )]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: usize,
+        /// The device's ordinal.
+        device: i32,
+        /// Bytes the memory resource holds from the driver.
+        reserved: usize,
+        /// Bytes of those handed out and not yet freed.
+        in_use: usize,
+    },
+    /// An argument is invalid. Nothing was done.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// An environment variable has a value cudrv does not understand.
+    #[error("{var}={value:?} is not valid: expected {expected}")]
+    InvalidEnvironment {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What it may be.
+        expected: &'static str,
+    },
+    /// Objects of different devices were used together where they must share one.
+    #[error("{what}: device {expected} was expected, but device {found} was given")]
+    DeviceMismatch {
+        /// The operation.
+        what: &'static str,
+        /// The device of the operation.
+        expected: i32,
+        /// The device of the offending object.
+        found: i32,
+    },
+    /// `Event::elapsed` on events created without timing.
+    #[error("event timing was not enabled: create both events with `EventFlags::timing()`")]
+    TimingDisabled,
+    /// A stream priority outside the device's range.
+    #[error(
+        "stream priority {requested} is outside device {device}'s range {greatest}..={least} (lower is higher priority)"
+    )]
+    InvalidPriority {
+        /// The priority asked for.
+        requested: i32,
+        /// The device's ordinal.
+        device: i32,
+        /// The lowest priority (largest number).
+        least: i32,
+        /// The highest priority (smallest number).
+        greatest: i32,
+    },
+    /// An error that a `Drop` met earlier on this device's context, returned by the next checked
+    /// call there so that it is not lost.
+    #[error("an earlier drop failed: {0}")]
+    Deferred(Box<Error>),
+    /// Loading a module failed; `log` is the JIT compiler's error log.
+    #[error("{source}\nJIT error log:\n{log}")]
+    Jit {
+        /// The driver error.
+        source: Box<Error>,
+        /// The JIT error log (`CU_JIT_ERROR_LOG_BUFFER`).
+        log: String,
+    },
+}
+
+struct DriverNotFoundDisplay<'a>(&'a [LoadAttempt]);
+
+impl fmt::Display for DriverNotFoundDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "no CUDA driver could be loaded; tried:")?;
+        for a in self.0 {
+            write!(f, "\n  - {}: {}", a.path, a.reason)?;
+        }
+        write!(
+            f,
+            "\nhint: install the NVIDIA driver, or set {} to the driver library (libcuda.so.1 or nvcuda.dll)",
+            cudrv_sys::DRIVER_PATH_VAR
+        )
+    }
+}
+
+struct Alternative<'a>(&'a Option<&'static str>);
+
+impl fmt::Display for Alternative<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(alt) => write!(f, "; use {alt} instead"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Error {
+    /// A driver error for `code` returned by `call`, named and described by the driver when it is
+    /// loaded (`cuGetErrorName`, `cuGetErrorString`) and by cudrv's table otherwise.
+    pub fn driver(call: &'static str, code: CUresult) -> Error {
+        let (name, description) = describe(code);
+        Error::Driver { code, name, description, call: crate::result::base_name(call) }
+    }
+
+    /// The driver's code, for [`Error::Driver`] (also inside [`Error::Deferred`] and [`Error::Jit`]).
+    pub fn code(&self) -> Option<CUresult> {
+        match self {
+            Error::Driver { code, .. } => Some(*code),
+            Error::Deferred(inner) | Error::Jit { source: inner, .. } => inner.code(),
+            _ => None,
+        }
+    }
+
+    /// Whether this is the driver saying it has been shut down (`CUDA_ERROR_DEINITIALIZED`),
+    /// as at process exit.
+    pub fn is_deinitialized(&self) -> bool {
+        self.code() == Some(CUresult::CUDA_ERROR_DEINITIALIZED)
+    }
+
+    /// Whether this is an out-of-memory error, from cudrv or from the driver.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. }) || self.code() == Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    }
+
+    /// Whether the driver said the operation is not supported (`CUDA_ERROR_NOT_SUPPORTED`, 801) or
+    /// cudrv did ([`Error::Unsupported`]).
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, Error::Unsupported { .. }) || self.code() == Some(CUresult::CUDA_ERROR_NOT_SUPPORTED)
+    }
+}
+
+impl From<cudrv_sys::LoadError> for Error {
+    fn from(e: cudrv_sys::LoadError) -> Error {
+        Error::DriverNotFound { attempts: e.attempts }
+    }
+}
+
+impl From<cudrv_sys::MissingSymbol> for Error {
+    fn from(e: cudrv_sys::MissingSymbol) -> Error {
+        Error::MissingSymbol { name: e.name, driver_version: e.driver_version }
+    }
+}
+
+/// The name and description of `code`: from the driver when it is loaded and knows the code,
+/// else from [`cudrv_sys::result_name`] and cudrv's table of descriptions.
+fn describe(code: CUresult) -> (String, String) {
+    if let Some(pair) = crate::result::driver_describe(code) {
+        return pair;
+    }
+    let name = cudrv_sys::result_name(code).map_or_else(|| format!("CUresult({})", code.0), str::to_string);
+    let description = DESCRIPTIONS
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map_or("no description available (the driver could not be asked)", |(_, d)| d)
+        .to_string();
+    (name, description)
+}
+
+/// Descriptions of the codes cudrv meets most, for when the driver cannot be asked (it is not
+/// loaded, or it has shut down). They are the driver's own strings.
+const DESCRIPTIONS: &[(CUresult, &str)] = &[
+    (CUresult::CUDA_SUCCESS, "no error"),
+    (CUresult::CUDA_ERROR_INVALID_VALUE, "invalid argument"),
+    (CUresult::CUDA_ERROR_OUT_OF_MEMORY, "out of memory"),
+    (CUresult::CUDA_ERROR_NOT_INITIALIZED, "initialization error"),
+    (CUresult::CUDA_ERROR_DEINITIALIZED, "driver shutting down"),
+    (CUresult::CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected"),
+    (CUresult::CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"),
+    (CUresult::CUDA_ERROR_INVALID_IMAGE, "device kernel image is invalid"),
+    (CUresult::CUDA_ERROR_INVALID_CONTEXT, "invalid device context"),
+    (CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU, "no kernel image is available for execution on the device"),
+    (CUresult::CUDA_ERROR_INVALID_PTX, "a PTX JIT compilation failed"),
+    (CUresult::CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"),
+    (CUresult::CUDA_ERROR_NOT_FOUND, "named symbol not found"),
+    (CUresult::CUDA_ERROR_NOT_READY, "device not ready"),
+    (CUresult::CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"),
+    (CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "too many resources requested for launch"),
+    (CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, "peer access is already enabled"),
+    (CUresult::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED, "peer access has not been enabled"),
+    (CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED, "peer access is not supported between these two devices"),
+    (CUresult::CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
+    (CUresult::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, "system has unsupported display driver / cuda driver combination"),
+    (CUresult::CUDA_ERROR_UNKNOWN, "unknown error"),
+];

@@ -1,0 +1,169 @@
+//! Events: markers in a stream, for ordering across streams and for timing.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudrv_sys::{CUevent, CUresult};
+
+use crate::context::{Context, report_drop_error};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::result::{check, driver, drv};
+use crate::stream::Stream;
+
+/// How an event is created.
+///
+/// ```
+/// use cudrv::EventFlags;
+/// assert!(!EventFlags::default().timing);
+/// assert!(EventFlags::timing().timing);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventFlags {
+    /// Record timestamps, so that [`Event::elapsed`] works. Off by default: events without
+    /// timing are cheaper to record and wait on.
+    pub timing: bool,
+    /// Make [`Event::synchronize`] block the thread instead of spinning.
+    pub blocking_sync: bool,
+}
+
+impl EventFlags {
+    /// Flags with timing enabled.
+    pub fn timing() -> EventFlags {
+        EventFlags { timing: true, ..EventFlags::default() }
+    }
+}
+
+/// A CUDA event.
+pub struct Event {
+    raw: CUevent,
+    ctx: Arc<Context>,
+    flags: EventFlags,
+}
+
+// SAFETY: CUevent handles may be used from any thread; cudrv binds the context before each use.
+unsafe impl Send for Event {}
+// SAFETY: as above; all methods take `&self` and call thread-safe driver functions.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// A new event on `device`, without timing.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn new(device: &Device) -> Result<Event> {
+        Self::with_flags(device, EventFlags::default())
+    }
+
+    /// A new event on `device` with `flags`.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn with_flags(device: &Device, flags: EventFlags) -> Result<Event> {
+        let ctx = device.primary_context()?;
+        let mut bits = 0;
+        if !flags.timing {
+            bits |= cudrv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+        }
+        if flags.blocking_sync {
+            bits |= cudrv_sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC.0;
+        }
+        let mut raw = std::ptr::null_mut();
+        {
+            let _b = ctx.bind()?;
+            // SAFETY: `raw` is a valid out-pointer and the context is current.
+            unsafe { drv!(cuEventCreate(&mut raw, bits)) }?;
+        }
+        Ok(Event { raw, ctx, flags })
+    }
+
+    /// The raw `CUevent`.
+    pub fn as_raw(&self) -> CUevent {
+        self.raw
+    }
+
+    /// The flags the event was created with.
+    pub fn flags(&self) -> EventFlags {
+        self.flags
+    }
+
+    /// Records the event at this point of `stream`: it completes when all work queued there
+    /// before it is done. Recording again moves it.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for a stream of another device; the driver's error.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        if stream.device() != self.ctx.device() {
+            return Err(Error::DeviceMismatch {
+                what: "Event::record",
+                expected: self.ctx.device().ordinal_i32(),
+                found: stream.device().ordinal_i32(),
+            });
+        }
+        let _b = self.ctx.bind()?;
+        // SAFETY: both handles are valid while their owners live; the context is current.
+        unsafe { drv!(cuEventRecord(self.raw, stream.as_raw())) }
+    }
+
+    /// Waits until the event completes (at once for an event never recorded).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn synchronize(&self) -> Result<()> {
+        let _b = self.ctx.bind()?;
+        // SAFETY: the event is valid; the context is current.
+        unsafe { drv!(cuEventSynchronize(self.raw)) }
+    }
+
+    /// Whether the event has completed, without waiting.
+    ///
+    /// # Errors
+    /// The driver's error (other than "not ready").
+    pub fn query(&self) -> Result<bool> {
+        let _b = self.ctx.bind()?;
+        // SAFETY: the event is valid; the context is current.
+        match unsafe { driver()?.cuEventQuery(self.raw) } {
+            Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
+            other => check("cuEventQuery", other).map(|()| true),
+        }
+    }
+
+    /// The time between two completed events with timing enabled.
+    ///
+    /// # Errors
+    /// [`Error::TimingDisabled`] when either was created without timing;
+    /// `CUDA_ERROR_NOT_READY` when either has not completed; the driver's error.
+    pub fn elapsed(start: &Event, end: &Event) -> Result<Duration> {
+        if !start.flags.timing || !end.flags.timing {
+            return Err(Error::TimingDisabled);
+        }
+        let _b = start.ctx.bind()?;
+        let mut ms = 0f32;
+        // SAFETY: valid out-pointer and events; the context is current.
+        #[cfg(cuda_12080)]
+        unsafe { drv!(cuEventElapsedTime_v2(&mut ms, start.raw, end.raw)) }?;
+        // SAFETY: as above.
+        #[cfg(not(cuda_12080))]
+        unsafe { drv!(cuEventElapsedTime(&mut ms, start.raw, end.raw)) }?;
+        Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let Ok(driver) = crate::result::driver() else { return };
+        // SAFETY: the event was created by cudrv and is destroyed once, here. Destroying an event
+        // that is recorded but not complete is allowed: the driver frees it once it completes.
+        let rc = unsafe { driver.cuEventDestroy_v2(self.raw) };
+        if let Err(e) = check("cuEventDestroy", rc) {
+            report_drop_error(Some(&self.ctx), e);
+        }
+    }
+}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Event").field("raw", &self.raw).field("flags", &self.flags).finish()
+    }
+}

@@ -1,0 +1,47 @@
+//! cudrv: a small, correct binding to the CUDA driver API.
+//!
+//! * [`Device`]: devices, their attributes, driver model ([`DriverModel`]) and
+//!   [`Capabilities`], read per device and cached.
+//! * [`Context`]: each device's primary context, shared.
+//! * [`Stream`], [`Event`]: ordering and timing.
+//!
+//! Everything a device may lack is checked first, and reported as [`Error::Unsupported`] with
+//! the reason and an alternative, never as a bare driver code.
+//!
+//! The raw bindings and the loader are in [`sys`] (the `cudrv-sys` crate).
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub use cudrv_sys as sys;
+
+mod result;
+
+pub mod context;
+pub mod device;
+pub mod error;
+pub mod event;
+pub mod memory;
+pub mod stream;
+
+pub use context::{Context, set_drop_error_hook};
+pub use device::{Capabilities, Device, DriverModel};
+pub use error::{Error, Result};
+pub use event::{Event, EventFlags};
+pub use stream::Stream;
+
+/// The version of the loaded driver (`cuDriverGetVersion`: `13000` for 13.0), loading it if
+/// needed.
+///
+/// # Errors
+/// [`Error::DriverNotFound`] without a driver.
+pub fn driver_version() -> Result<i32> {
+    Ok(sys::Driver::global()?.version())
+}
+
+/// The CUDA version of the headers cudrv was built against (`13000` for 13.0).
+pub const HEADER_VERSION: i32 = sys::CUDA_HEADER_VERSION;
+
+/// `12080` → `"12.8"`.
+pub(crate) fn version_string(v: i32) -> String {
+    format!("{}.{}", v / 1000, v % 1000 / 10)
+}

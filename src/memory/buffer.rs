@@ -1,0 +1,540 @@
+//! `DeviceBuffer<T>`: typed device memory, freed in stream order, with copies.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::mem::size_of;
+use std::ops::{Bound as RangeBound, RangeBounds};
+use std::sync::{Arc, Mutex};
+
+use super::host::PinnedBuffer;
+use super::{DevicePtr, MemoryResource, check_stream};
+use crate::context::report_drop_error;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::event::Event;
+use crate::result::drv;
+use crate::stream::Stream;
+
+/// Plain-old-data types that may live in device memory and be copied byte-wise to and from it.
+///
+/// # Safety
+/// The type must be `Copy`, have no padding bytes, contain no pointers
+/// or references that the device copy would invalidate, and *every bit pattern* must be a valid
+/// value (device memory can hold anything, including zeroes from `memset`). Implement it for
+/// `#[repr(C)]` structs of such fields:
+///
+/// ```
+/// #[derive(Clone, Copy)]
+/// #[repr(C)]
+/// struct Particle { x: f32, y: f32, mass: f32, id: u32 }
+/// // SAFETY: repr(C), four 4-byte fields (no padding), any bits are a valid value.
+/// unsafe impl cudrv::memory::DeviceRepr for Particle {}
+/// ```
+pub unsafe trait DeviceRepr: Copy + Send + Sync + 'static {}
+
+macro_rules! device_repr {
+    ($($t:ty),*) => { $(
+        // SAFETY: a primitive number: no padding, every bit pattern is valid.
+        unsafe impl DeviceRepr for $t {}
+    )* };
+}
+device_repr!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize, f32, f64);
+
+// SAFETY: an array of such values has no padding between elements and inherits their validity.
+unsafe impl<T: DeviceRepr, const N: usize> DeviceRepr for [T; N] {}
+
+/// Bytes for `len` elements of `T`, or an error when that overflows.
+pub(crate) fn byte_len<T>(len: usize) -> Result<usize> {
+    len.checked_mul(size_of::<T>())
+        .filter(|b| *b <= isize::MAX as usize)
+        .ok_or_else(|| Error::InvalidArgument(format!("{len} elements of {} bytes overflow", size_of::<T>())))
+}
+
+/// A buffer of `T` in device memory, from a [`MemoryResource`], allocated on a stream.
+///
+/// * It is freed in stream order on its stream when dropped: the memory is reused only after
+///   the work queued on that stream before the drop.
+/// * Used on another stream ([`DeviceBuffer::record_use`], done for you by cudrv's copies and
+///   launches), it makes its free wait for that stream's work too (as PyTorch's `record_stream`),
+///   so the memory is never reused while another stream may still touch it.
+/// * The synchronous copies (`copy_from_host`, `copy_to_host`, `to_vec`) run on the buffer's
+///   stream and wait for it; the asynchronous ones take a [`PinnedBuffer`], which blocks host
+///   access to itself until the copy is done.
+///
+/// ```no_run
+/// use cudrv::{Device, Stream, memory::DeviceBuffer};
+/// let stream = Stream::new(&Device::get(0)?)?;
+/// let buf = DeviceBuffer::from_slice(&[1u32, 2, 3], &stream)?;
+/// assert_eq!(buf.to_vec()?, [1, 2, 3]);
+/// # Ok::<(), cudrv::Error>(())
+/// ```
+pub struct DeviceBuffer<T: DeviceRepr> {
+    ptr: DevicePtr,
+    len: usize,
+    resource: Arc<dyn MemoryResource>,
+    stream: Stream,
+    used_on: Mutex<Vec<Stream>>,
+    _t: PhantomData<T>,
+}
+
+impl<T: DeviceRepr> DeviceBuffer<T> {
+    /// A buffer of `len` elements on `stream`, from the device's [`Device::memory_resource`],
+    /// with unspecified contents.
+    ///
+    /// # Safety
+    /// The contents are whatever the memory held: every bit pattern is a valid `T`
+    /// ([`DeviceRepr`]), so reading it is not undefined behaviour, but it may be another
+    /// allocation's old data. The function is `unsafe` so that this is a choice.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`], [`Error::InvalidArgument`] on overflow, the driver's error.
+    pub unsafe fn uninit(len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        // SAFETY: forwarded.
+        unsafe { Self::uninit_in(stream.device().memory_resource()?, len, stream) }
+    }
+
+    /// As [`DeviceBuffer::uninit`], from `resource`.
+    ///
+    /// # Safety
+    /// As [`DeviceBuffer::uninit`].
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::uninit`], and [`Error::DeviceMismatch`] when the stream and the
+    /// resource belong to different devices.
+    pub unsafe fn uninit_in(resource: Arc<dyn MemoryResource>, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        check_stream("DeviceBuffer::uninit_in", resource.device(), stream)?;
+        if !resource.is_device_accessible() {
+            return Err(Error::InvalidArgument(format!("{} is not device-accessible memory", resource.kind())));
+        }
+        let bytes = byte_len::<T>(len)?;
+        let ptr = resource.allocate(bytes, stream)?;
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            resource,
+            stream: stream.clone(),
+            used_on: Mutex::new(Vec::new()),
+            _t: PhantomData,
+        })
+    }
+
+    /// A buffer of `len` zeroed elements (a memset queued on `stream`).
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::uninit`].
+    pub fn zeroed(len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        // SAFETY: the memory is zeroed (in stream order) before anything can read it.
+        let mut buf = unsafe { Self::uninit(len, stream)? };
+        buf.memset(0)?;
+        Ok(buf)
+    }
+
+    /// A buffer holding a copy of `data`. Waits for the copy.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::uninit`].
+    pub fn from_slice(data: &[T], stream: &Stream) -> Result<DeviceBuffer<T>> {
+        Self::from_slice_in(stream.device().memory_resource()?, data, stream)
+    }
+
+    /// A buffer from `resource` holding a copy of `data`. Waits for the copy.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::uninit_in`].
+    pub fn from_slice_in(resource: Arc<dyn MemoryResource>, data: &[T], stream: &Stream) -> Result<DeviceBuffer<T>> {
+        // SAFETY: every element is written by the copy before anyone can read it.
+        let mut buf = unsafe { Self::uninit_in(resource, data.len(), stream)? };
+        buf.copy_from_host(data)?;
+        Ok(buf)
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * size_of::<T>()
+    }
+
+    /// The device address.
+    pub fn as_raw(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The stream the buffer was allocated on and is freed on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The buffer's device.
+    pub fn device(&self) -> Device {
+        self.stream.device()
+    }
+
+    /// The resource the memory came from.
+    pub fn resource(&self) -> &Arc<dyn MemoryResource> {
+        &self.resource
+    }
+
+    /// Records that work on `stream` uses the buffer, so that its free (on its own stream) waits
+    /// for that work. Needed only for work cudrv does not queue itself (raw driver calls);
+    /// cudrv's copies and launches call it.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for a stream of another device.
+    pub fn record_use(&self, stream: &Stream) -> Result<()> {
+        if *stream == self.stream {
+            return Ok(());
+        }
+        check_stream("DeviceBuffer::record_use", self.device(), stream)?;
+        let mut used = self.used_on.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !used.contains(stream) {
+            used.push(stream.clone());
+        }
+        Ok(())
+    }
+
+    /// A view of the elements in `range`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range outside the buffer.
+    pub fn view(&self, range: impl RangeBounds<usize>) -> Result<DeviceView<'_, T>> {
+        let (start, end) = bounds(range, self.len)?;
+        Ok(DeviceView { ptr: self.ptr + (start * size_of::<T>()) as u64, len: end - start, buffer: self })
+    }
+
+    /// The whole buffer as a view.
+    pub fn as_view(&self) -> DeviceView<'_, T> {
+        DeviceView { ptr: self.ptr, len: self.len, buffer: self }
+    }
+
+    /// Sets every byte to `byte` (queued on the buffer's stream).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn memset(&mut self, byte: u8) -> Result<()> {
+        memset_range(self.ptr, self.byte_len(), byte, &self.stream)
+    }
+
+    /// Sets every element to `value`, for element sizes of 1, 2 or 4 bytes (queued on the
+    /// buffer's stream).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for other sizes; the driver's error.
+    pub fn fill(&mut self, value: T) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        let _b = self.stream.context().bind()?;
+        let s = self.stream.as_raw();
+        // SAFETY: `value` is plain data of the matched size; reading its bytes is sound.
+        let bits = |n: usize| unsafe { std::slice::from_raw_parts((&raw const value).cast::<u8>(), n) }.to_vec();
+        // SAFETY (all three): the range is this buffer's memory; the fill is ordered on its stream.
+        match size_of::<T>() {
+            1 => unsafe { drv!(cuMemsetD8Async(self.ptr, bits(1)[0], self.len, s)) },
+            2 => {
+                let b = bits(2);
+                unsafe { drv!(cuMemsetD16Async(self.ptr, u16::from_ne_bytes([b[0], b[1]]), self.len, s)) }
+            }
+            4 => {
+                let b = bits(4);
+                unsafe { drv!(cuMemsetD32Async(self.ptr, u32::from_ne_bytes([b[0], b[1], b[2], b[3]]), self.len, s)) }
+            }
+            n => Err(Error::InvalidArgument(format!("fill needs 1-, 2- or 4-byte elements, not {n}-byte ones"))),
+        }
+    }
+
+    /// Copies `src` into the buffer and waits for the copy.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
+        self.as_view().copy_from_host_inner(src)
+    }
+
+    /// Copies the buffer into `dst` and waits for the copy.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        self.as_view().copy_to_host(dst)
+    }
+
+    /// The buffer's contents, copied to a `Vec` (waits for the buffer's stream).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        self.as_view().to_vec()
+    }
+
+    /// Queues a copy from pinned host memory on the buffer's stream and returns at once. `src`
+    /// cannot be changed or freed until the copy is done: its host access waits for it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    pub fn copy_from_pinned_async(&mut self, src: &PinnedBuffer<T>) -> Result<()> {
+        check_len(self.len, src.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        let _b = self.stream.context().bind()?;
+        // SAFETY: both ranges are valid for `byte_len` bytes; `src` stays allocated and
+        // unchanged until the event recorded below completes (PinnedBuffer waits for it).
+        unsafe { drv!(cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), self.byte_len(), self.stream.as_raw())) }?;
+        src.add_pending(&self.stream)
+    }
+
+    /// Queues a copy into pinned host memory on the buffer's stream and returns at once. `dst`
+    /// cannot be read, changed or freed until the copy is done: its host access waits for it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    pub fn copy_to_pinned_async(&self, dst: &mut PinnedBuffer<T>) -> Result<()> {
+        check_len(self.len, dst.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        let _b = self.stream.context().bind()?;
+        // SAFETY: as in copy_from_pinned_async; `dst` waits for the event before host access.
+        unsafe {
+            drv!(cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr_unsynced().cast(),
+                self.ptr,
+                self.byte_len(),
+                self.stream.as_raw()
+            ))
+        }?;
+        dst.add_pending(&self.stream)
+    }
+
+    /// Copies `src` (same device) into this buffer, queued on this buffer's stream. `src`'s use
+    /// on that stream is recorded.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lengths differ, [`Error::DeviceMismatch`] across
+    /// devices (use [`DeviceBuffer::copy_to_peer`]); the driver's error.
+    pub fn copy_from(&mut self, src: &DeviceBuffer<T>) -> Result<()> {
+        check_len(self.len, src.len)?;
+        if src.device() != self.device() {
+            return Err(Error::DeviceMismatch {
+                what: "DeviceBuffer::copy_from (use copy_to_peer across devices)",
+                expected: self.device().ordinal_i32(),
+                found: src.device().ordinal_i32(),
+            });
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        src.record_use(&self.stream)?;
+        let _b = self.stream.context().bind()?;
+        // SAFETY: both ranges are live device memory of `byte_len` bytes, ordered on the stream.
+        unsafe { drv!(cuMemcpyDtoDAsync_v2(self.ptr, src.ptr, self.byte_len(), self.stream.as_raw())) }
+    }
+
+    /// Copies this buffer into `dst` on another (or the same) device, queued on `stream` (of
+    /// either device) with `cuMemcpyPeerAsync`. Works with and without peer access enabled.
+    /// Both buffers' use on `stream` is recorded.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lengths differ; [`Error::DeviceMismatch`] when
+    /// `stream` belongs to neither device; the driver's error.
+    pub fn copy_to_peer(&self, dst: &mut DeviceBuffer<T>, stream: &Stream) -> Result<()> {
+        check_len(self.len, dst.len)?;
+        if stream.device() != self.device() && stream.device() != dst.device() {
+            return Err(Error::DeviceMismatch {
+                what: "DeviceBuffer::copy_to_peer (the stream must belong to one of the two devices)",
+                expected: self.device().ordinal_i32(),
+                found: stream.device().ordinal_i32(),
+            });
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        // Record on the buffer of the stream's device directly; the other buffer's free waits on
+        // an event, which works across devices.
+        self.record_use_any(stream)?;
+        dst.record_use_any(stream)?;
+        let _b = stream.context().bind()?;
+        let (dctx, sctx) = (dst.stream.context().as_raw(), self.stream.context().as_raw());
+        // SAFETY: both ranges are live memory of their contexts, ordered on `stream`.
+        unsafe { drv!(cuMemcpyPeerAsync(dst.ptr, dctx, self.ptr, sctx, self.byte_len(), stream.as_raw())) }
+    }
+
+    fn record_use_any(&self, stream: &Stream) -> Result<()> {
+        if *stream == self.stream {
+            return Ok(());
+        }
+        let mut used = self.used_on.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !used.contains(stream) {
+            used.push(stream.clone());
+        }
+        Ok(())
+    }
+
+    /// Orders the buffer's stream after every other stream it was used on.
+    fn join_uses(&mut self) -> Result<()> {
+        let used = std::mem::take(self.used_on.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
+        for other in used {
+            let event = Event::new(&other.device())?;
+            event.record(&other)?;
+            self.stream.wait_event(&event)?;
+        }
+        Ok(())
+    }
+}
+
+impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        let bytes = self.byte_len();
+        let result = self.join_uses().and_then(|()| {
+            // SAFETY: the pointer came from this resource with this size and is freed once; every
+            // use is queued on `stream` or ordered before it by `join_uses`.
+            unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) }
+        });
+        if let Err(e) = result {
+            report_drop_error(Some(self.stream.context()), e);
+        }
+    }
+}
+
+impl<T: DeviceRepr> fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("device", &self.device().ordinal())
+            .field("resource", &self.resource.kind())
+            .finish()
+    }
+}
+
+/// A borrowed range of a [`DeviceBuffer`].
+#[derive(Clone, Copy)]
+pub struct DeviceView<'a, T: DeviceRepr> {
+    ptr: DevicePtr,
+    len: usize,
+    buffer: &'a DeviceBuffer<T>,
+}
+
+impl<T: DeviceRepr> DeviceView<'_, T> {
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of the first element.
+    pub fn as_raw(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The buffer the view borrows.
+    pub fn buffer(&self) -> &DeviceBuffer<T> {
+        self.buffer
+    }
+
+    /// Copies the view into `dst` and waits for the copy (on the buffer's stream).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        check_len(self.len, dst.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        let stream = &self.buffer.stream;
+        let _b = stream.context().bind()?;
+        // SAFETY: the source is live device memory; `dst` is valid for writes of that many bytes
+        // and stays borrowed until the stream is synchronised below.
+        unsafe {
+            drv!(cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.ptr, self.len * size_of::<T>(), stream.as_raw()))
+        }?;
+        stream.synchronize()
+    }
+
+    /// The view's contents as a `Vec`.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        let mut v = Vec::with_capacity(self.len);
+        let spare = v.spare_capacity_mut();
+        // SAFETY: MaybeUninit<T> has T's layout; the copy writes all `len` elements (or fails, and
+        // then the length stays 0).
+        let dst = unsafe { std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<T>(), self.len) };
+        self.copy_to_host(dst)?;
+        // SAFETY: all `len` elements were written by the completed copy.
+        unsafe { v.set_len(self.len) };
+        Ok(v)
+    }
+
+    fn copy_from_host_inner(&self, src: &[T]) -> Result<()> {
+        check_len(self.len, src.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        let stream = &self.buffer.stream;
+        let _b = stream.context().bind()?;
+        // SAFETY: the destination is live device memory the caller holds mutably (through the
+        // buffer); `src` stays borrowed until the stream is synchronised below.
+        unsafe {
+            drv!(cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), self.len * size_of::<T>(), stream.as_raw()))
+        }?;
+        stream.synchronize()
+    }
+}
+
+impl<T: DeviceRepr> fmt::Debug for DeviceView<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceView").field("ptr", &format_args!("{:#x}", self.ptr)).field("len", &self.len).finish()
+    }
+}
+
+fn bounds(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+    let start = match range.start_bound() {
+        RangeBound::Included(&s) => s,
+        RangeBound::Excluded(&s) => s.checked_add(1).ok_or_else(|| Error::InvalidArgument("range overflows".into()))?,
+        RangeBound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        RangeBound::Included(&e) => e.checked_add(1).ok_or_else(|| Error::InvalidArgument("range overflows".into()))?,
+        RangeBound::Excluded(&e) => e,
+        RangeBound::Unbounded => len,
+    };
+    if start > end || end > len {
+        return Err(Error::InvalidArgument(format!("range {start}..{end} is outside a buffer of {len} elements")));
+    }
+    Ok((start, end))
+}
+
+fn check_len(expected: usize, found: usize) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "length mismatch: the device side has {expected} elements, the other {found}"
+        )))
+    }
+}
+
+/// Queues a byte memset of `bytes` bytes at `ptr` on `stream`.
+pub(crate) fn memset_range(ptr: DevicePtr, bytes: usize, byte: u8, stream: &Stream) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let _b = stream.context().bind()?;
+    // SAFETY: the caller passes live device memory of `bytes` bytes it may write.
+    unsafe { drv!(cuMemsetD8Async(ptr, byte, bytes, stream.as_raw())) }
+}

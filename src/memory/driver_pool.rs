@@ -1,0 +1,334 @@
+//! `DriverPool`: the driver's stream-ordered allocator (`cuMemAllocFromPoolAsync`).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use cudrv_sys::{CUmemPool_attribute as Attr, CUmemoryPool, CUresult, cuuint64_t};
+
+use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, StreamOrderedPool, check_stream};
+use crate::context::{Context, report_drop_error};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::result::{check, driver, drv};
+use crate::stream::Stream;
+
+/// Options of an owned pool ([`DriverPool::with_options`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriverPoolOptions {
+    /// Bytes the pool keeps cached at a synchronisation point before giving memory back to the
+    /// driver. The default is `u64::MAX`, see [`DriverPool`].
+    pub release_threshold: u64,
+    /// The most bytes the pool may reserve (0: no limit). Needs CUDA 12.2 headers and driver.
+    pub max_size: usize,
+}
+
+impl Default for DriverPoolOptions {
+    fn default() -> Self {
+        DriverPoolOptions { release_threshold: u64::MAX, max_size: 0 }
+    }
+}
+
+/// The driver's memory pool: the device's default pool, or one of its own.
+///
+/// The release threshold is raised to `u64::MAX` by default. The driver's default is 0, which
+/// gives every cached byte back to the OS at each synchronisation, so that the next allocation
+/// after a `synchronize` pays for a fresh mapping: about twice as slow overall (cuda.core #756).
+/// Use [`DriverPool::trim_to`] to give memory back explicitly.
+///
+/// If the driver refuses pool allocation at run time (`CUDA_ERROR_NOT_SUPPORTED`) although the
+/// device reports pools, the resource switches to a [`StreamOrderedPool`] for the rest of its
+/// life and says so on stderr, instead of failing.
+#[derive(Debug)]
+pub struct DriverPool {
+    ctx: Arc<Context>,
+    pool: RawPool,
+    owned: bool,
+    fallback: OnceLock<StreamOrderedPool>,
+    switched: AtomicBool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RawPool(CUmemoryPool);
+
+// SAFETY: a CUmemoryPool handle may be used from any thread; the driver serialises pool access.
+unsafe impl Send for RawPool {}
+// SAFETY: as above.
+unsafe impl Sync for RawPool {}
+
+impl DriverPool {
+    fn require_pools(device: &Device) -> Result<()> {
+        if device.capabilities()?.memory_pools {
+            Ok(())
+        } else {
+            Err(device.unsupported(
+                "memory pools",
+                "CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0 or the driver lacks cuMemAllocAsync",
+                Some("StreamOrderedPool"),
+            ))
+        }
+    }
+
+    /// Asks the driver for the device's default pool, without keeping it.
+    pub(crate) fn probe(device: &Device) -> Result<()> {
+        Self::require_pools(device)?;
+        let ctx = device.primary_context()?;
+        let _b = ctx.bind()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device.
+        unsafe { drv!(cuDeviceGetDefaultMemPool(&mut pool, device.as_raw())) }
+    }
+
+    /// The device's default pool, with the release threshold raised to `u64::MAX`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the device has no pools; the driver's error.
+    pub fn default_pool(device: &Device) -> Result<DriverPool> {
+        Self::require_pools(device)?;
+        let ctx = device.primary_context()?;
+        let mut pool = std::ptr::null_mut();
+        {
+            let _b = ctx.bind()?;
+            // SAFETY: valid out-pointer and device.
+            unsafe { drv!(cuDeviceGetDefaultMemPool(&mut pool, device.as_raw())) }?;
+        }
+        let p = DriverPool {
+            ctx,
+            pool: RawPool(pool),
+            owned: false,
+            fallback: OnceLock::new(),
+            switched: AtomicBool::new(false),
+        };
+        p.set_attribute(Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, u64::MAX)?;
+        Ok(p)
+    }
+
+    /// A new pool of the device's own (`cuMemPoolCreate`), destroyed with this value.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the device has no pools (or `max_size` is asked of headers or a
+    /// driver older than 12.2); the driver's error.
+    pub fn with_options(device: &Device, options: DriverPoolOptions) -> Result<DriverPool> {
+        Self::require_pools(device)?;
+        let ctx = device.primary_context()?;
+        #[allow(unused_mut)]
+        let mut props = cudrv_sys::CUmemPoolProps {
+            allocType: cudrv_sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            handleTypes: cudrv_sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: cudrv_sys::CUmemLocation {
+                type_: cudrv_sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: device.ordinal_i32(),
+            },
+            ..Default::default()
+        };
+        if options.max_size != 0 {
+            #[cfg(cuda_12080)]
+            {
+                props.maxSize = options.max_size;
+            }
+            #[cfg(not(cuda_12080))]
+            return Err(device.unsupported(
+                "a pool size limit",
+                "cudrv was built against headers older than CUDA 12.8",
+                None,
+            ));
+        }
+        let mut pool = std::ptr::null_mut();
+        {
+            let _b = ctx.bind()?;
+            // SAFETY: valid out-pointer and fully initialised properties.
+            unsafe { drv!(cuMemPoolCreate(&mut pool, &props)) }?;
+        }
+        let p = DriverPool {
+            ctx,
+            pool: RawPool(pool),
+            owned: true,
+            fallback: OnceLock::new(),
+            switched: AtomicBool::new(false),
+        };
+        p.set_attribute(Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, options.release_threshold)?;
+        Ok(p)
+    }
+
+    /// The raw `CUmemoryPool`.
+    pub fn as_raw(&self) -> CUmemoryPool {
+        self.pool.0
+    }
+
+    /// Whether the pool was refused at run time and the fallback is in use.
+    pub fn switched_to_fallback(&self) -> bool {
+        self.switched.load(Ordering::Acquire)
+    }
+
+    fn set_attribute(&self, attr: Attr, mut value: cuuint64_t) -> Result<()> {
+        let _b = self.ctx.bind()?;
+        // SAFETY: the attribute takes a cuuint64_t, passed by pointer.
+        unsafe { drv!(cuMemPoolSetAttribute(self.pool.0, attr, (&raw mut value).cast())) }
+    }
+
+    fn attribute(&self, attr: Attr) -> Result<u64> {
+        let _b = self.ctx.bind()?;
+        let mut value: cuuint64_t = 0;
+        // SAFETY: the attribute is a cuuint64_t, written through the pointer.
+        unsafe { drv!(cuMemPoolGetAttribute(self.pool.0, attr, (&raw mut value).cast())) }?;
+        Ok(value)
+    }
+
+    /// Sets the release threshold.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
+        self.set_attribute(Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, bytes)
+    }
+
+    /// Gives cached memory back until at most `keep_bytes` stay reserved (`cuMemPoolTrimTo`).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
+        let _b = self.ctx.bind()?;
+        // SAFETY: valid pool handle.
+        unsafe { drv!(cuMemPoolTrimTo(self.pool.0, keep_bytes)) }
+    }
+
+    /// Resets the high-water marks to the current values.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn reset_peaks(&self) -> Result<()> {
+        self.set_attribute(Attr::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)?;
+        self.set_attribute(Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
+    }
+
+    /// Reserved and used bytes, current and high-water, as the driver counts them.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn pool_stats(&self) -> Result<MemoryStats> {
+        Ok(MemoryStats {
+            reserved: self.attribute(Attr::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)? as usize,
+            peak_reserved: self.attribute(Attr::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)? as usize,
+            in_use: self.attribute(Attr::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)? as usize,
+            peak_in_use: self.attribute(Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH)? as usize,
+            driver_allocations: 0,
+        })
+    }
+
+    /// Lets `peer` access memory of this pool (`cuMemPoolSetAccess`, read and write).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when `peer` cannot access this device; the driver's error.
+    pub fn grant_access(&self, peer: &Device) -> Result<()> {
+        if !peer.can_access_peer(&self.device())? {
+            return Err(peer.unsupported(
+                "peer access to a memory pool",
+                format!(
+                    "cuDeviceCanAccessPeer says device {} cannot reach device {}",
+                    peer.ordinal(),
+                    self.device().ordinal()
+                ),
+                Some("DeviceBuffer::copy_to_peer (copies through the driver)"),
+            ));
+        }
+        let desc = cudrv_sys::CUmemAccessDesc {
+            location: cudrv_sys::CUmemLocation {
+                type_: cudrv_sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: peer.ordinal_i32(),
+            },
+            flags: cudrv_sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        let _b = self.ctx.bind()?;
+        // SAFETY: one valid descriptor, count 1.
+        unsafe { drv!(cuMemPoolSetAccess(self.pool.0, &desc, 1)) }
+    }
+
+    fn fallback(&self) -> Result<&StreamOrderedPool> {
+        if let Some(f) = self.fallback.get() {
+            return Ok(f);
+        }
+        let pool = StreamOrderedPool::new(&self.device())?;
+        Ok(self.fallback.get_or_init(|| pool))
+    }
+
+    fn out_of_memory(&self, bytes: usize) -> Error {
+        let stats = self.pool_stats().unwrap_or_default();
+        Error::OutOfMemory {
+            requested: bytes,
+            device: self.device().ordinal_i32(),
+            reserved: stats.reserved,
+            in_use: stats.in_use,
+        }
+    }
+}
+
+// SAFETY: the driver's pool gives stream-ordered memory with exactly these semantics; the
+// fallback is a StreamOrderedPool, which upholds them too.
+unsafe impl MemoryResource for DriverPool {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        check_stream("DriverPool::allocate", self.device(), stream)?;
+        if self.switched.load(Ordering::Acquire) {
+            return self.fallback()?.allocate(bytes, stream);
+        }
+        let _b = self.ctx.bind()?;
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer, pool and stream; the context is current. Zero bytes is an
+        // error for the driver, so a zero-sized request takes one byte.
+        let rc = unsafe { driver()?.cuMemAllocFromPoolAsync(&mut ptr, bytes.max(1), self.pool.0, stream.as_raw()) };
+        match rc {
+            Ok(CUresult::CUDA_SUCCESS) => Ok(ptr),
+            Ok(CUresult::CUDA_ERROR_NOT_SUPPORTED) => {
+                if !self.switched.swap(true, Ordering::AcqRel) {
+                    eprintln!(
+                        "cudrv: device {}: the driver refused memory-pool allocation (CUDA_ERROR_NOT_SUPPORTED); switching to cudrv's StreamOrderedPool",
+                        self.device().ordinal()
+                    );
+                }
+                self.fallback()?.allocate(bytes, stream)
+            }
+            Ok(CUresult::CUDA_ERROR_OUT_OF_MEMORY) => Err(self.out_of_memory(bytes)),
+            other => check("cuMemAllocFromPoolAsync", other).map(|()| ptr),
+        }
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if let Some(f) = self.fallback.get() {
+            // The fallback refuses (and leaves untouched) a pointer it did not hand out; then it
+            // came from the driver's pool.
+            // SAFETY: forwarded from the caller.
+            match unsafe { f.deallocate(ptr, bytes, stream) } {
+                Err(Error::InvalidArgument(_)) => {}
+                other => return other,
+            }
+        }
+        let _b = self.ctx.bind()?;
+        // SAFETY: the caller passes a live pointer from this pool; the free is ordered on `stream`.
+        unsafe { drv!(cuMemFreeAsync(ptr, stream.as_raw())) }
+    }
+
+    fn device(&self) -> Device {
+        self.ctx.device()
+    }
+
+    fn kind(&self) -> ResourceKind {
+        if self.switched_to_fallback() { ResourceKind::StreamOrderedPool } else { ResourceKind::DriverPool }
+    }
+
+    fn stats(&self) -> Option<MemoryStats> {
+        self.pool_stats().ok()
+    }
+}
+
+impl Drop for DriverPool {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let Ok(driver) = driver() else { return };
+        // SAFETY: the pool was created by this value and is destroyed once. The driver defers the
+        // release while allocations are outstanding.
+        let rc = unsafe { driver.cuMemPoolDestroy(self.pool.0) };
+        if let Err(e) = check("cuMemPoolDestroy", rc) {
+            report_drop_error(Some(&self.ctx), e);
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! Memory: stream-ordered resources, the choice of resource per device, buffers and copies.
+//!
+//! | resource | what it uses | when |
+//! |---|---|---|
+//! | [`DriverPool`] | the device's default pool (or an owned one), release threshold raised | the device supports pools |
+//! | [`StreamOrderedPool`] | plain Rust over `cuMemAlloc` | pools missing (Windows TCC), or chosen |
+//! | [`SyncResource`] | `cuMemAlloc` / `cuMemFree`, syncing the stream before a free | reference point, minimal memory |
+//! | [`ManagedResource`] | `cuMemAllocManaged` | managed memory supported |
+//! | [`PinnedHostResource`] | `cuMemHostAlloc` (portable, not write-combined unless asked) | host memory |
+//!
+//! [`Device::memory_resource`] picks one per device ([`choose`] says which and why); the choice
+//! can be overridden with [`Device::set_memory_resource`] or with
+//! `CUDRV_MEMORY_RESOURCE=driver-pool|pool|sync`.
+
+mod buffer;
+mod driver_pool;
+mod host;
+#[allow(dead_code)]
+mod pool_core;
+mod stream_ordered;
+mod sync;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub use buffer::{DeviceBuffer, DeviceRepr, DeviceView};
+pub use driver_pool::{DriverPool, DriverPoolOptions};
+pub use host::{HostRegistration, ManagedResource, PinnedBuffer, PinnedHostResource, register_host};
+pub use pool_core::{PoolConfig, PoolStats};
+pub use stream_ordered::StreamOrderedPool;
+pub use sync::SyncResource;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+/// A raw device address (`CUdeviceptr`).
+pub type DevicePtr = cudrv_sys::CUdeviceptr;
+
+/// A stream-ordered memory resource: memory is allocated for use on a stream and freed in that
+/// stream's order, like `cuMemAllocAsync` / `cuMemFreeAsync`.
+///
+/// # Safety
+/// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least
+/// `bytes` bytes, aligned to at least 256 bytes, that is not in use by anything else on the GPU or
+/// host once work queued on `stream` after the call runs; and must not hand the same memory out
+/// again before work queued on the freeing stream before [`deallocate`](MemoryResource::deallocate)
+/// has completed (or is ordered before the new user).
+pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
+    /// Allocates `bytes` bytes for use on `stream`. The memory is usable by work queued on
+    /// `stream` after this call (other streams must be ordered after it).
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`], [`Error::DeviceMismatch`] for a stream of another device, or the
+    /// driver's error.
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr>;
+
+    /// Frees `ptr` in `stream`'s order: it may be reused once work queued on `stream` before this
+    /// call has run.
+    ///
+    /// # Safety
+    /// `ptr` must come from `allocate` of this resource with the same `bytes`, not be freed
+    /// already, and every use of it must be queued on `stream` before this call or be ordered
+    /// before it (completed, or waited on by `stream`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a pointer this resource did not hand out (nothing changes);
+    /// the driver's error.
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()>;
+
+    /// The device the memory belongs to.
+    fn device(&self) -> Device;
+
+    /// Which resource this is.
+    fn kind(&self) -> ResourceKind;
+
+    /// Whether kernels on the device can access the memory.
+    fn is_device_accessible(&self) -> bool {
+        true
+    }
+
+    /// Whether the host can access the memory directly.
+    fn is_host_accessible(&self) -> bool {
+        false
+    }
+
+    /// Byte counts, where the resource keeps them.
+    fn stats(&self) -> Option<MemoryStats> {
+        None
+    }
+}
+
+/// Byte counts of a resource, current and highest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes held from the driver.
+    pub reserved: usize,
+    /// Highest `reserved`.
+    pub peak_reserved: usize,
+    /// Bytes handed out and not freed.
+    pub in_use: usize,
+    /// Highest `in_use`.
+    pub peak_in_use: usize,
+    /// Allocations made from the driver (`cuMemAlloc` calls), where known.
+    pub driver_allocations: u64,
+}
+
+/// The kinds of memory resource.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ResourceKind {
+    /// [`DriverPool`].
+    DriverPool,
+    /// [`StreamOrderedPool`].
+    StreamOrderedPool,
+    /// [`SyncResource`].
+    Sync,
+    /// [`ManagedResource`].
+    Managed,
+    /// [`PinnedHostResource`].
+    PinnedHost,
+    /// A resource written outside cudrv.
+    Custom,
+}
+
+impl fmt::Display for ResourceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ResourceKind::DriverPool => "DriverPool",
+            ResourceKind::StreamOrderedPool => "StreamOrderedPool",
+            ResourceKind::Sync => "SyncResource",
+            ResourceKind::Managed => "ManagedResource",
+            ResourceKind::PinnedHost => "PinnedHostResource",
+            ResourceKind::Custom => "custom",
+        })
+    }
+}
+
+/// The environment variable that overrides the choice of resource for every device.
+pub const RESOURCE_VAR: &str = "CUDRV_MEMORY_RESOURCE";
+
+/// Which resource a device uses, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Choice {
+    /// The resource.
+    pub kind: ResourceKind,
+    /// Why, in words.
+    pub reason: String,
+}
+
+/// Decides which resource `device` gets by default: the `CUDRV_MEMORY_RESOURCE` override, else
+/// [`DriverPool`] where the device supports memory pools (and the driver hands out its pool),
+/// else [`StreamOrderedPool`].
+///
+/// # Errors
+/// [`Error::InvalidEnvironment`] for an unknown `CUDRV_MEMORY_RESOURCE`; [`Error::Unsupported`]
+/// when it asks for `driver-pool` on a device without pools; the driver's error.
+pub fn choose(device: &Device) -> Result<Choice> {
+    let caps = device.capabilities()?;
+    if let Some(value) = std::env::var_os(RESOURCE_VAR) {
+        let value = value.to_string_lossy().into_owned();
+        let kind = match value.trim() {
+            "driver-pool" => ResourceKind::DriverPool,
+            "pool" => ResourceKind::StreamOrderedPool,
+            "sync" => ResourceKind::Sync,
+            _ => {
+                return Err(Error::InvalidEnvironment {
+                    var: RESOURCE_VAR,
+                    value,
+                    expected: "driver-pool, pool or sync",
+                });
+            }
+        };
+        if kind == ResourceKind::DriverPool && !caps.memory_pools {
+            return Err(device.unsupported(
+                "memory pools",
+                format!("{RESOURCE_VAR}=driver-pool, but {}", pools_missing_reason(caps)),
+                Some("CUDRV_MEMORY_RESOURCE=pool (cudrv's StreamOrderedPool)"),
+            ));
+        }
+        return Ok(Choice { kind, reason: format!("{RESOURCE_VAR}={value}") });
+    }
+    if !caps.memory_pools {
+        return Ok(Choice {
+            kind: ResourceKind::StreamOrderedPool,
+            reason: format!("{}; cudrv's stream-ordered pool takes their place", pools_missing_reason(caps)),
+        });
+    }
+    match DriverPool::probe(device) {
+        Ok(()) => Ok(Choice {
+            kind: ResourceKind::DriverPool,
+            reason: "the device supports stream-ordered memory pools".into(),
+        }),
+        Err(e) if e.is_unsupported() => Ok(Choice {
+            kind: ResourceKind::StreamOrderedPool,
+            reason: format!(
+                "the device reports memory pools, but the driver refused its pool ({e}); cudrv's stream-ordered pool takes their place"
+            ),
+        }),
+        Err(e) => Err(e),
+    }
+}
+
+fn pools_missing_reason(caps: &crate::Capabilities) -> String {
+    if caps.driver_model == crate::DriverModel::Tcc {
+        "the device has no memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0: TCC driver model)".into()
+    } else if caps.driver_version < 11020 {
+        format!("the driver ({}) predates memory pools (CUDA 11.2)", crate::version_string(caps.driver_version))
+    } else {
+        "the device has no memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0)".into()
+    }
+}
+
+type Registry = Mutex<HashMap<usize, (Arc<dyn MemoryResource>, Choice)>>;
+
+fn registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Makes the resource for a choice.
+fn make(device: &Device, kind: ResourceKind) -> Result<Arc<dyn MemoryResource>> {
+    Ok(match kind {
+        ResourceKind::DriverPool => Arc::new(DriverPool::default_pool(device)?),
+        ResourceKind::StreamOrderedPool => Arc::new(StreamOrderedPool::new(device)?),
+        ResourceKind::Sync => Arc::new(SyncResource::new(device)?),
+        ResourceKind::Managed => Arc::new(ManagedResource::new(device)?),
+        ResourceKind::PinnedHost => Arc::new(PinnedHostResource::new(device)?),
+        ResourceKind::Custom => {
+            return Err(Error::InvalidArgument("a custom resource is set with Device::set_memory_resource".into()));
+        }
+    })
+}
+
+impl Device {
+    /// The device's memory resource, made on first use as [`choose`] decides, and shared.
+    ///
+    /// ```no_run
+    /// let device = cudrv::Device::get(0)?;
+    /// let (_resource, choice) = device.memory_resource_choice()?;
+    /// println!("device 0 allocates with {}: {}", choice.kind, choice.reason);
+    /// # Ok::<(), cudrv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`choose`].
+    pub fn memory_resource(&self) -> Result<Arc<dyn MemoryResource>> {
+        self.memory_resource_choice().map(|(r, _)| r)
+    }
+
+    /// The device's memory resource and why it was chosen.
+    ///
+    /// # Errors
+    /// As [`choose`].
+    pub fn memory_resource_choice(&self) -> Result<(Arc<dyn MemoryResource>, Choice)> {
+        let mut map = registry().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((r, c)) = map.get(&self.ordinal()) {
+            return Ok((r.clone(), c.clone()));
+        }
+        let choice = choose(self)?;
+        let resource = make(self, choice.kind)?;
+        map.insert(self.ordinal(), (resource.clone(), choice.clone()));
+        Ok((resource, choice))
+    }
+
+    /// Sets the resource that [`Device::memory_resource`] returns from now on. Buffers allocated
+    /// before keep the resource they came from.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] when `resource` belongs to another device.
+    pub fn set_memory_resource(&self, resource: Arc<dyn MemoryResource>, reason: impl Into<String>) -> Result<()> {
+        if resource.device() != *self {
+            return Err(Error::DeviceMismatch {
+                what: "Device::set_memory_resource",
+                expected: self.ordinal_i32(),
+                found: resource.device().ordinal_i32(),
+            });
+        }
+        let choice = Choice { kind: resource.kind(), reason: reason.into() };
+        registry().lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(self.ordinal(), (resource, choice));
+        Ok(())
+    }
+}
+
+/// Checks that `stream` belongs to `device`.
+pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) -> Result<()> {
+    if stream.device() == device {
+        Ok(())
+    } else {
+        Err(Error::DeviceMismatch { what, expected: device.ordinal_i32(), found: stream.device().ordinal_i32() })
+    }
+}

@@ -1,0 +1,353 @@
+//! Loading the driver library and resolving its functions lazily.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::ptr;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use libloading::Library;
+
+use crate::CUDA_HEADER_VERSION;
+#[allow(clippy::wildcard_imports)]
+use crate::types::*;
+
+/// The environment variable that names the driver library to load, in place of the usual
+/// candidates.
+pub const DRIVER_PATH_VAR: &str = "CUDRV_DRIVER_PATH";
+
+/// A slot that was looked up and not found. Function pointers are never 1.
+const MISSING: usize = 1;
+
+/// `CU_GET_PROC_ADDRESS_LEGACY_STREAM`: the bindings name the default-stream (non-`_ptds`) forms,
+/// so ask for those whatever the driver's default is.
+const LEGACY_STREAM: cuuint64_t = 1;
+
+/// One place the loader tried, and why it failed there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadAttempt {
+    /// The file name or path handed to the OS loader.
+    pub path: String,
+    /// The OS loader's reason, or why the library is not a CUDA driver.
+    pub reason: String,
+}
+
+/// No CUDA driver could be loaded. Lists every place that was tried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadError {
+    /// Every attempt, in order.
+    pub attempts: Vec<LoadAttempt>,
+}
+
+impl fmt::Display for LoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "no CUDA driver could be loaded; tried:")?;
+        for a in &self.attempts {
+            write!(f, "\n  - {}: {}", a.path, a.reason)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for LoadError {}
+
+/// A driver function that the loaded driver does not have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MissingSymbol {
+    /// The function, as the bindings name it (`cuMemAllocAsync`, `cuMemAlloc_v2`).
+    pub name: &'static str,
+    /// The driver's version (`cuDriverGetVersion`), e.g. 12080.
+    pub driver_version: i32,
+}
+
+impl fmt::Display for MissingSymbol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the CUDA driver (version {}) does not provide {}", format_version(self.driver_version), self.name)
+    }
+}
+
+impl std::error::Error for MissingSymbol {}
+
+/// An error and its sources, as one line (libloading puts the OS's reason in the source).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !text.contains(&s_text) {
+            text.push_str(": ");
+            text.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    text
+}
+
+/// `12080` → `12.8`.
+fn format_version(v: i32) -> String {
+    format!("{}.{}", v / 1000, v % 1000 / 10)
+}
+
+/// What the table knows of one driver function.
+#[derive(Debug)]
+pub struct FunctionInfo {
+    /// The declared name (`cuMemAlloc_v2`): also its exported symbol.
+    pub name: &'static str,
+    /// `name`, NUL-terminated.
+    pub cname: &'static CStr,
+    /// The name without the version suffix (`cuMemAlloc`): what `cuGetProcAddress` takes.
+    pub base: &'static CStr,
+    /// Whether `name` carries a `_vN` suffix.
+    pub versioned: bool,
+    /// Whether the declaration is the newest of its base name, so that `cuGetProcAddress` with the
+    /// header's `CUDA_VERSION` returns exactly its ABI.
+    pub by_proc_address: bool,
+}
+
+type GetProcV2 = unsafe extern "system" fn(
+    *const c_char,
+    *mut *mut c_void,
+    c_int,
+    cuuint64_t,
+    *mut CUdriverProcAddressQueryResult,
+) -> CUresult;
+type GetProcV1 = unsafe extern "system" fn(*const c_char, *mut *mut c_void, c_int, cuuint64_t) -> CUresult;
+type GetVersion = unsafe extern "system" fn(*mut c_int) -> CUresult;
+
+#[derive(Clone, Copy)]
+enum ProcAddress {
+    V2(GetProcV2),
+    V1(GetProcV1),
+    Absent,
+}
+
+/// A loaded CUDA driver library and its lazily resolved function table.
+///
+/// Every driver function is a method named as in `cuda.h` after its version macro
+/// (`cuMemAlloc_v2`, `cuStreamDestroy_v2`, `cuInit`, ...), returning
+/// `Result<CUresult, MissingSymbol>`. The first call of a function resolves it; later calls cost
+/// one atomic load. `Driver` is `Send + Sync`: the driver API is thread-safe and the table is
+/// atomics.
+pub struct Driver {
+    // Keeps the library mapped for as long as the pointers in `slots` may be called.
+    _library: Library,
+    library_path: String,
+    version: i32,
+    proc_address: ProcAddress,
+    slots: Box<[AtomicPtr<c_void>; FUNCTION_COUNT]>,
+}
+
+impl fmt::Debug for Driver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Driver")
+            .field("library_path", &self.library_path)
+            .field("version", &self.version)
+            .field("has_cuGetProcAddress", &!matches!(self.proc_address, ProcAddress::Absent))
+            .finish()
+    }
+}
+
+static GLOBAL: OnceLock<Result<Driver, LoadError>> = OnceLock::new();
+
+impl Driver {
+    /// The process-wide driver, loaded on first use with [`Driver::load`] and shared afterwards.
+    /// A failure is kept too: every later call returns the same error.
+    ///
+    /// # Errors
+    /// [`LoadError`], listing each path tried, when no driver could be loaded.
+    pub fn global() -> Result<&'static Driver, LoadError> {
+        GLOBAL.get_or_init(Driver::load).as_ref().map_err(Clone::clone)
+    }
+
+    /// The candidate libraries, in order: the value of `CUDRV_DRIVER_PATH` alone when it is set;
+    /// otherwise `libcuda.so.1`, `libcuda.so` and the WSL folder `/usr/lib/wsl/lib` on Linux, and
+    /// `nvcuda.dll` (from the system folder) on Windows.
+    pub fn candidates() -> Vec<PathBuf> {
+        if let Some(path) = std::env::var_os(DRIVER_PATH_VAR).filter(|p| !p.is_empty()) {
+            return vec![PathBuf::from(path)];
+        }
+        if cfg!(windows) {
+            vec![PathBuf::from("nvcuda.dll")]
+        } else if cfg!(target_os = "macos") {
+            vec![PathBuf::from("libcuda.dylib")]
+        } else {
+            ["libcuda.so.1", "libcuda.so", "/usr/lib/wsl/lib/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so"]
+                .into_iter()
+                .map(PathBuf::from)
+                .collect()
+        }
+    }
+
+    /// Loads the first of [`Driver::candidates`] that opens and is a CUDA driver.
+    ///
+    /// # Errors
+    /// [`LoadError`] with every candidate and the reason it failed.
+    pub fn load() -> Result<Driver, LoadError> {
+        let mut attempts = Vec::new();
+        for candidate in Self::candidates() {
+            match Self::open(&candidate) {
+                Ok(driver) => return Ok(driver),
+                Err(attempt) => attempts.push(attempt),
+            }
+        }
+        Err(LoadError { attempts })
+    }
+
+    /// Loads the driver library at `path`.
+    ///
+    /// # Errors
+    /// [`LoadError`] with the one attempt when it cannot be opened or is not a CUDA driver.
+    pub fn load_from(path: impl AsRef<Path>) -> Result<Driver, LoadError> {
+        Self::open(path.as_ref()).map_err(|a| LoadError { attempts: vec![a] })
+    }
+
+    fn open(path: &Path) -> Result<Driver, LoadAttempt> {
+        let shown = path.display().to_string();
+        let fail = |reason: String| LoadAttempt { path: shown.clone(), reason };
+        // SAFETY: opening a shared library runs its initialisers. A CUDA driver's initialisers are
+        // sound to run in any process; a library named by CUDRV_DRIVER_PATH is the user's choice.
+        let library = unsafe { open_library(path) }.map_err(|e| fail(error_chain(&e)))?;
+        // SAFETY: the symbol is looked up with the type of cuDriverGetVersion from cuda.h.
+        let get_version: GetVersion = unsafe { library.get::<GetVersion>(c"cuDriverGetVersion") }
+            .map(|s| *s)
+            .map_err(|e| fail(format!("not a CUDA driver: {}", error_chain(&e))))?;
+        let mut version: c_int = 0;
+        // SAFETY: `version` is a valid out-pointer; cuDriverGetVersion needs no cuInit.
+        let rc = unsafe { get_version(&mut version) };
+        if rc != CUresult::CUDA_SUCCESS {
+            return Err(fail(format!("cuDriverGetVersion failed with code {}", rc.0)));
+        }
+        // SAFETY: the two symbols are looked up with their cuda.h types (v2 adds symbolStatus).
+        let proc_address = unsafe {
+            if let Ok(s) = library.get::<GetProcV2>(c"cuGetProcAddress_v2") {
+                ProcAddress::V2(*s)
+            } else if let Ok(s) = library.get::<GetProcV1>(c"cuGetProcAddress") {
+                ProcAddress::V1(*s)
+            } else {
+                ProcAddress::Absent
+            }
+        };
+        Ok(Driver {
+            _library: library,
+            library_path: shown,
+            version,
+            proc_address,
+            slots: Box::new(std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut()))),
+        })
+    }
+
+    /// The driver's version as `cuDriverGetVersion` reports it (`13000` for 13.0).
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// The path or file name the library was loaded from.
+    pub fn library_path(&self) -> &str {
+        &self.library_path
+    }
+
+    /// Whether the driver has `cuGetProcAddress` (CUDA 11.3 and later).
+    pub fn has_get_proc_address(&self) -> bool {
+        !matches!(self.proc_address, ProcAddress::Absent)
+    }
+
+    /// Whether the driver has the function named `name` as the bindings declare it (for example
+    /// `cuMemAllocAsync` or `cuMemAlloc_v2`). Resolves it if it was not yet. `false` for names
+    /// the bindings do not know.
+    pub fn has(&self, name: &str) -> bool {
+        FUNCTIONS.iter().position(|f| f.name == name).is_some_and(|i| self.resolve(i).is_ok())
+    }
+
+    #[inline]
+    fn resolve(&self, index: usize) -> Result<*mut c_void, MissingSymbol> {
+        let p = self.slots[index].load(Ordering::Acquire);
+        if p as usize > MISSING { Ok(p) } else { self.resolve_slow(index) }
+    }
+
+    #[cold]
+    fn resolve_slow(&self, index: usize) -> Result<*mut c_void, MissingSymbol> {
+        let info = &FUNCTIONS[index];
+        let p = self.slots[index].load(Ordering::Acquire);
+        let p = if p.is_null() {
+            let found = self.lookup(info);
+            let stored = if found.is_null() { MISSING as *mut c_void } else { found };
+            // Two threads may race here; both store the same answer.
+            self.slots[index].store(stored, Ordering::Release);
+            stored
+        } else {
+            p
+        };
+        if p as usize == MISSING { Err(MissingSymbol { name: info.name, driver_version: self.version }) } else { Ok(p) }
+    }
+
+    /// Finds the function. `cuGetProcAddress` (with the header's version) is used for the newest
+    /// declared variant of a name, when the driver is at least as new as the header or the name
+    /// carries no version suffix: an older driver would hand back an older ABI for a suffixed
+    /// name, so there only the exact exported symbol will do.
+    fn lookup(&self, info: &FunctionInfo) -> *mut c_void {
+        let trust_proc = info.by_proc_address && (!info.versioned || self.version >= CUDA_HEADER_VERSION);
+        if trust_proc {
+            let p = self.proc_address(info.base);
+            if !p.is_null() {
+                return p;
+            }
+        }
+        // SAFETY: the pointer is only read out as an untyped address here.
+        unsafe { self._library.get::<*mut c_void>(info.cname) }.map_or(ptr::null_mut(), |s| *s)
+    }
+
+    fn proc_address(&self, base: &CStr) -> *mut c_void {
+        let mut p: *mut c_void = ptr::null_mut();
+        let rc = match self.proc_address {
+            ProcAddress::V2(get) => {
+                let mut status = CUdriverProcAddressQueryResult(0);
+                // SAFETY: valid NUL-terminated name and out-pointers, as cuGetProcAddress_v2 takes.
+                let rc = unsafe { get(base.as_ptr(), &mut p, CUDA_HEADER_VERSION, LEGACY_STREAM, &mut status) };
+                if status.0 != 0 {
+                    return ptr::null_mut();
+                }
+                rc
+            }
+            // SAFETY: valid NUL-terminated name and out-pointer, as cuGetProcAddress takes.
+            ProcAddress::V1(get) => unsafe { get(base.as_ptr(), &mut p, CUDA_HEADER_VERSION, LEGACY_STREAM) },
+            ProcAddress::Absent => return ptr::null_mut(),
+        };
+        if rc == CUresult::CUDA_SUCCESS { p } else { ptr::null_mut() }
+    }
+}
+
+/// Opens the library. On Windows the search is restricted to the system folder (where the driver
+/// installs `nvcuda.dll`) for a bare name, and to the named file's folder plus the system folder
+/// for a path: never the current directory, so a planted DLL there is not picked up.
+///
+/// # Safety
+/// Runs the library's initialisers.
+#[cfg(windows)]
+unsafe fn open_library(path: &Path) -> Result<Library, libloading::Error> {
+    use libloading::os::windows as w;
+    let flags = if path.components().count() > 1 || path.is_absolute() {
+        w::LOAD_LIBRARY_SEARCH_DLL_LOAD_DIR | w::LOAD_LIBRARY_SEARCH_SYSTEM32
+    } else {
+        w::LOAD_LIBRARY_SEARCH_SYSTEM32
+    };
+    let path = if flags & w::LOAD_LIBRARY_SEARCH_DLL_LOAD_DIR != 0 {
+        std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+    } else {
+        path.to_path_buf()
+    };
+    // SAFETY: forwarded to the caller.
+    unsafe { w::Library::load_with_flags(path, flags) }.map(Library::from)
+}
+
+/// Opens the library with the platform's default search (`dlopen`).
+///
+/// # Safety
+/// Runs the library's initialisers.
+#[cfg(not(windows))]
+unsafe fn open_library(path: &Path) -> Result<Library, libloading::Error> {
+    // SAFETY: forwarded to the caller.
+    unsafe { Library::new(path) }
+}
+
+include!(concat!(env!("OUT_DIR"), "/functions.rs"));

@@ -1,0 +1,3222 @@
+/*
+ * fake_cuda.c -- an emulated CUDA driver (libcuda.so / nvcuda.dll) for testing cudrv without a GPU.
+ *
+ * Portable C11, self-contained: it does not include cuda.h. Every type, enum value, struct layout and
+ * signature below is copied from the CUDA 13.0 cuda.h; the version table (which ABI variant of a
+ * function appeared in which CUDA version) is copied from cudaTypedefs.h (PFN_<name>_v<VERSION>).
+ *
+ * ==================================================================================================
+ * CONFIGURATION (environment variables, read once, at the first driver call)
+ * ==================================================================================================
+ *  CUDRV_FAKE_MODE=linux|wddm|tcc      driver model of every device (default linux)
+ *  CUDRV_FAKE_DEVICES=wddm,tcc,...     one device per entry, each with its own mode (overrides MODE);
+ *                                      a plain number N means N devices of CUDRV_FAKE_MODE (0: cuInit
+ *                                      returns CUDA_ERROR_NO_DEVICE). Default: one device. At most 16.
+ *  CUDRV_FAKE_MEMORY=<bytes>           device memory per device (default 16 GiB). Reserved bytes
+ *                                      (cuMemAlloc, managed memory, pool reservations) count against
+ *                                      it; beyond it: CUDA_ERROR_OUT_OF_MEMORY. Backing host memory is
+ *                                      allocated lazily (at the first access), so huge sizes are cheap.
+ *  CUDRV_FAKE_DELAY_US=<us>            each stream worker sleeps this long before every operation.
+ *  CUDRV_FAKE_DRIVER_VERSION=<v>       cuDriverGetVersion (default 13000; 11010 for the legacy build).
+ *                                      cuGetProcAddress serves no function introduced after it.
+ *  CUDRV_FAKE_FAIL=<fn>:<n>:<code>[,...]  inject CUresult <code> at the n-th call (1-based) of <fn>;
+ *                                      "<n>+" means the n-th and every later call. <fn> matches the
+ *                                      exported name (cuMemAlloc_v2) or its base name (cuMemAlloc).
+ *                                      Calls are counted per entry, thread-safely; the injected error
+ *                                      is returned before any other check, with no side effect.
+ *  CUDRV_FAKE_REPORT_ON_EXIT=1         print the leak/violation report to stderr at unload.
+ *
+ * ==================================================================================================
+ * BEHAVIOUR
+ * ==================================================================================================
+ *  - Before cuInit every call returns CUDA_ERROR_NOT_INITIALIZED (3), except cuDriverGetVersion,
+ *    cuGetErrorName, cuGetErrorString and cuGetProcAddress(_v2). After cudrvFakeShutdown() every
+ *    call returns CUDA_ERROR_DEINITIALIZED (4).
+ *  - Calls that need a context, with none current: CUDA_ERROR_INVALID_CONTEXT (201). Unknown
+ *    handles: CUDA_ERROR_INVALID_HANDLE (400); bad values: CUDA_ERROR_INVALID_VALUE (1); bad device
+ *    ordinals: CUDA_ERROR_INVALID_DEVICE (101).
+ *  - Devices model an H200 (CC 9.0, 132 SMs, ...). Modes: linux (everything supported, concurrent
+ *    managed access 1, pool handle type POSIX_FD); wddm (pools supported, TCC_DRIVER 0, concurrent
+ *    managed access 0, pool handle types WIN32|WIN32_KMT, kernel exec timeout 1); tcc
+ *    (MEMORY_POOLS_SUPPORTED 0, TCC_DRIVER 1, no pool handle types, concurrent managed access 0,
+ *    and every pool entry point returns CUDA_ERROR_NOT_SUPPORTED (801)). Valid attributes that are
+ *    not modelled return 0; attribute ids outside [1, CU_DEVICE_ATTRIBUTE_MAX) are INVALID_VALUE.
+ *  - Device memory lives in host memory at device addresses 0x7f0000000000 + device * 2^40
+ *    (512-byte aligned, 2 MiB aligned for >= 2 MiB). Addresses are handed out next-fit (a freed
+ *    range is reused as late as possible); a range held by a pool (cached or in use) is never reused.
+ *  - Primary contexts are reference counted; the current context is per thread. When the last
+ *    reference is released, the context's work is drained and it becomes inactive (its memory is
+ *    NOT freed, so leaks stay visible).
+ *  - Streams are asynchronous: each stream (and the legacy stream 0x0/0x1 and the per-thread stream
+ *    0x2 of each context -- the fake has one "per-thread" stream per context, shared by all threads)
+ *    has a worker thread that runs its operations in order. The legacy stream synchronises with
+ *    blocking streams as in the real driver. Synchronous APIs (cuMemcpyHtoD_v2, cuMemcpyDtoH_v2,
+ *    cuMemcpyDtoD_v2, cuMemsetD8_v2, cuMemsetD32_v2, cuMemcpyPeer) run on the legacy stream and wait
+ *    for their own completion. cuMemcpyHtoDAsync from pageable memory snapshots the source at the
+ *    call (as the real driver stages it); cuMemcpyDtoHAsync to pageable memory is synchronous (as in
+ *    the real driver); pinned memory (cuMemHostAlloc / cuMemHostRegister) is accessed when the copy runs.
+ *    cuStreamDestroy lets queued work finish, then releases the stream.
+ *  - Events: each record bumps a generation; cuStreamWaitEvent captures the record at call time
+ *    (waits on never-recorded or completed events are no-ops). Elapsed time is between completion
+ *    timestamps; CU_EVENT_DISABLE_TIMING events give INVALID_HANDLE; incomplete events NOT_READY;
+ *    never-recorded events INVALID_HANDLE.
+ *  - Memory pools (not in tcc mode): a default pool per device plus cuMemPoolCreate pools. An async
+ *    allocation gets its address at enqueue time and is live from then on; cuMemFreeAsync returns it
+ *    to the pool when the free op runs. Freed blocks stay cached (reserved) until cuMemPoolTrimTo or
+ *    until a synchronisation point (cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize)
+ *    finds reserved > CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (default 0). A cached block is reused by any
+ *    stream once its free has run (smallest block that fits). On OUT_OF_MEMORY the pool releases its
+ *    cached blocks and retries once. Reservations are rounded to 512 bytes (the real driver reserves
+ *    2 MiB chunks).
+ *  - Access checking: every memset, memcpy and kernel pointer range is checked against the live
+ *    allocations AT THE MOMENT THE OP RUNS on its worker. A range not fully inside one live
+ *    allocation (device, pool, managed, cuMemHostAlloc or registered memory) is a violation: it is
+ *    recorded (op, address, size, stream) and the op is skipped. The host side of HtoD/DtoH copies
+ *    is a plain host pointer and is not checked. cuMemFree_v2 frees at once (it does not wait for
+ *    queued work), so a queued op that touches the memory is caught as a use after free.
+ *  - Modules: cuModuleLoadData(Ex) takes NUL-terminated PTX(-like) text and collects every
+ *    ".entry <name>"; each name must be a built-in kernel, else CUDA_ERROR_INVALID_PTX (218) with
+ *    "fake ptxas: line N: unknown entry 'name' ..." in CU_JIT_ERROR_LOG_BUFFER (the used size,
+ *    including the NUL, is written back to CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES). Text with no
+ *    .entry, or with a line containing ".fake_syntax_error", is 218 too. ELF or fatbin images are
+ *    CUDA_ERROR_NO_BINARY_FOR_GPU (209).
+ *  - Built-in kernels (they behave as grid-stride loops: the result does not depend on the launch
+ *    dimensions, which are only validated):
+ *      fill_u32(CUdeviceptr out, uint32_t value, uint64_t n)           out[i] = value
+ *      add_f32(CUdeviceptr a, CUdeviceptr b, CUdeviceptr out, uint64_t n)  out[i] = a[i] + b[i]
+ *      spin_fill_u32(CUdeviceptr out, uint32_t value, uint64_t n, uint64_t spin_us)
+ *                                                            sleeps spin_us, then out[i] = value
+ *      empty()                                                          nothing
+ *      fill_pattern_u8(CUdeviceptr out, uint64_t n, uint64_t seed)
+ *            out[i] = (uint8_t)((seed * 2654435761 + i * 31) >> 3)   (wrapping uint64 arithmetic)
+ *    Parameters come through kernelParams (each entry points at the value) or through extra
+ *    (CU_LAUNCH_PARAM_BUFFER_POINTER / _SIZE / _END, natural C alignment: offsets 0, 8, 16, 24).
+ *  - cuGetProcAddress(_v2) takes the base name ("cuMemAlloc") and returns the newest variant whose
+ *    introduction version is <= min(cudaVersion, driver version). Variants: see PROC_TABLE. Per-thread
+ *    stream flags are accepted but the legacy-stream variants are served (no _ptsz/_ptds exports).
+ *    Note, as in the real driver, cuCtxSynchronize / cuCtxGetDevice at >= 13000 give the _v2 ABI
+ *    (with a CUcontext argument), cuStreamGetCtx at >= 12050 gives cuStreamGetCtx_v2.
+ *  - Built with -DCUDRV_FAKE_LEGACY_EXPORTS=<v>, only functions that existed in CUDA <v> are exported.
+ *
+ * ==================================================================================================
+ * DELIBERATE DEVIATIONS FROM THE REAL DRIVER
+ * ==================================================================================================
+ *  - Errors of asynchronous work (bad pointers) are recorded as violations and the op is skipped; the
+ *    call that enqueued it returned CUDA_SUCCESS and no sticky CUDA_ERROR_ILLEGAL_ADDRESS follows.
+ *  - cuMemFree_v2 does not synchronise (the real one does, implicitly); this is what catches queued
+ *    use-after-free. cuMemsetD8_v2/cuMemsetD32_v2/cuMemcpyDtoD_v2 wait for completion (real: may
+ *    return early for device memory).
+ *  - Only the variants listed in PROC_TABLE exist: no 32-bit-size v1 ABIs (cuMemAlloc@2000, ...)
+ *    and no _ptds/_ptsz variants (per-thread flags of cuGetProcAddress are accepted and ignored).
+ *  - One "per-thread" default stream (0x2) per context, shared by all threads.
+ *  - cuMemFreeAsync also accepts cuMemAlloc memory (freed when the op runs). cuMemFree_v2 of a pool
+ *    allocation returns it to its pool at once. Pool reuse is opportunistic across streams once the
+ *    free has run; reservations are 512-byte granular.
+ *  - Releasing the last primary-context reference drains its streams but frees nothing (leaks stay
+ *    visible in the report).
+ *  - Kernel launch dimensions are validated but do not change the result (grid-stride semantics).
+ *
+ * Fake-only exports: cudrvFakeReport, cudrvFakeViolation, cudrvFakeResetViolations, cudrvFakeShutdown.
+ * cudrvFakeReport first waits until every stream is idle.
+ */
+
+#if !defined(_WIN32) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE
+#endif
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Portability layer                                                                                 */
+/* ------------------------------------------------------------------------------------------------ */
+#ifdef _WIN32
+#define WIN32_LEAN_AND_MEAN
+#include <windows.h>
+typedef SRWLOCK fk_mutex;
+typedef CONDITION_VARIABLE fk_cond;
+#define FK_MUTEX_INIT SRWLOCK_INIT
+#define FK_COND_INIT CONDITION_VARIABLE_INIT
+static void fk_lock(fk_mutex *m) { AcquireSRWLockExclusive(m); }
+static void fk_unlock(fk_mutex *m) { ReleaseSRWLockExclusive(m); }
+static void fk_wait(fk_cond *c, fk_mutex *m) { SleepConditionVariableSRW(c, m, INFINITE, 0); }
+static void fk_broadcast(fk_cond *c) { WakeAllConditionVariable(c); }
+static void fk_sleep_us(uint64_t us) {
+    if (us) Sleep((DWORD)((us + 999) / 1000));
+}
+static double fk_now_ms(void) {
+    LARGE_INTEGER f, c;
+    QueryPerformanceFrequency(&f);
+    QueryPerformanceCounter(&c);
+    return (double)c.QuadPart * 1000.0 / (double)f.QuadPart;
+}
+#define FK_EXPORT __declspec(dllexport)
+#define CUDAAPI __stdcall
+#define CUDA_CB __stdcall
+#else
+#include <pthread.h>
+#include <time.h>
+typedef pthread_mutex_t fk_mutex;
+typedef pthread_cond_t fk_cond;
+#define FK_MUTEX_INIT PTHREAD_MUTEX_INITIALIZER
+#define FK_COND_INIT PTHREAD_COND_INITIALIZER
+static void fk_lock(fk_mutex *m) { pthread_mutex_lock(m); }
+static void fk_unlock(fk_mutex *m) { pthread_mutex_unlock(m); }
+static void fk_wait(fk_cond *c, fk_mutex *m) { pthread_cond_wait(c, m); }
+static void fk_broadcast(fk_cond *c) { pthread_cond_broadcast(c); }
+static void fk_sleep_us(uint64_t us) {
+    struct timespec ts;
+    if (!us) return;
+    ts.tv_sec = (time_t)(us / 1000000u);
+    ts.tv_nsec = (long)((us % 1000000u) * 1000u);
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+}
+static double fk_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1000.0 + (double)ts.tv_nsec / 1e6;
+}
+#define FK_EXPORT __attribute__((visibility("default")))
+#define CUDAAPI
+#define CUDA_CB
+#endif
+
+#if defined(__GNUC__)
+#define FK_UNUSED __attribute__((unused))
+#else
+#define FK_UNUSED
+#endif
+
+/* Exports are gated on the version that introduced them (legacy build). */
+#ifdef CUDRV_FAKE_LEGACY_EXPORTS
+#define FK_EXPORT_LIMIT CUDRV_FAKE_LEGACY_EXPORTS
+#define FK_DEFAULT_DRIVER_VERSION CUDRV_FAKE_LEGACY_EXPORTS
+#else
+#define FK_EXPORT_LIMIT 1000000
+#define FK_DEFAULT_DRIVER_VERSION 13000
+#endif
+#define FK_API FK_EXPORT CUresult CUDAAPI
+#define FK_HIDDEN static FK_UNUSED CUresult CUDAAPI
+#if FK_EXPORT_LIMIT >= 11020
+#define API_11020 FK_API
+#else
+#define API_11020 FK_HIDDEN
+#endif
+#if FK_EXPORT_LIMIT >= 11030
+#define API_11030 FK_API
+#else
+#define API_11030 FK_HIDDEN
+#endif
+#if FK_EXPORT_LIMIT >= 11040
+#define API_11040 FK_API
+#else
+#define API_11040 FK_HIDDEN
+#endif
+#if FK_EXPORT_LIMIT >= 11060
+#define API_11060 FK_API
+#else
+#define API_11060 FK_HIDDEN
+#endif
+#if FK_EXPORT_LIMIT >= 12000
+#define API_12000 FK_API
+#else
+#define API_12000 FK_HIDDEN
+#endif
+#if FK_EXPORT_LIMIT >= 12050
+#define API_12050 FK_API
+#else
+#define API_12050 FK_HIDDEN
+#endif
+#if FK_EXPORT_LIMIT >= 12080
+#define API_12080 FK_API
+#else
+#define API_12080 FK_HIDDEN
+#endif
+#if FK_EXPORT_LIMIT >= 13000
+#define API_13000 FK_API
+#else
+#define API_13000 FK_HIDDEN
+#endif
+/* Everything else used here predates CUDA 11.0. */
+#define API_OLD FK_API
+
+/* ------------------------------------------------------------------------------------------------ */
+/* CUDA ABI (copied from cuda.h, CUDA 13.0)                                                          */
+/* ------------------------------------------------------------------------------------------------ */
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef uint64_t cuuint64_t;
+typedef struct fk_ctx *CUcontext;
+typedef struct fk_stream *CUstream;
+typedef struct fk_event *CUevent;
+typedef struct fk_module *CUmodule;
+typedef struct fk_func *CUfunction;
+typedef struct fk_pool *CUmemoryPool;
+typedef void *CUgreenCtx;
+typedef struct CUuuid_st {
+    char bytes[16];
+} CUuuid;
+typedef void(CUDA_CB *CUhostFn)(void *userData);
+typedef size_t(CUDA_CB *CUoccupancyB2DSize)(int blockSize);
+typedef int CUjit_option;
+typedef int CUdriverProcAddressQueryResult;
+
+typedef struct CUmemLocation_st {
+    int type; /* CUmemLocationType */
+    int id;
+} CUmemLocation;
+typedef struct CUmemPoolProps_st {
+    int allocType;   /* CUmemAllocationType */
+    int handleTypes; /* CUmemAllocationHandleType */
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    size_t maxSize;
+    unsigned short usage;
+    unsigned char reserved[54];
+} CUmemPoolProps;
+typedef struct CUmemAccessDesc_st {
+    CUmemLocation location;
+    int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+typedef union CUlaunchAttributeValue_union {
+    char pad[64];
+    void *align_;
+    int cooperative;
+    struct {
+        unsigned int x, y, z;
+    } clusterDim;
+    int priority;
+} CUlaunchAttributeValue;
+typedef struct CUlaunchAttribute_st {
+    int id; /* CUlaunchAttributeID */
+    char pad[8 - sizeof(int)];
+    CUlaunchAttributeValue value;
+} CUlaunchAttribute;
+typedef struct CUlaunchConfig_st {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps layout");
+_Static_assert(sizeof(CUlaunchAttribute) == 72, "CUlaunchAttribute layout");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
+_Static_assert(sizeof(CUlaunchConfig) == 56, "CUlaunchConfig layout");
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_DEINITIALIZED = 4,
+    CUDA_ERROR_NO_DEVICE = 100,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_IMAGE = 200,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_NO_BINARY_FOR_GPU = 209,
+    CUDA_ERROR_INVALID_PTX = 218,
+    CUDA_ERROR_INVALID_SOURCE = 300,
+    CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND = 302,
+    CUDA_ERROR_OPERATING_SYSTEM = 304,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704,
+    CUDA_ERROR_PEER_ACCESS_NOT_ENABLED = 705,
+    CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE = 708,
+    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
+    CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720,
+    CUDA_ERROR_NOT_PERMITTED = 800,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_UNKNOWN = 999
+};
+
+enum {
+    CU_GET_PROC_ADDRESS_SUCCESS = 0,
+    CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1,
+    CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT = 2
+};
+#define CU_STREAM_NON_BLOCKING 0x1
+#define CU_EVENT_BLOCKING_SYNC 0x1
+#define CU_EVENT_DISABLE_TIMING 0x2
+#define CU_EVENT_INTERPROCESS 0x4
+#define CU_MEMHOSTALLOC_ALL 0x7
+#define CU_MEMHOSTREGISTER_ALL 0xF
+#define CU_MEM_ATTACH_GLOBAL 0x1
+#define CU_MEM_ATTACH_HOST 0x2
+#define CU_JIT_INFO_LOG_BUFFER 3
+#define CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES 4
+#define CU_JIT_ERROR_LOG_BUFFER 5
+#define CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES 6
+#define CU_LAUNCH_PARAM_END ((void *)0x00)
+#define CU_LAUNCH_PARAM_BUFFER_POINTER ((void *)0x01)
+#define CU_LAUNCH_PARAM_BUFFER_SIZE ((void *)0x02)
+#define CU_LAUNCH_ATTRIBUTE_COOPERATIVE 2
+#define CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION 4
+#define CU_LAUNCH_ATTRIBUTE_MAX_KNOWN 16
+#define CU_MEM_LOCATION_TYPE_DEVICE 1
+#define CU_MEM_ALLOCATION_TYPE_PINNED 1
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 0x1
+#define CU_MEM_HANDLE_TYPE_WIN32 0x2
+#define CU_MEM_HANDLE_TYPE_WIN32_KMT 0x4
+#define CU_MEM_ACCESS_FLAGS_PROT_NONE 0x0
+#define CU_MEM_ACCESS_FLAGS_PROT_READ 0x1
+#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
+enum {
+    CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1,
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+    CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+    CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+    CU_MEMPOOL_ATTR_USED_MEM_HIGH
+};
+enum {
+    CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0,
+    CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1,
+    CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES = 2,
+    CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3,
+    CU_FUNC_ATTRIBUTE_NUM_REGS = 4,
+    CU_FUNC_ATTRIBUTE_PTX_VERSION = 5,
+    CU_FUNC_ATTRIBUTE_BINARY_VERSION = 6,
+    CU_FUNC_ATTRIBUTE_CACHE_MODE_CA = 7,
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8,
+    CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9,
+    CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET = 10,
+    CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH = 11,
+    CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT = 12,
+    CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH = 13,
+    CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14,
+    CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE = 15,
+    CU_FUNC_ATTRIBUTE_MAX_ = 16
+};
+#define CU_DEVICE_ATTRIBUTE_MAX 148
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Model constants                                                                                   */
+/* ------------------------------------------------------------------------------------------------ */
+#define FK_MAX_DEVICES 16
+#define FK_SM_COUNT 132
+#define FK_SMEM_OPTIN 232448
+#define FK_SMEM_DEFAULT 49152
+#define FK_SMEM_PER_SM 233472
+#define FK_DEV_BASE 0x7f0000000000ULL
+#define FK_DEV_SPAN (1ULL << 40)
+#define FK_MAGIC_STREAM 0x5354524dU
+#define FK_MAGIC_EVENT 0x45564e54U
+#define FK_MAGIC_MODULE 0x4d4f444cU
+#define FK_MAGIC_FUNC 0x46554e43U
+#define FK_MAGIC_POOL 0x504f4f4cU
+#define FK_MAGIC_CTX 0x43545854U
+#define FK_MAX_VIOLATIONS 4096
+
+enum { MODE_LINUX = 0, MODE_WDDM = 1, MODE_TCC = 2 };
+static const char *const MODE_NAMES[] = {"linux", "wddm", "tcc"};
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Small vector of pointers                                                                          */
+/* ------------------------------------------------------------------------------------------------ */
+typedef struct {
+    void **v;
+    size_t n, cap;
+} fk_vec;
+
+static void vec_push(fk_vec *a, void *p) {
+    if (a->n == a->cap) {
+        size_t nc = a->cap ? a->cap * 2 : 16;
+        void **nv = (void **)realloc(a->v, nc * sizeof(void *));
+        if (!nv) abort();
+        a->v = nv;
+        a->cap = nc;
+    }
+    a->v[a->n++] = p;
+}
+static void vec_insert(fk_vec *a, size_t i, void *p) {
+    vec_push(a, p);
+    memmove(&a->v[i + 1], &a->v[i], (a->n - 1 - i) * sizeof(void *));
+    a->v[i] = p;
+}
+static void vec_remove_at(fk_vec *a, size_t i) {
+    memmove(&a->v[i], &a->v[i + 1], (a->n - 1 - i) * sizeof(void *));
+    a->n--;
+}
+static int vec_find(const fk_vec *a, const void *p) {
+    size_t i;
+    for (i = 0; i < a->n; i++)
+        if (a->v[i] == p) return (int)i;
+    return -1;
+}
+static int vec_remove(fk_vec *a, const void *p) {
+    int i = vec_find(a, p);
+    if (i >= 0) vec_remove_at(a, (size_t)i);
+    return i >= 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* State                                                                                             */
+/* ------------------------------------------------------------------------------------------------ */
+enum { AK_DEVICE, AK_POOL, AK_MANAGED, AK_HOSTALLOC, AK_REGISTERED };
+
+/* An address range with its backing host memory. */
+typedef struct fk_block {
+    uint64_t base, size;
+    int dev; /* -1 for host blocks */
+    unsigned char *backing;
+    int owns_backing; /* 1: calloc'd lazily by us; 2: aligned host alloc by us; 0: user memory */
+    int pins;
+    int dead;
+} fk_block;
+
+struct fk_pool;
+/* A live allocation, as the user sees it. */
+typedef struct fk_alloc {
+    uint64_t base, size;
+    int kind;
+    int dev;
+    fk_block *blk;
+    struct fk_pool *pool;
+    int free_pending;
+} fk_alloc;
+
+typedef struct fk_pool {
+    uint32_t magic;
+    int dev;
+    int is_default;
+    int destroyed;
+    uint64_t threshold, reserved, reserved_high, used, used_high, max_size;
+    int reuse[3];
+    int access[FK_MAX_DEVICES];
+    int live;
+    fk_vec cached; /* fk_block* */
+} fk_pool;
+
+enum { OP_MEMSET, OP_COPY, OP_RECORD, OP_WAIT, OP_HOSTFN, OP_FREE, OP_KERNEL };
+enum { CP_HTOD, CP_DTOH, CP_DTOD };
+enum { K_FILL_U32, K_ADD_F32, K_SPIN_FILL_U32, K_EMPTY, K_FILL_PATTERN_U8, K_COUNT };
+
+struct fk_stream;
+typedef struct fk_op {
+    struct fk_op *next;
+    int kind;
+    const char *api;
+    uint64_t seq;
+    /* memset / copy */
+    uint64_t dst, src;
+    size_t count; /* elements */
+    int elem;     /* element size */
+    uint32_t value;
+    int cpkind;
+    int src_snapshot;   /* src is a malloc'd snapshot (host) owned by the op */
+    int dst_host_unchk; /* DtoH host side */
+    /* record / wait */
+    struct fk_event *ev;
+    uint64_t gen;
+    struct fk_stream *ws;
+    uint64_t wseq;
+    /* host fn */
+    CUhostFn fn;
+    void *ud;
+    /* free */
+    fk_alloc *fa;
+    /* kernel */
+    int kernel;
+    uint64_t kp[4];
+    uint32_t kval;
+} fk_op;
+
+enum { SK_USER, SK_LEGACY, SK_PTDS };
+typedef struct fk_stream {
+    uint32_t magic;
+    struct fk_ctx *ctx;
+    unsigned flags;
+    int priority;
+    int kind;
+    fk_op *head, *tail;
+    uint64_t enqueued, completed;
+    int destroyed;
+    int started;
+    int refs;
+} fk_stream;
+
+typedef struct fk_event {
+    uint32_t magic;
+    struct fk_ctx *ctx;
+    unsigned flags;
+    fk_stream *rs;
+    uint64_t rseq;
+    uint64_t gen;
+    int recorded;
+    double t_ms;
+    int t_valid;
+    int refs;
+} fk_event;
+
+typedef struct fk_func {
+    uint32_t magic;
+    struct fk_module *mod;
+    int kernel;
+    int max_dyn_smem;
+    int carveout;
+    int cluster[3];
+    int nonportable;
+    int sched;
+} fk_func;
+
+typedef struct fk_module {
+    uint32_t magic;
+    struct fk_ctx *ctx;
+    int nfuncs;
+    fk_func funcs[K_COUNT];
+} fk_module;
+
+typedef struct fk_ctx {
+    uint32_t magic;
+    int dev;
+    int refs;
+    int active;
+    unsigned flags;
+    unsigned peers; /* bitmask of devices with peer access enabled */
+    fk_stream *legacy, *ptds;
+} fk_ctx;
+
+typedef struct {
+    int mode;
+    uint64_t limit, reserved;
+    uint64_t cursor;
+    fk_vec ranges; /* fk_block*, sorted by base */
+    fk_ctx ctx;
+    fk_pool *default_pool, *cur_pool;
+} fk_device;
+
+typedef struct {
+    char name[64];
+    uint64_t n;
+    int plus;
+    int code;
+    uint64_t calls;
+} fk_fault;
+
+static struct {
+    fk_mutex lock;
+    fk_cond cv;
+    int envread;
+    int initialized;
+    int shutdown;
+    int ndev;
+    fk_device dev[FK_MAX_DEVICES];
+    uint64_t delay_us;
+    int driver_version;
+    int report_on_exit;
+    fk_fault faults[32];
+    int nfaults;
+    fk_vec dtab;        /* fk_alloc*, device + pool allocations, sorted */
+    fk_vec htab;        /* fk_alloc*, managed + host allocations, sorted */
+    fk_vec streams;     /* user streams with a live handle */
+    fk_vec all_streams; /* every stream struct still alive (for draining) */
+    fk_vec events, modules, pools;
+    char *violations[FK_MAX_VIOLATIONS];
+    uint64_t nviolations;
+} G = {.lock = FK_MUTEX_INIT, .cv = FK_COND_INIT};
+
+static _Thread_local fk_ctx *tl_ctx;
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Initialisation, entry checks, fault injection                                                     */
+/* ------------------------------------------------------------------------------------------------ */
+static int parse_mode(const char *s, size_t len) {
+    if (len == 4 && !strncmp(s, "wddm", 4)) return MODE_WDDM;
+    if (len == 3 && !strncmp(s, "tcc", 3)) return MODE_TCC;
+    return MODE_LINUX;
+}
+
+static void read_env_locked(void) {
+    const char *s;
+    int mode = MODE_LINUX, i;
+    uint64_t mem = 16ULL << 30;
+    if (G.envread) return;
+    G.envread = 1;
+    G.driver_version = FK_DEFAULT_DRIVER_VERSION;
+    if ((s = getenv("CUDRV_FAKE_MODE")) && *s) mode = parse_mode(s, strlen(s));
+    if ((s = getenv("CUDRV_FAKE_MEMORY")) && *s) mem = strtoull(s, NULL, 0);
+    if ((s = getenv("CUDRV_FAKE_DELAY_US")) && *s) G.delay_us = strtoull(s, NULL, 0);
+    if ((s = getenv("CUDRV_FAKE_DRIVER_VERSION")) && *s) G.driver_version = atoi(s);
+    if ((s = getenv("CUDRV_FAKE_REPORT_ON_EXIT")) && *s == '1') G.report_on_exit = 1;
+    G.ndev = 1;
+    for (i = 0; i < FK_MAX_DEVICES; i++) G.dev[i].mode = mode;
+    if ((s = getenv("CUDRV_FAKE_DEVICES")) && *s) {
+        if (*s >= '0' && *s <= '9') {
+            G.ndev = atoi(s);
+            if (G.ndev > FK_MAX_DEVICES) G.ndev = FK_MAX_DEVICES;
+        } else {
+            G.ndev = 0;
+            while (*s && G.ndev < FK_MAX_DEVICES) {
+                size_t len = strcspn(s, ",");
+                while (len && (*s == ' ')) s++, len--;
+                G.dev[G.ndev++].mode = parse_mode(s, len);
+                s += len;
+                if (*s == ',') s++;
+            }
+        }
+    }
+    for (i = 0; i < FK_MAX_DEVICES; i++) {
+        G.dev[i].limit = mem;
+        G.dev[i].cursor = FK_DEV_BASE + (uint64_t)i * FK_DEV_SPAN;
+    }
+    if ((s = getenv("CUDRV_FAKE_FAIL")) && *s) {
+        while (*s && G.nfaults < 32) {
+            fk_fault *f = &G.faults[G.nfaults];
+            size_t len = strcspn(s, ":,");
+            char *end;
+            if (len >= sizeof f->name) len = sizeof f->name - 1;
+            memcpy(f->name, s, len);
+            f->name[len] = 0;
+            s += strcspn(s, ":,");
+            if (*s != ':') goto skip;
+            f->n = strtoull(s + 1, &end, 10);
+            s = end;
+            if (*s == '+') f->plus = 1, s++;
+            if (*s != ':') goto skip;
+            f->code = (int)strtol(s + 1, &end, 0);
+            s = end;
+            if (f->n >= 1) G.nfaults++;
+        skip:
+            s += strcspn(s, ",");
+            if (*s == ',') s++;
+        }
+    }
+}
+
+/* Base name of an exported name: strips a trailing _v<digits>. */
+static int name_matches(const char *pattern, const char *exported) {
+    size_t n = strlen(exported);
+    const char *u;
+    if (!strcmp(pattern, exported)) return 1;
+    u = strrchr(exported, '_');
+    if (u && u[1] == 'v' && u[2] >= '0' && u[2] <= '9') n = (size_t)(u - exported);
+    return strlen(pattern) == n && !strncmp(pattern, exported, n);
+}
+
+/* Common entry: shutdown, fault injection, initialisation. */
+static CUresult fk_enter(const char *name, int need_init) {
+    CUresult r = CUDA_SUCCESS;
+    int i;
+    fk_lock(&G.lock);
+    read_env_locked();
+    if (G.shutdown) {
+        r = CUDA_ERROR_DEINITIALIZED;
+        goto out;
+    }
+    for (i = 0; i < G.nfaults; i++) {
+        fk_fault *f = &G.faults[i];
+        if (name_matches(f->name, name)) {
+            f->calls++;
+            if (f->calls == f->n || (f->plus && f->calls > f->n)) r = f->code;
+        }
+    }
+    if (r) goto out;
+    if (need_init && !G.initialized) r = CUDA_ERROR_NOT_INITIALIZED;
+out:
+    fk_unlock(&G.lock);
+    return r;
+}
+
+#define ENTER(name)                                  \
+    do {                                             \
+        CUresult enter_r_ = fk_enter((name), 1);     \
+        if (enter_r_ != CUDA_SUCCESS) return enter_r_; \
+    } while (0)
+#define ENTER_NOINIT(name)                           \
+    do {                                             \
+        CUresult enter_r_ = fk_enter((name), 0);     \
+        if (enter_r_ != CUDA_SUCCESS) return enter_r_; \
+    } while (0)
+
+static void add_violation_locked(const char *fmt, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (G.nviolations < FK_MAX_VIOLATIONS) {
+        size_t len = strlen(buf) + 1;
+        char *p = (char *)malloc(len);
+        if (p) memcpy(p, buf, len);
+        G.violations[G.nviolations] = p;
+    }
+    G.nviolations++;
+}
+
+/* Current context, checked. Lock held. */
+static CUresult cur_ctx_locked(fk_ctx **out) {
+    fk_ctx *c = tl_ctx;
+    if (!c || !c->active) return CUDA_ERROR_INVALID_CONTEXT;
+    *out = c;
+    return CUDA_SUCCESS;
+}
+
+static int valid_ctx(const fk_ctx *c) {
+    int i;
+    for (i = 0; i < G.ndev; i++)
+        if (c == &G.dev[i].ctx) return c->magic == FK_MAGIC_CTX;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Memory                                                                                             */
+/* ------------------------------------------------------------------------------------------------ */
+static void *host_aligned_alloc(size_t size) {
+    /* 4096-aligned, zeroed; the original pointer is stored just before the aligned block. */
+    unsigned char *raw = (unsigned char *)calloc(1, size + 4096 + sizeof(void *));
+    uintptr_t a;
+    if (!raw) return NULL;
+    a = ((uintptr_t)raw + sizeof(void *) + 4095) & ~(uintptr_t)4095;
+    ((void **)a)[-1] = raw;
+    return (void *)a;
+}
+static void host_aligned_free(void *p) {
+    if (p) free(((void **)p)[-1]);
+}
+
+/* Binary search: index of the last alloc with base <= addr, or -1. */
+static long tab_floor(const fk_vec *t, uint64_t addr) {
+    long lo = 0, hi = (long)t->n - 1, res = -1;
+    while (lo <= hi) {
+        long mid = (lo + hi) / 2;
+        if (((fk_alloc *)t->v[mid])->base <= addr) {
+            res = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return res;
+}
+static void tab_insert(fk_vec *t, fk_alloc *a) {
+    long i = tab_floor(t, a->base);
+    vec_insert(t, (size_t)(i + 1), a);
+}
+static fk_alloc *tab_exact(const fk_vec *t, uint64_t addr, long *idx) {
+    long i = tab_floor(t, addr);
+    if (i >= 0 && ((fk_alloc *)t->v[i])->base == addr) {
+        if (idx) *idx = i;
+        return (fk_alloc *)t->v[i];
+    }
+    return NULL;
+}
+static fk_alloc *tab_containing(const fk_vec *t, uint64_t addr) {
+    long i = tab_floor(t, addr);
+    fk_alloc *a;
+    if (i < 0) return NULL;
+    a = (fk_alloc *)t->v[i];
+    return addr < a->base + a->size || (a->size == 0 && addr == a->base) ? a : NULL;
+}
+
+static void block_free_backing(fk_block *b) {
+    if (b->owns_backing == 1) free(b->backing);
+    if (b->owns_backing == 2) host_aligned_free(b->backing);
+    free(b);
+}
+
+/* Releases a device address range (lock held). */
+static void release_block_locked(fk_block *b) {
+    if (b->dev >= 0) {
+        fk_device *d = &G.dev[b->dev];
+        vec_remove(&d->ranges, b);
+        d->reserved -= b->size;
+    }
+    if (b->pins) b->dead = 1;
+    else block_free_backing(b);
+}
+
+static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+/* Reserves a device address range of `size` bytes on device `dev` (lock held). */
+static CUresult reserve_block_locked(int dev, uint64_t size, fk_block **out) {
+    fk_device *d = &G.dev[dev];
+    uint64_t align = size >= (2u << 20) ? (2u << 20) : 512;
+    uint64_t lo = FK_DEV_BASE + (uint64_t)dev * FK_DEV_SPAN, hi = lo + FK_DEV_SPAN, cand;
+    size_t i, pos = 0;
+    int pass, found = 0;
+    fk_block *b;
+    size = round_up(size, 512);
+    if (size == 0 || size > d->limit || d->reserved + size > d->limit) return CUDA_ERROR_OUT_OF_MEMORY;
+    cand = round_up(d->cursor, align);
+    for (pass = 0; pass < 2 && !found; pass++) {
+        if (pass == 1) cand = lo;
+        for (i = 0; i < d->ranges.n; i++) {
+            fk_block *r = (fk_block *)d->ranges.v[i];
+            if (r->base + r->size <= cand) continue;
+            if (r->base >= cand + size) break;
+            cand = round_up(r->base + r->size, align);
+        }
+        if (cand + size <= hi) {
+            found = 1;
+            pos = i;
+        }
+    }
+    if (!found) return CUDA_ERROR_OUT_OF_MEMORY;
+    b = (fk_block *)calloc(1, sizeof *b);
+    if (!b) return CUDA_ERROR_OUT_OF_MEMORY;
+    b->base = cand;
+    b->size = size;
+    b->dev = dev;
+    b->owns_backing = 1;
+    vec_insert(&d->ranges, pos, b);
+    d->reserved += size;
+    d->cursor = cand + size;
+    *out = b;
+    return CUDA_SUCCESS;
+}
+
+static fk_alloc *new_alloc(uint64_t base, uint64_t size, int kind, int dev, fk_block *blk) {
+    fk_alloc *a = (fk_alloc *)calloc(1, sizeof *a);
+    if (!a) abort();
+    a->base = base;
+    a->size = size;
+    a->kind = kind;
+    a->dev = dev;
+    a->blk = blk;
+    return a;
+}
+
+/* Pool bookkeeping (lock held). */
+static void pool_release_cached_locked(fk_pool *p, uint64_t keep) {
+    while (p->reserved > keep && p->cached.n) {
+        /* release the largest cached block first */
+        size_t i, best = 0;
+        fk_block *b;
+        for (i = 1; i < p->cached.n; i++)
+            if (((fk_block *)p->cached.v[i])->size > ((fk_block *)p->cached.v[best])->size) best = i;
+        b = (fk_block *)p->cached.v[best];
+        vec_remove_at(&p->cached, best);
+        p->reserved -= b->size;
+        release_block_locked(b);
+    }
+}
+
+static void pool_maybe_free_locked(fk_pool *p) {
+    if (p->destroyed && p->live == 0) {
+        pool_release_cached_locked(p, 0);
+        free(p->cached.v);
+        free(p);
+    }
+}
+
+static CUresult pool_alloc_locked(fk_pool *p, uint64_t size, fk_alloc **out) {
+    uint64_t need = round_up(size, 512);
+    fk_block *b = NULL;
+    size_t i;
+    long best = -1;
+    CUresult r;
+    for (i = 0; i < p->cached.n; i++) {
+        fk_block *c = (fk_block *)p->cached.v[i];
+        if (c->size >= need && (best < 0 || c->size < ((fk_block *)p->cached.v[best])->size)) best = (long)i;
+    }
+    if (best >= 0) {
+        b = (fk_block *)p->cached.v[best];
+        vec_remove_at(&p->cached, (size_t)best);
+    } else {
+        if (p->max_size && p->reserved + need > p->max_size) pool_release_cached_locked(p, 0);
+        if (p->max_size && p->reserved + need > p->max_size) return CUDA_ERROR_OUT_OF_MEMORY;
+        r = reserve_block_locked(p->dev, need, &b);
+        if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+            pool_release_cached_locked(p, 0);
+            r = reserve_block_locked(p->dev, need, &b);
+        }
+        if (r) return r;
+        p->reserved += b->size;
+        if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
+    }
+    *out = new_alloc(b->base, size, AK_POOL, p->dev, b);
+    (*out)->pool = p;
+    p->used += size;
+    if (p->used > p->used_high) p->used_high = p->used;
+    p->live++;
+    tab_insert(&G.dtab, *out);
+    return CUDA_SUCCESS;
+}
+
+/* Returns a pool allocation to its pool (lock held); the alloc is already out of dtab. */
+static void pool_free_locked(fk_alloc *a) {
+    fk_pool *p = a->pool;
+    p->used -= a->size;
+    p->live--;
+    vec_push(&p->cached, a->blk);
+    free(a);
+    pool_maybe_free_locked(p);
+}
+
+/* Frees any live allocation (lock held). */
+static void free_alloc_locked(fk_alloc *a) {
+    long idx;
+    fk_vec *t = (a->kind == AK_DEVICE || a->kind == AK_POOL) ? &G.dtab : &G.htab;
+    if (tab_exact(t, a->base, &idx) == a) vec_remove_at(t, (size_t)idx);
+    if (a->kind == AK_POOL) {
+        pool_free_locked(a);
+        return;
+    }
+    if (a->kind == AK_MANAGED) G.dev[a->dev].reserved -= a->blk->size;
+    release_block_locked(a->blk); /* host blocks have dev == -1: no device range to release */
+    free(a);
+}
+
+static void trim_after_sync_locked(int dev) {
+    size_t i;
+    for (i = 0; i < G.pools.n; i++) {
+        fk_pool *p = (fk_pool *)G.pools.v[i];
+        if (p->dev == dev && p->reserved > p->threshold) pool_release_cached_locked(p, p->threshold);
+    }
+}
+
+/* Access check + pin of a device-side range at op run time (lock held). Returns the host address. */
+static unsigned char *pin_range_locked(const char *api, const char *what, uint64_t addr, uint64_t len,
+                                       fk_stream *s, fk_block **pinned) {
+    fk_alloc *a = NULL;
+    fk_block *b;
+    char where[64];
+    *pinned = NULL;
+    if (len == 0) return (unsigned char *)(uintptr_t)1; /* nothing accessed */
+    if (s->kind == SK_LEGACY) snprintf(where, sizeof where, "the legacy stream of device %d", s->ctx->dev);
+    else if (s->kind == SK_PTDS) snprintf(where, sizeof where, "the per-thread stream of device %d", s->ctx->dev);
+    else snprintf(where, sizeof where, "stream %p", (void *)s);
+    if (addr + len >= addr) {
+        a = tab_containing(&G.dtab, addr);
+        if (!a || addr + len > a->base + a->size) a = tab_containing(&G.htab, addr);
+        if (a && addr + len > a->base + a->size) a = NULL;
+    }
+    if (!a) {
+        fk_alloc *nearby = tab_containing(&G.dtab, addr);
+        if (!nearby) nearby = tab_containing(&G.htab, addr);
+        if (nearby)
+            add_violation_locked("%s: %s of %" PRIu64  " bytes at 0x%" PRIx64 " on %s overruns the "
+                                 "allocation 0x%" PRIx64 " of %" PRIu64 " bytes",
+                                 api, what, len, addr, where, nearby->base, nearby->size);
+        else
+            add_violation_locked("%s: %s of %" PRIu64  " bytes at 0x%" PRIx64 " on %s is not inside a "
+                                 "live allocation (freed, or never allocated)",
+                                 api, what, len, addr, where);
+        return NULL;
+    }
+    b = a->blk;
+    if (!b->backing) {
+        b->backing = (unsigned char *)calloc(1, (size_t)b->size);
+        if (!b->backing) {
+            add_violation_locked("%s: fake driver could not back %" PRIu64 " bytes with host memory", api,
+                                 b->size);
+            return NULL;
+        }
+    }
+    b->pins++;
+    *pinned = b;
+    return b->backing + (addr - b->base);
+}
+static void unpin_locked(fk_block *b) {
+    if (!b) return;
+    if (--b->pins == 0 && b->dead) block_free_backing(b);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Streams and their workers                                                                          */
+/* ------------------------------------------------------------------------------------------------ */
+static void stream_unref_locked(fk_stream *s) {
+    if (--s->refs == 0) {
+        vec_remove(&G.all_streams, s);
+        free(s);
+    }
+}
+static void event_unref_locked(fk_event *e) {
+    if (--e->refs == 0) {
+        if (e->rs) stream_unref_locked(e->rs);
+        free(e);
+    }
+}
+
+static fk_stream *new_stream_locked(fk_ctx *c, unsigned flags, int prio, int kind) {
+    fk_stream *s = (fk_stream *)calloc(1, sizeof *s);
+    if (!s) abort();
+    s->magic = FK_MAGIC_STREAM;
+    s->ctx = c;
+    s->flags = flags;
+    s->priority = prio;
+    s->kind = kind;
+    s->refs = 1;
+    vec_push(&G.all_streams, s);
+    return s;
+}
+
+static void run_kernel(fk_op *op, fk_stream *s);
+static void run_data_op(fk_op *op, fk_stream *s);
+
+static void finish_op_locked(fk_op *op) {
+    if (op->ws) stream_unref_locked(op->ws);
+    if (op->ev) event_unref_locked(op->ev);
+    if (op->src_snapshot) free((void *)(uintptr_t)op->src);
+    free(op);
+}
+
+static void worker_loop(fk_stream *s) {
+    fk_lock(&G.lock);
+    for (;;) {
+        fk_op *op;
+        while (!s->head && !s->destroyed) fk_wait(&G.cv, &G.lock);
+        if (!s->head) break;
+        op = s->head;
+        if (op->kind == OP_WAIT) {
+            while (op->ws->completed < op->wseq) fk_wait(&G.cv, &G.lock);
+        } else {
+            uint64_t delay = G.delay_us;
+            fk_unlock(&G.lock);
+            fk_sleep_us(delay);
+            if (op->kind == OP_HOSTFN) op->fn(op->ud);
+            else if (op->kind == OP_KERNEL) run_kernel(op, s);
+            else if (op->kind == OP_MEMSET || op->kind == OP_COPY) run_data_op(op, s);
+            fk_lock(&G.lock);
+            if (op->kind == OP_RECORD && op->ev->gen == op->gen) {
+                op->ev->t_ms = fk_now_ms();
+                op->ev->t_valid = 1;
+            } else if (op->kind == OP_FREE) {
+                free_alloc_locked(op->fa);
+            }
+        }
+        s->head = op->next;
+        if (!s->head) s->tail = NULL;
+        finish_op_locked(op);
+        s->completed++;
+        fk_broadcast(&G.cv);
+    }
+    s->started = 0;
+    stream_unref_locked(s);
+    fk_unlock(&G.lock);
+}
+
+#ifdef _WIN32
+static DWORD WINAPI worker_main(LPVOID arg) {
+    worker_loop((fk_stream *)arg);
+    return 0;
+}
+static int start_thread(fk_stream *s) {
+    HANDLE h = CreateThread(NULL, 0, worker_main, s, 0, NULL);
+    if (!h) return -1;
+    CloseHandle(h);
+    return 0;
+}
+#else
+static void *worker_main(void *arg) {
+    worker_loop((fk_stream *)arg);
+    return NULL;
+}
+static int start_thread(fk_stream *s) {
+    pthread_t t;
+    pthread_attr_t at;
+    int r;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&at, 256 * 1024);
+    r = pthread_create(&t, &at, worker_main, s);
+    pthread_attr_destroy(&at);
+    return r;
+}
+#endif
+
+static void push_op_locked(fk_stream *s, fk_op *op) {
+    op->next = NULL;
+    if (s->tail) s->tail->next = op;
+    else s->head = op;
+    s->tail = op;
+    op->seq = ++s->enqueued;
+    if (!s->started) {
+        s->started = 1;
+        s->refs++;
+        if (start_thread(s) != 0) abort();
+    }
+    fk_broadcast(&G.cv);
+}
+
+static fk_op *new_op(int kind, const char *api) {
+    fk_op *op = (fk_op *)calloc(1, sizeof *op);
+    if (!op) abort();
+    op->kind = kind;
+    op->api = api;
+    return op;
+}
+
+static void push_wait_locked(fk_stream *s, fk_stream *target, uint64_t seq) {
+    fk_op *w;
+    if (target == s || target->completed >= seq) return;
+    w = new_op(OP_WAIT, "wait");
+    w->ws = target;
+    w->wseq = seq;
+    target->refs++;
+    push_op_locked(s, w);
+}
+
+static int stream_pending(const fk_stream *s) { return s->completed < s->enqueued; }
+
+/* Enqueues with the legacy-stream implicit synchronisation; returns the op's sequence number. */
+static uint64_t enqueue_locked(fk_stream *s, fk_op *op) {
+    if (s->kind == SK_LEGACY) {
+        size_t i;
+        for (i = 0; i < G.all_streams.n; i++) {
+            fk_stream *o = (fk_stream *)G.all_streams.v[i];
+            if (o != s && o->ctx == s->ctx && !(o->flags & CU_STREAM_NON_BLOCKING) && stream_pending(o))
+                push_wait_locked(s, o, o->enqueued);
+        }
+    } else if (!(s->flags & CU_STREAM_NON_BLOCKING)) {
+        fk_stream *l = s->ctx->legacy;
+        if (l && stream_pending(l)) push_wait_locked(s, l, l->enqueued);
+    }
+    push_op_locked(s, op);
+    return op->seq;
+}
+
+static void wait_seq_locked(fk_stream *s, uint64_t seq) {
+    while (s->completed < seq) fk_wait(&G.cv, &G.lock);
+}
+
+/* Resolves a stream handle (lock held). */
+static CUresult get_stream_locked(CUstream h, fk_stream **out) {
+    uintptr_t v = (uintptr_t)h;
+    if (v <= 2) {
+        fk_ctx *c;
+        CUresult r = cur_ctx_locked(&c);
+        if (r) return r;
+        *out = v == 2 ? c->ptds : c->legacy;
+        return CUDA_SUCCESS;
+    }
+    if (vec_find(&G.streams, h) < 0) return CUDA_ERROR_INVALID_HANDLE;
+    *out = h;
+    return CUDA_SUCCESS;
+}
+
+static void sync_ctx_locked(fk_ctx *c) {
+    size_t i;
+    int again = 1;
+    while (again) {
+        again = 0;
+        for (i = 0; i < G.all_streams.n; i++) {
+            fk_stream *s = (fk_stream *)G.all_streams.v[i];
+            if (s->ctx == c && stream_pending(s)) {
+                fk_wait(&G.cv, &G.lock);
+                again = 1;
+                break;
+            }
+        }
+    }
+    trim_after_sync_locked(c->dev);
+}
+
+static void drain_all_locked(void) {
+    size_t i;
+    int again = 1;
+    while (again) {
+        again = 0;
+        for (i = 0; i < G.all_streams.n; i++) {
+            if (stream_pending((fk_stream *)G.all_streams.v[i])) {
+                fk_wait(&G.cv, &G.lock);
+                again = 1;
+                break;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Op execution                                                                                       */
+/* ------------------------------------------------------------------------------------------------ */
+static void run_data_op(fk_op *op, fk_stream *s) {
+    fk_block *b1 = NULL, *b2 = NULL;
+    unsigned char *d = NULL;
+    const unsigned char *src = NULL;
+    uint64_t bytes = (uint64_t)op->count * (uint64_t)op->elem;
+    int ok = 1;
+    fk_lock(&G.lock);
+    if (op->kind == OP_MEMSET) {
+        d = pin_range_locked(op->api, "write", op->dst, bytes, s, &b1);
+        ok = d != NULL;
+    } else {
+        if (op->cpkind == CP_DTOH) d = (unsigned char *)(uintptr_t)op->dst;
+        else d = pin_range_locked(op->api, "write", op->dst, bytes, s, &b1);
+        if (op->cpkind == CP_HTOD) src = (const unsigned char *)(uintptr_t)op->src;
+        else src = pin_range_locked(op->api, "read", op->src, bytes, s, &b2);
+        ok = d && src;
+    }
+    fk_unlock(&G.lock);
+    if (ok && bytes) {
+        if (op->kind == OP_MEMSET) {
+            size_t i;
+            if (op->elem == 1) memset(d, (int)(op->value & 0xff), (size_t)bytes);
+            else
+                for (i = 0; i < op->count; i++) memcpy(d + i * 4, &op->value, 4);
+        } else {
+            memmove(d, src, (size_t)bytes);
+        }
+    }
+    fk_lock(&G.lock);
+    unpin_locked(b1);
+    unpin_locked(b2);
+    fk_unlock(&G.lock);
+}
+
+static const struct {
+    const char *name;
+    int nparams;
+    int size[4];
+    int off[4];
+    int total;
+} KERNELS[K_COUNT] = {
+    {"fill_u32", 3, {8, 4, 8, 0}, {0, 8, 16, 0}, 24},
+    {"add_f32", 4, {8, 8, 8, 8}, {0, 8, 16, 24}, 32},
+    {"spin_fill_u32", 4, {8, 4, 8, 8}, {0, 8, 16, 24}, 32},
+    {"empty", 0, {0, 0, 0, 0}, {0, 0, 0, 0}, 0},
+    {"fill_pattern_u8", 3, {8, 8, 8, 0}, {0, 8, 16, 0}, 24},
+};
+
+static void run_kernel(fk_op *op, fk_stream *s) {
+    fk_block *b[3] = {NULL, NULL, NULL};
+    unsigned char *p[3] = {NULL, NULL, NULL};
+    const char *api = op->api;
+    uint64_t n, i;
+    int ok = 1, k;
+    switch (op->kernel) {
+    case K_EMPTY:
+        return;
+    case K_SPIN_FILL_U32:
+        fk_sleep_us(op->kp[3]);
+        /* fallthrough */
+    case K_FILL_U32:
+        n = op->kp[2];
+        fk_lock(&G.lock);
+        p[0] = pin_range_locked(api, "kernel write", op->kp[0], n * 4, s, &b[0]);
+        ok = p[0] != NULL;
+        fk_unlock(&G.lock);
+        if (ok)
+            for (i = 0; i < n; i++) memcpy(p[0] + i * 4, &op->kval, 4);
+        break;
+    case K_ADD_F32:
+        n = op->kp[3];
+        fk_lock(&G.lock);
+        for (k = 0; k < 3 && ok; k++) {
+            p[k] = pin_range_locked(api, k < 2 ? "kernel read" : "kernel write", op->kp[k], n * 4, s, &b[k]);
+            ok = p[k] != NULL;
+        }
+        fk_unlock(&G.lock);
+        if (ok)
+            for (i = 0; i < n; i++) {
+                float x, y, z;
+                memcpy(&x, p[0] + i * 4, 4);
+                memcpy(&y, p[1] + i * 4, 4);
+                z = x + y;
+                memcpy(p[2] + i * 4, &z, 4);
+            }
+        break;
+    case K_FILL_PATTERN_U8:
+        n = op->kp[1];
+        fk_lock(&G.lock);
+        p[0] = pin_range_locked(api, "kernel write", op->kp[0], n, s, &b[0]);
+        ok = p[0] != NULL;
+        fk_unlock(&G.lock);
+        if (ok)
+            for (i = 0; i < n; i++) p[0][i] = (uint8_t)((op->kp[2] * 2654435761u + i * 31u) >> 3);
+        break;
+    default:
+        break;
+    }
+    fk_lock(&G.lock);
+    for (k = 0; k < 3; k++) unpin_locked(b[k]);
+    fk_unlock(&G.lock);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Errors, version, proc address                                                                      */
+/* ------------------------------------------------------------------------------------------------ */
+static const struct {
+    int code;
+    const char *name;
+    const char *str;
+} ERRORS[] = {
+    {0, "CUDA_SUCCESS", "no error"},
+    {1, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {3, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {4, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {100, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {101, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {200, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {209, "CUDA_ERROR_NO_BINARY_FOR_GPU", "no kernel image is available for execution on the device"},
+    {218, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {300, "CUDA_ERROR_INVALID_SOURCE", "device kernel image is invalid"},
+    {302, "CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND", "shared object symbol not found"},
+    {304, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
+    {400, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {500, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {600, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "too many resources requested for launch"},
+    {704, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED", "peer access is already enabled"},
+    {705, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED", "peer access has not been enabled"},
+    {708, "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE", "cannot set while device is active in this process"},
+    {709, "CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"},
+    {712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+     "part or all of the requested memory range is already mapped"},
+    {713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "pointer does not correspond to a registered memory region"},
+    {720, "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", "too many blocks in cooperative launch"},
+    {800, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
+    {801, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {999, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+API_OLD cuGetErrorName(CUresult error, const char **pStr) {
+    size_t i;
+    ENTER_NOINIT("cuGetErrorName");
+    if (!pStr) return CUDA_ERROR_INVALID_VALUE;
+    for (i = 0; i < sizeof ERRORS / sizeof ERRORS[0]; i++)
+        if (ERRORS[i].code == error) {
+            *pStr = ERRORS[i].name;
+            return CUDA_SUCCESS;
+        }
+    *pStr = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+API_OLD cuGetErrorString(CUresult error, const char **pStr) {
+    size_t i;
+    ENTER_NOINIT("cuGetErrorString");
+    if (!pStr) return CUDA_ERROR_INVALID_VALUE;
+    for (i = 0; i < sizeof ERRORS / sizeof ERRORS[0]; i++)
+        if (ERRORS[i].code == error) {
+            *pStr = ERRORS[i].str;
+            return CUDA_SUCCESS;
+        }
+    *pStr = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+API_OLD cuDriverGetVersion(int *driverVersion) {
+    ENTER_NOINIT("cuDriverGetVersion");
+    if (!driverVersion) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    *driverVersion = G.driver_version;
+    fk_unlock(&G.lock);
+    return CUDA_SUCCESS;
+}
+
+static void init_ctx_locked(int i) {
+    fk_ctx *c = &G.dev[i].ctx;
+    c->magic = FK_MAGIC_CTX;
+    c->dev = i;
+    c->legacy = new_stream_locked(c, 0, 0, SK_LEGACY);
+    c->ptds = new_stream_locked(c, 0, 0, SK_PTDS);
+}
+
+static fk_pool *new_pool_locked(int dev, int is_default) {
+    fk_pool *p = (fk_pool *)calloc(1, sizeof *p);
+    int i;
+    if (!p) abort();
+    p->magic = FK_MAGIC_POOL;
+    p->dev = dev;
+    p->is_default = is_default;
+    p->reuse[0] = p->reuse[1] = p->reuse[2] = 1;
+    for (i = 0; i < FK_MAX_DEVICES; i++) p->access[i] = CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    p->access[dev] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    vec_push(&G.pools, p);
+    return p;
+}
+
+API_OLD cuInit(unsigned int Flags) {
+    int i;
+    CUresult r = CUDA_SUCCESS;
+    ENTER_NOINIT("cuInit");
+    if (Flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if (G.ndev == 0) r = CUDA_ERROR_NO_DEVICE;
+    else if (!G.initialized) {
+        for (i = 0; i < G.ndev; i++) {
+            init_ctx_locked(i);
+            if (G.dev[i].mode != MODE_TCC) {
+                G.dev[i].default_pool = new_pool_locked(i, 1);
+                G.dev[i].cur_pool = G.dev[i].default_pool;
+            }
+        }
+        G.initialized = 1;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Devices                                                                                            */
+/* ------------------------------------------------------------------------------------------------ */
+static int valid_dev(CUdevice d) { return d >= 0 && d < G.ndev; }
+
+API_OLD cuDeviceGetCount(int *count) {
+    ENTER("cuDeviceGetCount");
+    if (!count) return CUDA_ERROR_INVALID_VALUE;
+    *count = G.ndev;
+    return CUDA_SUCCESS;
+}
+
+API_OLD cuDeviceGet(CUdevice *device, int ordinal) {
+    ENTER("cuDeviceGet");
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(ordinal)) return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+API_OLD cuDeviceGetName(char *name, int len, CUdevice dev) {
+    ENTER("cuDeviceGetName");
+    if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "Fake NVIDIA H200 (%s)", MODE_NAMES[G.dev[dev].mode]);
+    return CUDA_SUCCESS;
+}
+
+static CUresult get_uuid(const char *api, CUuuid *uuid, CUdevice dev) {
+    int i;
+    ENTER(api);
+    if (!uuid) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    for (i = 0; i < 16; i++) uuid->bytes[i] = (char)(0x5a ^ (i * 17));
+    uuid->bytes[0] = (char)0xfa;
+    uuid->bytes[1] = (char)0x4e;
+    uuid->bytes[14] = (char)G.dev[dev].mode;
+    uuid->bytes[15] = (char)dev;
+    return CUDA_SUCCESS;
+}
+API_OLD cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { return get_uuid("cuDeviceGetUuid", uuid, dev); }
+API_11040 cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) { return get_uuid("cuDeviceGetUuid_v2", uuid, dev); }
+
+static int pci_bus(CUdevice d) { return 0x19 + d * 0x10; }
+
+API_OLD cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev) {
+    ENTER("cuDeviceGetPCIBusId");
+    if (!pciBusId || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(pciBusId, (size_t)len, "0000:%02X:00.0", pci_bus(dev));
+    return CUDA_SUCCESS;
+}
+
+API_OLD cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    ENTER("cuDeviceTotalMem_v2");
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = (size_t)G.dev[dev].limit;
+    return CUDA_SUCCESS;
+}
+
+static int attr_value(int dev, int a) {
+    int m = G.dev[dev].mode, linux_ = m == MODE_LINUX, win = m != MODE_LINUX;
+    switch (a) {
+    case 1: return 1024;             /* MAX_THREADS_PER_BLOCK */
+    case 2: case 3: return 1024;     /* MAX_BLOCK_DIM_X/Y */
+    case 4: return 64;               /* MAX_BLOCK_DIM_Z */
+    case 5: return 2147483647;       /* MAX_GRID_DIM_X */
+    case 6: case 7: return 65535;    /* MAX_GRID_DIM_Y/Z */
+    case 8: return FK_SMEM_DEFAULT;  /* SHARED_MEMORY_PER_BLOCK */
+    case 9: return 65536;            /* TOTAL_CONSTANT_MEMORY */
+    case 10: return 32;              /* WARP_SIZE */
+    case 11: return 2147483647;      /* MAX_PITCH */
+    case 12: return 65536;           /* REGISTERS_PER_BLOCK */
+    case 13: return 1980000;         /* CLOCK_RATE (kHz) */
+    case 14: return 512;             /* TEXTURE_ALIGNMENT */
+    case 15: return 1;               /* GPU_OVERLAP */
+    case 16: return FK_SM_COUNT;     /* MULTIPROCESSOR_COUNT */
+    case 17: return m == MODE_WDDM;  /* KERNEL_EXEC_TIMEOUT */
+    case 18: return 0;               /* INTEGRATED */
+    case 19: return 1;               /* CAN_MAP_HOST_MEMORY */
+    case 20: return 0;               /* COMPUTE_MODE default */
+    case 21: return 131072;
+    case 22: return 131072;
+    case 23: return 65536;
+    case 30: return 512;             /* SURFACE_ALIGNMENT */
+    case 31: return 1;               /* CONCURRENT_KERNELS */
+    case 32: return 1;               /* ECC_ENABLED */
+    case 33: return pci_bus(dev);    /* PCI_BUS_ID */
+    case 34: return 0;               /* PCI_DEVICE_ID */
+    case 35: return m == MODE_TCC;   /* TCC_DRIVER */
+    case 36: return 2619000;         /* MEMORY_CLOCK_RATE */
+    case 37: return 6144;            /* GLOBAL_MEMORY_BUS_WIDTH */
+    case 38: return 52428800;        /* L2_CACHE_SIZE */
+    case 39: return 2048;            /* MAX_THREADS_PER_MULTIPROCESSOR */
+    case 40: return 5;               /* ASYNC_ENGINE_COUNT */
+    case 41: return 1;               /* UNIFIED_ADDRESSING */
+    case 50: return 0;               /* PCI_DOMAIN_ID */
+    case 51: return 32;              /* TEXTURE_PITCH_ALIGNMENT */
+    case 75: return 9;               /* COMPUTE_CAPABILITY_MAJOR */
+    case 76: return 0;               /* COMPUTE_CAPABILITY_MINOR */
+    case 78: return 1;               /* STREAM_PRIORITIES_SUPPORTED */
+    case 79: case 80: return 1;      /* GLOBAL/LOCAL_L1_CACHE_SUPPORTED */
+    case 81: return FK_SMEM_PER_SM;  /* MAX_SHARED_MEMORY_PER_MULTIPROCESSOR */
+    case 82: return 65536;           /* MAX_REGISTERS_PER_MULTIPROCESSOR */
+    case 83: return 1;               /* MANAGED_MEMORY */
+    case 84: return 0;               /* MULTI_GPU_BOARD */
+    case 85: return dev;             /* MULTI_GPU_BOARD_GROUP_ID */
+    case 86: return 0;               /* HOST_NATIVE_ATOMIC_SUPPORTED */
+    case 87: return 2;               /* SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO */
+    case 88: return 0;               /* PAGEABLE_MEMORY_ACCESS */
+    case 89: return linux_;          /* CONCURRENT_MANAGED_ACCESS */
+    case 90: return 1;               /* COMPUTE_PREEMPTION_SUPPORTED */
+    case 91: return linux_;          /* CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM */
+    case 92: case 93: case 94: return 0; /* *_STREAM_MEM_OPS_V1 (removed) */
+    case 95: return 1;               /* COOPERATIVE_LAUNCH */
+    case 96: return 0;               /* COOPERATIVE_MULTI_DEVICE_LAUNCH (deprecated) */
+    case 97: return FK_SMEM_OPTIN;   /* MAX_SHARED_MEMORY_PER_BLOCK_OPTIN */
+    case 98: return 0;               /* CAN_FLUSH_REMOTE_WRITES */
+    case 99: return 1;               /* HOST_REGISTER_SUPPORTED */
+    case 100: return 0;              /* PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES */
+    case 101: return 0;              /* DIRECT_MANAGED_MEM_ACCESS_FROM_HOST */
+    case 102: return 1;              /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
+    case 103: return linux_;         /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
+    case 104: case 105: return win;  /* HANDLE_TYPE_WIN32(_KMT)_HANDLE_SUPPORTED */
+    case 106: return 32;             /* MAX_BLOCKS_PER_MULTIPROCESSOR */
+    case 107: return 1;              /* GENERIC_COMPRESSION_SUPPORTED */
+    case 108: return 82837504;       /* MAX_PERSISTING_L2_CACHE_SIZE */
+    case 109: return 134213632;      /* MAX_ACCESS_POLICY_WINDOW_SIZE */
+    case 110: return linux_;         /* GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED */
+    case 111: return 1024;           /* RESERVED_SHARED_MEMORY_PER_BLOCK */
+    case 112: return 1;              /* SPARSE_CUDA_ARRAY_SUPPORTED */
+    case 113: return linux_;         /* READ_ONLY_HOST_REGISTER_SUPPORTED */
+    case 114: return 1;              /* TIMELINE_SEMAPHORE_INTEROP_SUPPORTED */
+    case 115: return m != MODE_TCC;  /* MEMORY_POOLS_SUPPORTED */
+    case 116: return linux_;         /* GPU_DIRECT_RDMA_SUPPORTED */
+    case 117: return linux_;         /* GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS */
+    case 118: return linux_ ? 100 : 0; /* GPU_DIRECT_RDMA_WRITES_ORDERING */
+    case 119:                        /* MEMPOOL_SUPPORTED_HANDLE_TYPES */
+        return m == MODE_LINUX ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+               : m == MODE_WDDM ? (CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT)
+                                : 0;
+    case 120: return 1;              /* CLUSTER_LAUNCH */
+    case 121: return 1;              /* DEFERRED_MAPPING_CUDA_ARRAY_SUPPORTED */
+    case 122: case 123: return 1;    /* CAN_USE_64_BIT_STREAM_MEM_OPS, WAIT_VALUE_NOR */
+    case 124: return linux_;         /* DMA_BUF_SUPPORTED */
+    case 125: return linux_;         /* IPC_EVENT_SUPPORTED */
+    case 126: return 4;              /* MEM_SYNC_DOMAIN_COUNT */
+    case 127: return 1;              /* TENSOR_MAP_ACCESS_SUPPORTED */
+    case 129: return 0;              /* UNIFIED_FUNCTION_POINTERS */
+    case 131: return -1;             /* NUMA_ID */
+    case 134: return -1;             /* HOST_NUMA_ID */
+    case 139: return 0x233510DE;     /* GPU_PCI_DEVICE_ID */
+    case 140: return 0x18BE10DE;     /* GPU_PCI_SUBSYSTEM_ID */
+    default: return 0;
+    }
+}
+
+API_OLD cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
+    ENTER("cuDeviceGetAttribute");
+    if (!pi || attrib < 1 || attrib >= CU_DEVICE_ATTRIBUTE_MAX) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    *pi = attr_value(dev, attrib);
+    return CUDA_SUCCESS;
+}
+
+API_OLD cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev) {
+    ENTER("cuDeviceCanAccessPeer");
+    if (!canAccessPeer) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev) || !valid_dev(peerDev)) return CUDA_ERROR_INVALID_DEVICE;
+    *canAccessPeer = dev != peerDev;
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Contexts                                                                                           */
+/* ------------------------------------------------------------------------------------------------ */
+API_OLD cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    ENTER("cuDevicePrimaryCtxRetain");
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    fk_lock(&G.lock);
+    G.dev[dev].ctx.refs++;
+    G.dev[dev].ctx.active = 1;
+    *pctx = &G.dev[dev].ctx;
+    fk_unlock(&G.lock);
+    return CUDA_SUCCESS;
+}
+
+static CUresult primary_release(const char *api, CUdevice dev) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER(api);
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    fk_lock(&G.lock);
+    if (G.dev[dev].ctx.refs <= 0) r = CUDA_ERROR_INVALID_CONTEXT;
+    else if (--G.dev[dev].ctx.refs == 0) {
+        sync_ctx_locked(&G.dev[dev].ctx);
+        G.dev[dev].ctx.active = 0;
+        G.dev[dev].ctx.peers = 0;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuDevicePrimaryCtxRelease(CUdevice dev) { return primary_release("cuDevicePrimaryCtxRelease", dev); }
+API_OLD cuDevicePrimaryCtxRelease_v2(CUdevice dev) { return primary_release("cuDevicePrimaryCtxRelease_v2", dev); }
+
+API_OLD cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+    ENTER("cuDevicePrimaryCtxGetState");
+    if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    fk_lock(&G.lock);
+    *flags = G.dev[dev].ctx.flags;
+    *active = G.dev[dev].ctx.active;
+    fk_unlock(&G.lock);
+    return CUDA_SUCCESS;
+}
+
+API_OLD cuCtxSetCurrent(CUcontext ctx) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuCtxSetCurrent");
+    fk_lock(&G.lock);
+    if (ctx && (!valid_ctx(ctx) || !ctx->active)) r = CUDA_ERROR_INVALID_CONTEXT;
+    else tl_ctx = ctx;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuCtxGetCurrent(CUcontext *pctx) {
+    ENTER("cuCtxGetCurrent");
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    *pctx = tl_ctx;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_or_current_locked(CUcontext ctx, fk_ctx **out) {
+    if (!ctx) return cur_ctx_locked(out);
+    if (!valid_ctx(ctx) || !ctx->active) return CUDA_ERROR_INVALID_CONTEXT;
+    *out = ctx;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_get_device(const char *api, CUdevice *device, CUcontext ctx) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER(api);
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = ctx_or_current_locked(ctx, &c);
+    if (!r) *device = c->dev;
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuCtxGetDevice(CUdevice *device) { return ctx_get_device("cuCtxGetDevice", device, NULL); }
+API_13000 cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) {
+    return ctx_get_device("cuCtxGetDevice_v2", device, ctx);
+}
+
+static CUresult ctx_sync(const char *api, CUcontext ctx) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER(api);
+    fk_lock(&G.lock);
+    r = ctx_or_current_locked(ctx, &c);
+    if (!r) sync_ctx_locked(c);
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuCtxSynchronize(void) { return ctx_sync("cuCtxSynchronize", NULL); }
+API_13000 cuCtxSynchronize_v2(CUcontext ctx) { return ctx_sync("cuCtxSynchronize_v2", ctx); }
+
+API_OLD cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER("cuCtxGetStreamPriorityRange");
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    fk_unlock(&G.lock);
+    if (r) return r;
+    if (leastPriority) *leastPriority = 0;
+    if (greatestPriority) *greatestPriority = -5;
+    return CUDA_SUCCESS;
+}
+
+API_OLD cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER("cuCtxEnablePeerAccess");
+    if (Flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r && (!peerContext || !valid_ctx(peerContext) || !peerContext->active)) r = CUDA_ERROR_INVALID_HANDLE;
+    if (!r && peerContext->dev == c->dev) r = CUDA_ERROR_INVALID_DEVICE;
+    if (!r && (c->peers & (1u << peerContext->dev))) r = CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+    if (!r) c->peers |= 1u << peerContext->dev;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuCtxDisablePeerAccess(CUcontext peerContext) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER("cuCtxDisablePeerAccess");
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r && (!peerContext || !valid_ctx(peerContext))) r = CUDA_ERROR_INVALID_HANDLE;
+    if (!r && !(c->peers & (1u << peerContext->dev))) r = CUDA_ERROR_PEER_ACCESS_NOT_ENABLED;
+    if (!r) c->peers &= ~(1u << peerContext->dev);
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Streams                                                                                            */
+/* ------------------------------------------------------------------------------------------------ */
+static CUresult stream_create(const char *api, CUstream *phStream, unsigned int flags, int priority) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER(api);
+    if (!phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING)) return CUDA_ERROR_INVALID_VALUE;
+    if (priority > 0) priority = 0;
+    if (priority < -5) priority = -5;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) {
+        fk_stream *s = new_stream_locked(c, flags, priority, SK_USER);
+        vec_push(&G.streams, s);
+        *phStream = s;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+    return stream_create("cuStreamCreate", phStream, Flags, 0);
+}
+API_OLD cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority) {
+    return stream_create("cuStreamCreateWithPriority", phStream, flags, priority);
+}
+
+static CUresult stream_destroy(const char *api, CUstream h) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER(api);
+    fk_lock(&G.lock);
+    if ((uintptr_t)h <= 2 || !vec_remove(&G.streams, h)) r = CUDA_ERROR_INVALID_HANDLE;
+    else {
+        h->destroyed = 1;
+        fk_broadcast(&G.cv);
+        stream_unref_locked(h);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuStreamDestroy(CUstream hStream) { return stream_destroy("cuStreamDestroy", hStream); }
+API_OLD cuStreamDestroy_v2(CUstream hStream) { return stream_destroy("cuStreamDestroy_v2", hStream); }
+
+API_OLD cuStreamSynchronize(CUstream hStream) {
+    fk_stream *s;
+    CUresult r;
+    ENTER("cuStreamSynchronize");
+    fk_lock(&G.lock);
+    r = get_stream_locked(hStream, &s);
+    if (!r) {
+        s->refs++;
+        wait_seq_locked(s, s->enqueued);
+        trim_after_sync_locked(s->ctx->dev);
+        stream_unref_locked(s);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuStreamQuery(CUstream hStream) {
+    fk_stream *s;
+    CUresult r;
+    ENTER("cuStreamQuery");
+    fk_lock(&G.lock);
+    r = get_stream_locked(hStream, &s);
+    if (!r && stream_pending(s)) r = CUDA_ERROR_NOT_READY;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static int valid_event(const fk_event *e) { return e && vec_find(&G.events, e) >= 0; }
+
+API_OLD cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
+    fk_stream *s;
+    CUresult r;
+    ENTER("cuStreamWaitEvent");
+    if (Flags & ~1u) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = get_stream_locked(hStream, &s);
+    if (!r && !valid_event(hEvent)) r = CUDA_ERROR_INVALID_HANDLE;
+    if (!r && hEvent->recorded) push_wait_locked(s, hEvent->rs, hEvent->rseq);
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuStreamGetPriority(CUstream hStream, int *priority) {
+    fk_stream *s;
+    CUresult r;
+    ENTER("cuStreamGetPriority");
+    if (!priority) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = get_stream_locked(hStream, &s);
+    if (!r) *priority = s->priority;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuStreamGetFlags(CUstream hStream, unsigned int *flags) {
+    fk_stream *s;
+    CUresult r;
+    ENTER("cuStreamGetFlags");
+    if (!flags) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = get_stream_locked(hStream, &s);
+    if (!r) *flags = s->flags;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static CUresult stream_get_ctx(const char *api, CUstream hStream, CUcontext *pctx, CUgreenCtx *pg) {
+    fk_stream *s;
+    CUresult r;
+    ENTER(api);
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = get_stream_locked(hStream, &s);
+    if (!r) *pctx = s->ctx;
+    if (!r && pg) *pg = NULL;
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
+    return stream_get_ctx("cuStreamGetCtx", hStream, pctx, NULL);
+}
+API_12050 cuStreamGetCtx_v2(CUstream hStream, CUcontext *pCtx, CUgreenCtx *pGreenCtx) {
+    return stream_get_ctx("cuStreamGetCtx_v2", hStream, pCtx, pGreenCtx);
+}
+
+API_OLD cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData) {
+    fk_stream *s;
+    CUresult r;
+    ENTER("cuLaunchHostFunc");
+    if (!fn) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = get_stream_locked(hStream, &s);
+    if (!r) {
+        fk_op *op = new_op(OP_HOSTFN, "cuLaunchHostFunc");
+        op->fn = fn;
+        op->ud = userData;
+        enqueue_locked(s, op);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Events                                                                                             */
+/* ------------------------------------------------------------------------------------------------ */
+API_OLD cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER("cuEventCreate");
+    if (!phEvent || (Flags & ~7u)) return CUDA_ERROR_INVALID_VALUE;
+    if ((Flags & CU_EVENT_INTERPROCESS) && !(Flags & CU_EVENT_DISABLE_TIMING)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) {
+        fk_event *e = (fk_event *)calloc(1, sizeof *e);
+        if (!e) abort();
+        e->magic = FK_MAGIC_EVENT;
+        e->ctx = c;
+        e->flags = Flags;
+        e->refs = 1;
+        vec_push(&G.events, e);
+        *phEvent = e;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static CUresult event_destroy(const char *api, CUevent e) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER(api);
+    fk_lock(&G.lock);
+    if (!e || !vec_remove(&G.events, e)) r = CUDA_ERROR_INVALID_HANDLE;
+    else event_unref_locked(e);
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuEventDestroy(CUevent hEvent) { return event_destroy("cuEventDestroy", hEvent); }
+API_OLD cuEventDestroy_v2(CUevent hEvent) { return event_destroy("cuEventDestroy_v2", hEvent); }
+
+API_OLD cuEventRecord(CUevent hEvent, CUstream hStream) {
+    fk_stream *s;
+    CUresult r;
+    ENTER("cuEventRecord");
+    fk_lock(&G.lock);
+    r = get_stream_locked(hStream, &s);
+    if (!r && !valid_event(hEvent)) r = CUDA_ERROR_INVALID_HANDLE;
+    if (!r) {
+        fk_op *op = new_op(OP_RECORD, "cuEventRecord");
+        fk_event *e = hEvent;
+        e->gen++;
+        e->t_valid = 0;
+        if (e->rs) stream_unref_locked(e->rs);
+        e->rs = s;
+        s->refs++;
+        e->recorded = 1;
+        op->ev = e;
+        op->gen = e->gen;
+        e->refs++;
+        e->rseq = enqueue_locked(s, op);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static int event_done_locked(const fk_event *e) { return !e->recorded || e->rs->completed >= e->rseq; }
+
+API_OLD cuEventQuery(CUevent hEvent) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuEventQuery");
+    fk_lock(&G.lock);
+    if (!valid_event(hEvent)) r = CUDA_ERROR_INVALID_HANDLE;
+    else if (!event_done_locked(hEvent)) r = CUDA_ERROR_NOT_READY;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuEventSynchronize(CUevent hEvent) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuEventSynchronize");
+    fk_lock(&G.lock);
+    if (!valid_event(hEvent)) r = CUDA_ERROR_INVALID_HANDLE;
+    else if (hEvent->recorded) {
+        fk_event *e = hEvent;
+        fk_stream *s = e->rs;
+        uint64_t seq = e->rseq;
+        e->refs++;
+        s->refs++;
+        wait_seq_locked(s, seq);
+        trim_after_sync_locked(s->ctx->dev);
+        stream_unref_locked(s);
+        event_unref_locked(e);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static CUresult elapsed(const char *api, float *pMilliseconds, CUevent hStart, CUevent hEnd) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER(api);
+    if (!pMilliseconds) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if (!valid_event(hStart) || !valid_event(hEnd)) r = CUDA_ERROR_INVALID_HANDLE;
+    else if ((hStart->flags | hEnd->flags) & CU_EVENT_DISABLE_TIMING) r = CUDA_ERROR_INVALID_HANDLE;
+    else if (!hStart->recorded || !hEnd->recorded) r = CUDA_ERROR_INVALID_HANDLE;
+    else if (!event_done_locked(hStart) || !event_done_locked(hEnd) || !hStart->t_valid || !hEnd->t_valid)
+        r = CUDA_ERROR_NOT_READY;
+    else *pMilliseconds = (float)(hEnd->t_ms - hStart->t_ms);
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd) {
+    return elapsed("cuEventElapsedTime", pMilliseconds, hStart, hEnd);
+}
+API_12080 cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd) {
+    return elapsed("cuEventElapsedTime_v2", pMilliseconds, hStart, hEnd);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Memory management                                                                                  */
+/* ------------------------------------------------------------------------------------------------ */
+API_OLD cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+    fk_ctx *c;
+    fk_block *b;
+    CUresult r;
+    ENTER("cuMemAlloc_v2");
+    if (!dptr || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) r = reserve_block_locked(c->dev, bytesize, &b);
+    if (!r) {
+        fk_alloc *a = new_alloc(b->base, bytesize, AK_DEVICE, c->dev, b);
+        tab_insert(&G.dtab, a);
+        *dptr = a->base;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemFree_v2(CUdeviceptr dptr) {
+    fk_ctx *c;
+    fk_alloc *a;
+    CUresult r;
+    ENTER("cuMemFree_v2");
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r && dptr == 0) goto out; /* freeing NULL is a no-op */
+    if (!r) {
+        a = tab_exact(&G.dtab, dptr, NULL);
+        if (!a) {
+            a = tab_exact(&G.htab, dptr, NULL);
+            if (a && a->kind != AK_MANAGED) a = NULL;
+        }
+        if (!a || a->free_pending) r = CUDA_ERROR_INVALID_VALUE;
+        else free_alloc_locked(a);
+    }
+out:
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemGetInfo_v2(size_t *free_, size_t *total) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER("cuMemGetInfo_v2");
+    if (!free_ || !total) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) {
+        fk_device *d = &G.dev[c->dev];
+        *total = (size_t)d->limit;
+        *free_ = (size_t)(d->limit - d->reserved);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER("cuMemAllocManaged");
+    if (!dptr || bytesize == 0 || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST))
+        return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) {
+        fk_device *d = &G.dev[c->dev];
+        uint64_t sz = round_up(bytesize, 512);
+        void *p;
+        if (d->reserved + sz > d->limit) r = CUDA_ERROR_OUT_OF_MEMORY;
+        else if (!(p = host_aligned_alloc(bytesize))) r = CUDA_ERROR_OUT_OF_MEMORY;
+        else {
+            fk_block *b = (fk_block *)calloc(1, sizeof *b);
+            fk_alloc *a;
+            if (!b) abort();
+            b->base = (uint64_t)(uintptr_t)p;
+            b->size = sz;
+            b->dev = -1;
+            b->backing = (unsigned char *)p;
+            b->owns_backing = 2;
+            d->reserved += sz;
+            a = new_alloc(b->base, bytesize, AK_MANAGED, c->dev, b);
+            tab_insert(&G.htab, a);
+            *dptr = a->base;
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static int htab_overlaps(uint64_t base, uint64_t size) {
+    long i = tab_floor(&G.htab, base + size - 1);
+    if (i < 0) return 0;
+    {
+        fk_alloc *a = (fk_alloc *)G.htab.v[i];
+        return a->base + a->size > base;
+    }
+}
+
+API_OLD cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER("cuMemHostAlloc");
+    if (!pp || bytesize == 0 || (Flags & ~(unsigned)CU_MEMHOSTALLOC_ALL)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) {
+        void *p = host_aligned_alloc(bytesize);
+        if (!p) r = CUDA_ERROR_OUT_OF_MEMORY;
+        else {
+            fk_block *b = (fk_block *)calloc(1, sizeof *b);
+            fk_alloc *a;
+            if (!b) abort();
+            b->base = (uint64_t)(uintptr_t)p;
+            b->size = bytesize;
+            b->dev = -1;
+            b->backing = (unsigned char *)p;
+            b->owns_backing = 2;
+            a = new_alloc(b->base, bytesize, AK_HOSTALLOC, -1, b);
+            tab_insert(&G.htab, a);
+            *pp = p;
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemFreeHost(void *p) {
+    fk_alloc *a;
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuMemFreeHost");
+    fk_lock(&G.lock);
+    a = tab_exact(&G.htab, (uint64_t)(uintptr_t)p, NULL);
+    if (!p || !a || a->kind != AK_HOSTALLOC) r = CUDA_ERROR_INVALID_VALUE;
+    else free_alloc_locked(a);
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static CUresult host_register(const char *api, void *p, size_t bytesize, unsigned int Flags) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER(api);
+    if (!p || bytesize == 0 || (Flags & ~(unsigned)CU_MEMHOSTREGISTER_ALL)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r && htab_overlaps((uint64_t)(uintptr_t)p, bytesize)) r = CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    if (!r) {
+        fk_block *b = (fk_block *)calloc(1, sizeof *b);
+        if (!b) abort();
+        b->base = (uint64_t)(uintptr_t)p;
+        b->size = bytesize;
+        b->dev = -1;
+        b->backing = (unsigned char *)p;
+        tab_insert(&G.htab, new_alloc(b->base, bytesize, AK_REGISTERED, -1, b));
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuMemHostRegister(void *p, size_t bytesize, unsigned int Flags) {
+    return host_register("cuMemHostRegister", p, bytesize, Flags);
+}
+API_OLD cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags) {
+    return host_register("cuMemHostRegister_v2", p, bytesize, Flags);
+}
+
+API_OLD cuMemHostUnregister(void *p) {
+    fk_ctx *c;
+    fk_alloc *a;
+    CUresult r;
+    ENTER("cuMemHostUnregister");
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) {
+        a = tab_exact(&G.htab, (uint64_t)(uintptr_t)p, NULL);
+        if (!p || !a || a->kind != AK_REGISTERED) r = CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+        else free_alloc_locked(a);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ---- memset / memcpy ---- */
+static int host_is_pinned_locked(const void *p, size_t n) {
+    uint64_t a = (uint64_t)(uintptr_t)p;
+    fk_alloc *al = tab_containing(&G.htab, a);
+    return al && a + n <= al->base + al->size;
+}
+
+static CUresult submit_memset(const char *api, CUdeviceptr dst, uint32_t value, size_t n, int elem, CUstream h,
+                              int sync) {
+    fk_stream *s;
+    CUresult r;
+    ENTER(api);
+    if (elem == 4 && (dst & 3)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = sync ? get_stream_locked(NULL, &s) : get_stream_locked(h, &s);
+    if (!r) {
+        fk_op *op = new_op(OP_MEMSET, api);
+        uint64_t seq;
+        op->dst = dst;
+        op->value = value;
+        op->count = n;
+        op->elem = elem;
+        seq = enqueue_locked(s, op);
+        if (sync) wait_seq_locked(s, seq);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N) {
+    return submit_memset("cuMemsetD8_v2", dstDevice, uc, N, 1, NULL, 1);
+}
+API_OLD cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int ui, size_t N) {
+    return submit_memset("cuMemsetD32_v2", dstDevice, ui, N, 4, NULL, 1);
+}
+API_OLD cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream) {
+    return submit_memset("cuMemsetD8Async", dstDevice, uc, N, 1, hStream, 0);
+}
+API_OLD cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream) {
+    return submit_memset("cuMemsetD32Async", dstDevice, ui, N, 4, hStream, 0);
+}
+
+/* sync: 0 = async, 1 = synchronous API (legacy stream, wait). */
+static CUresult submit_copy(const char *api, int kind, uint64_t dst, uint64_t src, size_t n, CUstream h, int sync) {
+    fk_stream *s;
+    CUresult r;
+    ENTER(api);
+    if (n && ((kind == CP_HTOD && !src) || (kind == CP_DTOH && !dst))) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = sync ? get_stream_locked(NULL, &s) : get_stream_locked(h, &s);
+    if (!r) {
+        fk_op *op = new_op(OP_COPY, api);
+        uint64_t seq;
+        op->cpkind = kind;
+        op->dst = dst;
+        op->src = src;
+        op->count = n;
+        op->elem = 1;
+        if (!sync && kind == CP_HTOD && n && !host_is_pinned_locked((const void *)(uintptr_t)src, n)) {
+            /* pageable source: staged at the call, as the real driver does */
+            void *snap = malloc(n);
+            if (!snap) abort();
+            memcpy(snap, (const void *)(uintptr_t)src, n);
+            op->src = (uint64_t)(uintptr_t)snap;
+            op->src_snapshot = 1;
+        }
+        if (!sync && kind == CP_DTOH && n && !host_is_pinned_locked((const void *)(uintptr_t)dst, n))
+            sync = 1; /* pageable destination: synchronous, as in the real driver */
+        seq = enqueue_locked(s, op);
+        if (sync) wait_seq_locked(s, seq);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
+    return submit_copy("cuMemcpyHtoD_v2", CP_HTOD, dstDevice, (uint64_t)(uintptr_t)srcHost, ByteCount, NULL, 1);
+}
+API_OLD cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount) {
+    return submit_copy("cuMemcpyDtoH_v2", CP_DTOH, (uint64_t)(uintptr_t)dstHost, srcDevice, ByteCount, NULL, 1);
+}
+API_OLD cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount) {
+    return submit_copy("cuMemcpyDtoD_v2", CP_DTOD, dstDevice, srcDevice, ByteCount, NULL, 1);
+}
+API_OLD cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream) {
+    return submit_copy("cuMemcpyHtoDAsync_v2", CP_HTOD, dstDevice, (uint64_t)(uintptr_t)srcHost, ByteCount,
+                       hStream, 0);
+}
+API_OLD cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream) {
+    return submit_copy("cuMemcpyDtoHAsync_v2", CP_DTOH, (uint64_t)(uintptr_t)dstHost, srcDevice, ByteCount,
+                       hStream, 0);
+}
+API_OLD cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream) {
+    return submit_copy("cuMemcpyDtoDAsync_v2", CP_DTOD, dstDevice, srcDevice, ByteCount, hStream, 0);
+}
+
+static CUresult check_peer_ctxs(const char *api, CUcontext a, CUcontext b) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER(api);
+    fk_lock(&G.lock);
+    if (!a || !b || !valid_ctx(a) || !valid_ctx(b) || !a->active || !b->active) r = CUDA_ERROR_INVALID_CONTEXT;
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, CUcontext srcContext,
+                     size_t ByteCount) {
+    CUresult r = check_peer_ctxs("cuMemcpyPeer", dstContext, srcContext);
+    if (r) return r;
+    return submit_copy("cuMemcpyPeer", CP_DTOD, dstDevice, srcDevice, ByteCount, NULL, 1);
+}
+API_OLD cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                          CUcontext srcContext, size_t ByteCount, CUstream hStream) {
+    CUresult r = check_peer_ctxs("cuMemcpyPeerAsync", dstContext, srcContext);
+    if (r) return r;
+    return submit_copy("cuMemcpyPeerAsync", CP_DTOD, dstDevice, srcDevice, ByteCount, hStream, 0);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Memory pools (CUDA_ERROR_NOT_SUPPORTED in tcc mode)                                               */
+/* ------------------------------------------------------------------------------------------------ */
+static int valid_pool(const fk_pool *p) { return p && vec_find(&G.pools, p) >= 0; }
+
+API_11020 cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev) {
+    ENTER("cuDeviceGetDefaultMemPool");
+    if (!pool_out) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    if (G.dev[dev].mode == MODE_TCC) return CUDA_ERROR_NOT_SUPPORTED;
+    *pool_out = G.dev[dev].default_pool;
+    return CUDA_SUCCESS;
+}
+
+API_11020 cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) {
+    ENTER("cuDeviceGetMemPool");
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    if (G.dev[dev].mode == MODE_TCC) return CUDA_ERROR_NOT_SUPPORTED;
+    fk_lock(&G.lock);
+    *pool = G.dev[dev].cur_pool;
+    fk_unlock(&G.lock);
+    return CUDA_SUCCESS;
+}
+
+API_11020 cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuDeviceSetMemPool");
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    if (G.dev[dev].mode == MODE_TCC) return CUDA_ERROR_NOT_SUPPORTED;
+    fk_lock(&G.lock);
+    if (!valid_pool(pool)) r = CUDA_ERROR_INVALID_HANDLE;
+    else if (pool->dev != dev) r = CUDA_ERROR_INVALID_DEVICE;
+    else G.dev[dev].cur_pool = pool;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11020 cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
+    int dev;
+    unsigned supported;
+    ENTER("cuMemPoolCreate");
+    if (!pool || !poolProps) return CUDA_ERROR_INVALID_VALUE;
+    if (poolProps->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
+        poolProps->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    dev = poolProps->location.id;
+    if (!valid_dev(dev)) return CUDA_ERROR_INVALID_DEVICE;
+    if (G.dev[dev].mode == MODE_TCC) return CUDA_ERROR_NOT_SUPPORTED;
+    supported = (unsigned)attr_value(dev, 119);
+    if ((unsigned)poolProps->handleTypes & ~supported) return CUDA_ERROR_NOT_SUPPORTED;
+    fk_lock(&G.lock);
+    *pool = new_pool_locked(dev, 0);
+    (*pool)->max_size = poolProps->maxSize;
+    fk_unlock(&G.lock);
+    return CUDA_SUCCESS;
+}
+
+/* Validates a pool handle for a pool entry point (lock held). No pool exists on a tcc device; an
+   invalid handle gives NOT_SUPPORTED where the current device (or every device) is tcc. */
+static int all_tcc(void) {
+    int i;
+    for (i = 0; i < G.ndev; i++)
+        if (G.dev[i].mode != MODE_TCC) return 0;
+    return 1;
+}
+static CUresult pool_entry_locked(CUmemoryPool pool) {
+    fk_ctx *c = tl_ctx;
+    if (valid_pool(pool)) return CUDA_SUCCESS; /* pools only exist on devices that support them */
+    if (all_tcc() || (c && c->active && G.dev[c->dev].mode == MODE_TCC)) return CUDA_ERROR_NOT_SUPPORTED;
+    return CUDA_ERROR_INVALID_HANDLE;
+}
+
+API_11020 cuMemPoolDestroy(CUmemoryPool pool) {
+    CUresult r;
+    ENTER("cuMemPoolDestroy");
+    fk_lock(&G.lock);
+    r = pool_entry_locked(pool);
+    if (!r && pool->is_default) r = CUDA_ERROR_INVALID_VALUE;
+    if (!r) {
+        vec_remove(&G.pools, pool);
+        if (G.dev[pool->dev].cur_pool == pool) G.dev[pool->dev].cur_pool = G.dev[pool->dev].default_pool;
+        pool->destroyed = 1;
+        pool->magic = 0;
+        pool_release_cached_locked(pool, 0);
+        pool_maybe_free_locked(pool);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11020 cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value) {
+    CUresult r;
+    ENTER("cuMemPoolSetAttribute");
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = pool_entry_locked(pool);
+    if (!r) {
+        switch (attr) {
+        case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES:
+            pool->reuse[attr - 1] = *(int *)value != 0;
+            break;
+        case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD:
+            pool->threshold = *(cuuint64_t *)value;
+            break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+            if (*(cuuint64_t *)value != 0) r = CUDA_ERROR_INVALID_VALUE;
+            else pool->reserved_high = pool->reserved;
+            break;
+        case CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+            if (*(cuuint64_t *)value != 0) r = CUDA_ERROR_INVALID_VALUE;
+            else pool->used_high = pool->used;
+            break;
+        default:
+            r = CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11020 cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value) {
+    CUresult r;
+    ENTER("cuMemPoolGetAttribute");
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = pool_entry_locked(pool);
+    if (!r) {
+        switch (attr) {
+        case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES:
+            *(int *)value = pool->reuse[attr - 1];
+            break;
+        case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t *)value = pool->threshold; break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = pool->reserved; break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = pool->reserved_high; break;
+        case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = pool->used; break;
+        case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = pool->used_high; break;
+        default: r = CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11020 cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
+    CUresult r;
+    ENTER("cuMemPoolTrimTo");
+    fk_lock(&G.lock);
+    r = pool_entry_locked(pool);
+    if (!r) pool_release_cached_locked(pool, minBytesToKeep);
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11020 cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_t count) {
+    CUresult r;
+    size_t i;
+    ENTER("cuMemPoolSetAccess");
+    if (!map && count) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = pool_entry_locked(pool);
+    for (i = 0; !r && i < count; i++) {
+        int f = map[i].flags;
+        if (map[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || !valid_dev(map[i].location.id) ||
+            (f != CU_MEM_ACCESS_FLAGS_PROT_NONE && f != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+             f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
+            r = CUDA_ERROR_INVALID_VALUE;
+        else if (map[i].location.id == pool->dev && f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            r = CUDA_ERROR_INVALID_DEVICE;
+    }
+    for (i = 0; !r && i < count; i++) pool->access[map[i].location.id] = map[i].flags;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11020 cuMemPoolGetAccess(int *flags, CUmemoryPool memPool, CUmemLocation *location) {
+    CUresult r;
+    ENTER("cuMemPoolGetAccess");
+    if (!flags || !location) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = pool_entry_locked(memPool);
+    if (!r && (location->type != CU_MEM_LOCATION_TYPE_DEVICE || !valid_dev(location->id)))
+        r = CUDA_ERROR_INVALID_VALUE;
+    if (!r) *flags = memPool->access[location->id];
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static CUresult alloc_async(const char *api, CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream h,
+                            int from_pool) {
+    fk_stream *s;
+    fk_alloc *a;
+    CUresult r;
+    ENTER(api);
+    fk_lock(&G.lock);
+    r = get_stream_locked(h, &s);
+    if (!r && G.dev[s->ctx->dev].mode == MODE_TCC) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r && (!dptr || bytesize == 0 || (from_pool && !pool))) r = CUDA_ERROR_INVALID_VALUE;
+    if (!r && pool) r = valid_pool(pool) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    if (!r && pool && G.dev[pool->dev].mode == MODE_TCC) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r) r = pool_alloc_locked(pool ? pool : G.dev[s->ctx->dev].cur_pool, bytesize, &a);
+    if (!r) *dptr = a->base;
+    fk_unlock(&G.lock);
+    return r;
+}
+API_11020 cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    return alloc_async("cuMemAllocAsync", dptr, bytesize, NULL, hStream, 0);
+}
+API_11020 cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream) {
+    return alloc_async("cuMemAllocFromPoolAsync", dptr, bytesize, pool, hStream, 1);
+}
+
+API_11020 cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
+    fk_stream *s;
+    fk_alloc *a;
+    CUresult r;
+    ENTER("cuMemFreeAsync");
+    fk_lock(&G.lock);
+    r = get_stream_locked(hStream, &s);
+    if (!r && G.dev[s->ctx->dev].mode == MODE_TCC) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r) {
+        a = tab_exact(&G.dtab, dptr, NULL);
+        if (!a || a->free_pending) r = CUDA_ERROR_INVALID_VALUE;
+        else {
+            fk_op *op = new_op(OP_FREE, "cuMemFreeAsync");
+            a->free_pending = 1;
+            op->fa = a;
+            enqueue_locked(s, op);
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Modules and functions                                                                              */
+/* ------------------------------------------------------------------------------------------------ */
+static void write_log(char *buf, size_t *size_io, const char *msg) {
+    size_t cap = *size_io, len = strlen(msg) + 1;
+    if (!buf || cap == 0) return;
+    if (len > cap) len = cap;
+    memcpy(buf, msg, len - 1);
+    buf[len - 1] = 0;
+    *size_io = len;
+}
+
+static int kernel_by_name(const char *name, size_t len) {
+    int k;
+    for (k = 0; k < K_COUNT; k++)
+        if (strlen(KERNELS[k].name) == len && !strncmp(KERNELS[k].name, name, len)) return k;
+    return -1;
+}
+
+/* Parses the image; returns CUDA_SUCCESS or an error with `msg` filled in. */
+static CUresult parse_image(const void *image, int *kernels, int *nk, char *msg, size_t msglen) {
+    const unsigned char *u = (const unsigned char *)image;
+    const char *t = (const char *)image, *line = t;
+    uint32_t magic;
+    int lineno = 1, seen[K_COUNT] = {0};
+    *nk = 0;
+    if (!u[0] || !u[1] || !u[2] || !u[3]) magic = 0;
+    else memcpy(&magic, u, 4);
+    if ((u[0] == 0x7f && u[1] == 'E' && u[2] == 'L' && u[3] == 'F') || magic == 0xBA55ED50u || magic == 0x466243b1u) {
+        snprintf(msg, msglen, "fake driver: binary images (ELF/cubin/fatbin) are not supported, pass PTX text");
+        return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    }
+    while (*line) {
+        size_t ll = strcspn(line, "\n");
+        const char *p = line, *end = line + ll;
+        /* .fake_syntax_error anywhere on the line */
+        for (p = line; p + 18 <= end; p++)
+            if (!strncmp(p, ".fake_syntax_error", 18)) {
+                snprintf(msg, msglen, "fake ptxas: line %d: syntax error at '.fake_syntax_error'", lineno);
+                return CUDA_ERROR_INVALID_PTX;
+            }
+        for (p = line; p + 6 <= end; p++) {
+            if (!strncmp(p, ".entry", 6) && (p + 6 == end || p[6] == ' ' || p[6] == '\t')) {
+                const char *n = p + 6, *ne;
+                int k;
+                while (n < end && (*n == ' ' || *n == '\t')) n++;
+                ne = n;
+                while (ne < end && (((*ne | 32) >= 'a' && (*ne | 32) <= 'z') || (*ne >= '0' && *ne <= '9') ||
+                                    *ne == '_' || *ne == '$'))
+                    ne++;
+                k = kernel_by_name(n, (size_t)(ne - n));
+                if (k < 0) {
+                    snprintf(msg, msglen,
+                             "fake ptxas: line %d: unknown entry '%.*s' (built-in kernels: fill_u32, add_f32, "
+                             "spin_fill_u32, empty, fill_pattern_u8)",
+                             lineno, (int)(ne - n), n);
+                    return CUDA_ERROR_INVALID_PTX;
+                }
+                if (!seen[k]) {
+                    seen[k] = 1;
+                    kernels[(*nk)++] = k;
+                }
+                p = ne - 1;
+            }
+        }
+        line = *end ? end + 1 : end;
+        if (*end) lineno++;
+    }
+    if (*nk == 0) {
+        snprintf(msg, msglen, "fake ptxas: line %d: no .entry found in the module", lineno);
+        return CUDA_ERROR_INVALID_PTX;
+    }
+    snprintf(msg, msglen, "fake ptxas: %d entr%s compiled", *nk, *nk == 1 ? "y" : "ies");
+    return CUDA_SUCCESS;
+}
+
+static CUresult module_load(const char *api, CUmodule *module, const void *image, unsigned int numOptions,
+                            CUjit_option *options, void **optionValues) {
+    fk_ctx *c;
+    CUresult r;
+    char msg[512];
+    int kernels[K_COUNT], nk = 0;
+    unsigned i;
+    char *errbuf = NULL, *infobuf = NULL;
+    size_t errsz = 0, infosz = 0;
+    ENTER(api);
+    if (!module || !image || (numOptions && (!options || !optionValues))) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    fk_unlock(&G.lock);
+    if (r) return r;
+    for (i = 0; i < numOptions; i++) {
+        if (options[i] == CU_JIT_ERROR_LOG_BUFFER) errbuf = (char *)optionValues[i];
+        if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) errsz = (size_t)(uintptr_t)optionValues[i];
+        if (options[i] == CU_JIT_INFO_LOG_BUFFER) infobuf = (char *)optionValues[i];
+        if (options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES) infosz = (size_t)(uintptr_t)optionValues[i];
+    }
+    r = parse_image(image, kernels, &nk, msg, sizeof msg);
+    if (r) {
+        write_log(errbuf, &errsz, msg);
+        if (infobuf && infosz) infobuf[0] = 0, infosz = 1;
+    } else {
+        if (errbuf && errsz) errbuf[0] = 0, errsz = 1;
+        write_log(infobuf, &infosz, msg);
+    }
+    for (i = 0; i < numOptions; i++) {
+        if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) optionValues[i] = (void *)(uintptr_t)errsz;
+        if (options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES) optionValues[i] = (void *)(uintptr_t)infosz;
+    }
+    if (r) return r;
+    {
+        fk_module *m = (fk_module *)calloc(1, sizeof *m);
+        int k;
+        if (!m) abort();
+        m->magic = FK_MAGIC_MODULE;
+        m->ctx = c;
+        m->nfuncs = nk;
+        for (k = 0; k < nk; k++) {
+            m->funcs[k].magic = FK_MAGIC_FUNC;
+            m->funcs[k].mod = m;
+            m->funcs[k].kernel = kernels[k];
+            m->funcs[k].max_dyn_smem = FK_SMEM_DEFAULT;
+            m->funcs[k].carveout = -1;
+        }
+        fk_lock(&G.lock);
+        vec_push(&G.modules, m);
+        fk_unlock(&G.lock);
+        *module = m;
+    }
+    return CUDA_SUCCESS;
+}
+API_OLD cuModuleLoadData(CUmodule *module, const void *image) {
+    return module_load("cuModuleLoadData", module, image, 0, NULL, NULL);
+}
+API_OLD cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions, CUjit_option *options,
+                           void **optionValues) {
+    return module_load("cuModuleLoadDataEx", module, image, numOptions, options, optionValues);
+}
+
+API_OLD cuModuleUnload(CUmodule hmod) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuModuleUnload");
+    fk_lock(&G.lock);
+    if (!hmod || !vec_remove(&G.modules, hmod)) r = CUDA_ERROR_INVALID_HANDLE;
+    else {
+        hmod->magic = 0;
+        free(hmod);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
+    CUresult r = CUDA_ERROR_NOT_FOUND;
+    int k;
+    ENTER("cuModuleGetFunction");
+    if (!hfunc || !name) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if (!hmod || vec_find(&G.modules, hmod) < 0) r = CUDA_ERROR_INVALID_HANDLE;
+    else
+        for (k = 0; k < hmod->nfuncs; k++)
+            if (!strcmp(KERNELS[hmod->funcs[k].kernel].name, name)) {
+                *hfunc = &hmod->funcs[k];
+                r = CUDA_SUCCESS;
+            }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* Lock held. */
+static int valid_func(const fk_func *f) {
+    size_t i;
+    for (i = 0; i < G.modules.n; i++) {
+        const fk_module *m = (const fk_module *)G.modules.v[i];
+        if (f >= m->funcs && f < m->funcs + m->nfuncs) return 1;
+    }
+    return 0;
+}
+
+API_OLD cuFuncGetAttribute(int *pi, int attrib, CUfunction hfunc) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuFuncGetAttribute");
+    if (!pi) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if (!valid_func(hfunc)) r = CUDA_ERROR_INVALID_HANDLE;
+    else
+        switch (attrib) {
+        case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *pi = 1024; break;
+        case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
+        case CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES:
+        case CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES: *pi = 0; break;
+        case CU_FUNC_ATTRIBUTE_NUM_REGS: *pi = 16; break;
+        case CU_FUNC_ATTRIBUTE_PTX_VERSION:
+        case CU_FUNC_ATTRIBUTE_BINARY_VERSION: *pi = 90; break;
+        case CU_FUNC_ATTRIBUTE_CACHE_MODE_CA: *pi = 0; break;
+        case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *pi = hfunc->max_dyn_smem; break;
+        case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: *pi = hfunc->carveout; break;
+        case CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET: *pi = 0; break;
+        case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH:
+        case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT:
+        case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH:
+            *pi = hfunc->cluster[attrib - CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH];
+            break;
+        case CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: *pi = hfunc->nonportable; break;
+        case CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE: *pi = hfunc->sched; break;
+        default: r = CUDA_ERROR_INVALID_VALUE;
+        }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuFuncSetAttribute(CUfunction hfunc, int attrib, int value) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuFuncSetAttribute");
+    fk_lock(&G.lock);
+    if (!valid_func(hfunc)) r = CUDA_ERROR_INVALID_HANDLE;
+    else
+        switch (attrib) {
+        case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+            if (value < 0 || value > FK_SMEM_OPTIN) r = CUDA_ERROR_INVALID_VALUE;
+            else hfunc->max_dyn_smem = value;
+            break;
+        case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT:
+            if (value < -1 || value > 100) r = CUDA_ERROR_INVALID_VALUE;
+            else hfunc->carveout = value;
+            break;
+        case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH:
+        case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT:
+        case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH:
+            if (value < 0 || value > 16) r = CUDA_ERROR_INVALID_VALUE;
+            else hfunc->cluster[attrib - CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH] = value;
+            break;
+        case CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: hfunc->nonportable = value != 0; break;
+        case CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE:
+            if (value < 0 || value > 2) r = CUDA_ERROR_INVALID_VALUE;
+            else hfunc->sched = value;
+            break;
+        default: r = CUDA_ERROR_INVALID_VALUE;
+        }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ---- occupancy ---- */
+static int blocks_per_sm(int blockSize, size_t dynSmem) {
+    int warps, by_threads, by_regs, by_smem = 32;
+    if (blockSize <= 0 || blockSize > 1024) return 0;
+    warps = (blockSize + 31) / 32;
+    by_threads = 64 / warps; /* 2048 threads = 64 warps per SM */
+    by_regs = 65536 / (16 * warps * 32);
+    if (dynSmem > FK_SMEM_OPTIN) return 0;
+    if (dynSmem) by_smem = (int)(FK_SMEM_PER_SM / (dynSmem + 1024));
+    {
+        int b = by_threads < by_regs ? by_threads : by_regs;
+        if (by_smem < b) b = by_smem;
+        return b > 32 ? 32 : b;
+    }
+}
+
+API_OLD cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction func, int blockSize,
+                                                    size_t dynamicSMemSize) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    if (!numBlocks) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if (!valid_func(func)) r = CUDA_ERROR_INVALID_HANDLE;
+    fk_unlock(&G.lock);
+    if (!r) *numBlocks = blocks_per_sm(blockSize, dynamicSMemSize);
+    return r;
+}
+
+API_OLD cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction func,
+                                         CUoccupancyB2DSize blockSizeToDynamicSMemSize, size_t dynamicSMemSize,
+                                         int blockSizeLimit) {
+    CUresult r = CUDA_SUCCESS;
+    int bs, best_bs = 0, best_occ = -1, best_blocks = 0, limit;
+    ENTER("cuOccupancyMaxPotentialBlockSize");
+    if (!minGridSize || !blockSize) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if (!valid_func(func)) r = CUDA_ERROR_INVALID_HANDLE;
+    fk_unlock(&G.lock);
+    if (r) return r;
+    limit = blockSizeLimit > 0 && blockSizeLimit < 1024 ? blockSizeLimit : 1024;
+    for (bs = limit; bs > 0; bs -= 32) {
+        size_t sm = blockSizeToDynamicSMemSize ? blockSizeToDynamicSMemSize(bs) : dynamicSMemSize;
+        int b = blocks_per_sm(bs, sm);
+        if (b * bs > best_occ) {
+            best_occ = b * bs;
+            best_bs = bs;
+            best_blocks = b;
+        }
+        if (bs < 32) break;
+    }
+    *blockSize = best_bs;
+    *minGridSize = best_blocks * FK_SM_COUNT;
+    return CUDA_SUCCESS;
+}
+
+/* ---- launches ---- */
+static CUresult launch(const char *api, CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                       unsigned by, unsigned bz, unsigned smem, CUstream h, void **kernelParams, void **extra,
+                       int cooperative, const unsigned *cluster) {
+    fk_stream *s;
+    CUresult r = CUDA_SUCCESS;
+    fk_op *op;
+    unsigned char pbuf[32];
+    int k, i;
+    memset(pbuf, 0, sizeof pbuf);
+    fk_lock(&G.lock);
+    if (!valid_func(f)) r = CUDA_ERROR_INVALID_HANDLE;
+    if (!r) r = get_stream_locked(h, &s);
+    if (r) goto out;
+    k = f->kernel;
+    if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || gx > 2147483647u || gy > 65535 ||
+        gz > 65535 || bx > 1024 || by > 1024 || bz > 64 || (uint64_t)bx * by * bz > 1024 ||
+        smem > (unsigned)f->max_dyn_smem || (kernelParams && extra)) {
+        r = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
+    if (cluster) {
+        if (cluster[0] == 0 || cluster[1] == 0 || cluster[2] == 0 || gx % cluster[0] || gy % cluster[1] ||
+            gz % cluster[2] || (uint64_t)cluster[0] * cluster[1] * cluster[2] > (f->nonportable ? 16u : 8u)) {
+            r = CUDA_ERROR_INVALID_VALUE;
+            goto out;
+        }
+    }
+    if (cooperative &&
+        (uint64_t)gx * gy * gz > (uint64_t)blocks_per_sm((int)(bx * by * bz), smem) * FK_SM_COUNT) {
+        r = CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
+        goto out;
+    }
+    if (KERNELS[k].nparams) {
+        if (kernelParams) {
+            for (i = 0; i < KERNELS[k].nparams; i++) {
+                if (!kernelParams[i]) {
+                    r = CUDA_ERROR_INVALID_VALUE;
+                    goto out;
+                }
+                memcpy(pbuf + KERNELS[k].off[i], kernelParams[i], (size_t)KERNELS[k].size[i]);
+            }
+        } else if (extra) {
+            void *buf = NULL;
+            size_t *sz = NULL;
+            for (i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+                if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buf = extra[i + 1];
+                else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE) sz = (size_t *)extra[i + 1];
+                else {
+                    r = CUDA_ERROR_INVALID_VALUE;
+                    goto out;
+                }
+            }
+            if (!buf || !sz || *sz < (size_t)KERNELS[k].total) {
+                r = CUDA_ERROR_INVALID_VALUE;
+                goto out;
+            }
+            memcpy(pbuf, buf, (size_t)KERNELS[k].total);
+        } else {
+            r = CUDA_ERROR_INVALID_VALUE;
+            goto out;
+        }
+    }
+    op = new_op(OP_KERNEL, api);
+    op->kernel = k;
+    for (i = 0; i < KERNELS[k].nparams; i++) {
+        if (KERNELS[k].size[i] == 4) memcpy(&op->kval, pbuf + KERNELS[k].off[i], 4);
+        else memcpy(&op->kp[i], pbuf + KERNELS[k].off[i], 8);
+    }
+    enqueue_locked(s, op);
+out:
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                       unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                       unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra) {
+    ENTER("cuLaunchKernel");
+    return launch("cuLaunchKernel", f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                  sharedMemBytes, hStream, kernelParams, extra, 0, NULL);
+}
+
+API_OLD cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                  unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                  unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                  void **kernelParams) {
+    ENTER("cuLaunchCooperativeKernel");
+    return launch("cuLaunchCooperativeKernel", f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                  sharedMemBytes, hStream, kernelParams, NULL, 1, NULL);
+}
+
+API_11060 cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
+    unsigned i, cluster[3];
+    int coop = 0, has_cluster = 0;
+    ENTER("cuLaunchKernelEx");
+    if (!config || (config->numAttrs && !config->attrs)) return CUDA_ERROR_INVALID_VALUE;
+    for (i = 0; i < config->numAttrs; i++) {
+        const CUlaunchAttribute *a = &config->attrs[i];
+        if (a->id == CU_LAUNCH_ATTRIBUTE_COOPERATIVE) coop = a->value.cooperative != 0;
+        else if (a->id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) {
+            has_cluster = 1;
+            cluster[0] = a->value.clusterDim.x;
+            cluster[1] = a->value.clusterDim.y;
+            cluster[2] = a->value.clusterDim.z;
+        } else if (a->id < 0 || a->id > CU_LAUNCH_ATTRIBUTE_MAX_KNOWN)
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    return launch("cuLaunchKernelEx", f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
+                  config->blockDimY, config->blockDimZ, config->sharedMemBytes, config->hStream, kernelParams,
+                  extra, coop, has_cluster ? cluster : NULL);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* cuGetProcAddress                                                                                   */
+/* ------------------------------------------------------------------------------------------------ */
+typedef struct {
+    const char *name;
+    int version;
+    void *fn;
+} fk_proc;
+
+API_11030 cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
+API_12000 cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                              CUdriverProcAddressQueryResult *symbolStatus);
+
+#define P(name, ver, fn) {name, ver, (void *)fn}
+static const fk_proc PROC_TABLE[] = {
+    P("cuInit", 2000, cuInit),
+    P("cuDriverGetVersion", 2020, cuDriverGetVersion),
+    P("cuGetProcAddress", 11030, cuGetProcAddress),
+    P("cuGetProcAddress", 12000, cuGetProcAddress_v2),
+    P("cuGetErrorName", 6000, cuGetErrorName),
+    P("cuGetErrorString", 6000, cuGetErrorString),
+    P("cuDeviceGetCount", 2000, cuDeviceGetCount),
+    P("cuDeviceGet", 2000, cuDeviceGet),
+    P("cuDeviceGetName", 2000, cuDeviceGetName),
+    P("cuDeviceGetUuid", 9020, cuDeviceGetUuid),
+    P("cuDeviceGetUuid", 11040, cuDeviceGetUuid_v2),
+    P("cuDeviceGetPCIBusId", 4010, cuDeviceGetPCIBusId),
+    P("cuDeviceTotalMem", 3020, cuDeviceTotalMem_v2),
+    P("cuDeviceGetAttribute", 2000, cuDeviceGetAttribute),
+    P("cuDeviceGetDefaultMemPool", 11020, cuDeviceGetDefaultMemPool),
+    P("cuDeviceGetMemPool", 11020, cuDeviceGetMemPool),
+    P("cuDeviceSetMemPool", 11020, cuDeviceSetMemPool),
+    P("cuDeviceCanAccessPeer", 4000, cuDeviceCanAccessPeer),
+    P("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
+    P("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease),
+    P("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2),
+    P("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState),
+    P("cuCtxSetCurrent", 4000, cuCtxSetCurrent),
+    P("cuCtxGetCurrent", 4000, cuCtxGetCurrent),
+    P("cuCtxGetDevice", 2000, cuCtxGetDevice),
+    P("cuCtxGetDevice", 13000, cuCtxGetDevice_v2),
+    P("cuCtxSynchronize", 2000, cuCtxSynchronize),
+    P("cuCtxSynchronize", 13000, cuCtxSynchronize_v2),
+    P("cuCtxGetStreamPriorityRange", 5050, cuCtxGetStreamPriorityRange),
+    P("cuCtxEnablePeerAccess", 4000, cuCtxEnablePeerAccess),
+    P("cuCtxDisablePeerAccess", 4000, cuCtxDisablePeerAccess),
+    P("cuStreamCreate", 2000, cuStreamCreate),
+    P("cuStreamCreateWithPriority", 5050, cuStreamCreateWithPriority),
+    P("cuStreamDestroy", 2000, cuStreamDestroy),
+    P("cuStreamDestroy", 4000, cuStreamDestroy_v2),
+    P("cuStreamSynchronize", 2000, cuStreamSynchronize),
+    P("cuStreamQuery", 2000, cuStreamQuery),
+    P("cuStreamWaitEvent", 3020, cuStreamWaitEvent),
+    P("cuStreamGetPriority", 5050, cuStreamGetPriority),
+    P("cuStreamGetFlags", 5050, cuStreamGetFlags),
+    P("cuStreamGetCtx", 9020, cuStreamGetCtx),
+    P("cuStreamGetCtx", 12050, cuStreamGetCtx_v2),
+    P("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
+    P("cuEventCreate", 2000, cuEventCreate),
+    P("cuEventDestroy", 2000, cuEventDestroy),
+    P("cuEventDestroy", 4000, cuEventDestroy_v2),
+    P("cuEventRecord", 2000, cuEventRecord),
+    P("cuEventQuery", 2000, cuEventQuery),
+    P("cuEventSynchronize", 2000, cuEventSynchronize),
+    P("cuEventElapsedTime", 2000, cuEventElapsedTime),
+    P("cuEventElapsedTime", 12080, cuEventElapsedTime_v2),
+    P("cuMemAlloc", 3020, cuMemAlloc_v2),
+    P("cuMemFree", 3020, cuMemFree_v2),
+    P("cuMemGetInfo", 3020, cuMemGetInfo_v2),
+    P("cuMemAllocAsync", 11020, cuMemAllocAsync),
+    P("cuMemFreeAsync", 11020, cuMemFreeAsync),
+    P("cuMemAllocFromPoolAsync", 11020, cuMemAllocFromPoolAsync),
+    P("cuMemPoolCreate", 11020, cuMemPoolCreate),
+    P("cuMemPoolDestroy", 11020, cuMemPoolDestroy),
+    P("cuMemPoolSetAttribute", 11020, cuMemPoolSetAttribute),
+    P("cuMemPoolGetAttribute", 11020, cuMemPoolGetAttribute),
+    P("cuMemPoolTrimTo", 11020, cuMemPoolTrimTo),
+    P("cuMemPoolSetAccess", 11020, cuMemPoolSetAccess),
+    P("cuMemPoolGetAccess", 11020, cuMemPoolGetAccess),
+    P("cuMemsetD8", 3020, cuMemsetD8_v2),
+    P("cuMemsetD32", 3020, cuMemsetD32_v2),
+    P("cuMemsetD8Async", 3020, cuMemsetD8Async),
+    P("cuMemsetD32Async", 3020, cuMemsetD32Async),
+    P("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2),
+    P("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2),
+    P("cuMemcpyDtoD", 3020, cuMemcpyDtoD_v2),
+    P("cuMemcpyHtoDAsync", 3020, cuMemcpyHtoDAsync_v2),
+    P("cuMemcpyDtoHAsync", 3020, cuMemcpyDtoHAsync_v2),
+    P("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2),
+    P("cuMemcpyPeer", 4000, cuMemcpyPeer),
+    P("cuMemcpyPeerAsync", 4000, cuMemcpyPeerAsync),
+    P("cuMemHostAlloc", 2020, cuMemHostAlloc),
+    P("cuMemFreeHost", 2000, cuMemFreeHost),
+    P("cuMemAllocManaged", 6000, cuMemAllocManaged),
+    P("cuMemHostRegister", 4000, cuMemHostRegister),
+    P("cuMemHostRegister", 6050, cuMemHostRegister_v2),
+    P("cuMemHostUnregister", 4000, cuMemHostUnregister),
+    P("cuModuleLoadData", 2000, cuModuleLoadData),
+    P("cuModuleLoadDataEx", 2010, cuModuleLoadDataEx),
+    P("cuModuleUnload", 2000, cuModuleUnload),
+    P("cuModuleGetFunction", 2000, cuModuleGetFunction),
+    P("cuFuncGetAttribute", 2020, cuFuncGetAttribute),
+    P("cuFuncSetAttribute", 9000, cuFuncSetAttribute),
+    P("cuLaunchKernel", 4000, cuLaunchKernel),
+    P("cuLaunchCooperativeKernel", 9000, cuLaunchCooperativeKernel),
+    P("cuLaunchKernelEx", 11060, cuLaunchKernelEx),
+    P("cuOccupancyMaxActiveBlocksPerMultiprocessor", 6050, cuOccupancyMaxActiveBlocksPerMultiprocessor),
+    P("cuOccupancyMaxPotentialBlockSize", 6050, cuOccupancyMaxPotentialBlockSize),
+};
+#undef P
+
+static CUresult get_proc(const char *api, const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                         CUdriverProcAddressQueryResult *status) {
+    size_t i;
+    int known = 0, best_ver = -1, drv;
+    void *best = NULL;
+    ENTER_NOINIT(api);
+    if (!symbol || !pfn || (flags & ~(cuuint64_t)3)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    drv = G.driver_version;
+    fk_unlock(&G.lock);
+    *pfn = NULL;
+    for (i = 0; i < sizeof PROC_TABLE / sizeof PROC_TABLE[0]; i++) {
+        const fk_proc *p = &PROC_TABLE[i];
+        if (strcmp(p->name, symbol) || p->version > drv) continue;
+        known = 1;
+        if (p->version <= cudaVersion && p->version > best_ver) {
+            best_ver = p->version;
+            best = p->fn;
+        }
+    }
+    if (best) {
+        *pfn = best;
+        if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+        return CUDA_SUCCESS;
+    }
+    if (status) *status = known ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+API_11030 cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
+    return get_proc("cuGetProcAddress", symbol, pfn, cudaVersion, flags, NULL);
+}
+API_12000 cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                              CUdriverProcAddressQueryResult *symbolStatus) {
+    return get_proc("cuGetProcAddress_v2", symbol, pfn, cudaVersion, flags, symbolStatus);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Fake-only exports                                                                                  */
+/* ------------------------------------------------------------------------------------------------ */
+struct CudrvFakeReport {
+    uint64_t live_allocations;
+    uint64_t live_bytes;
+    uint64_t live_streams;
+    uint64_t live_events;
+    uint64_t live_modules;
+    uint64_t violation_count;
+};
+
+static void report_locked(struct CudrvFakeReport *out) {
+    size_t i;
+    memset(out, 0, sizeof *out);
+    for (i = 0; i < G.dtab.n; i++) {
+        const fk_alloc *a = (const fk_alloc *)G.dtab.v[i];
+        out->live_allocations++;
+        out->live_bytes += a->size;
+    }
+    for (i = 0; i < G.htab.n; i++) {
+        const fk_alloc *a = (const fk_alloc *)G.htab.v[i];
+        if (a->kind == AK_REGISTERED) continue;
+        out->live_allocations++;
+        out->live_bytes += a->size;
+    }
+    out->live_streams = G.streams.n;
+    out->live_events = G.events.n;
+    out->live_modules = G.modules.n;
+    out->violation_count = G.nviolations;
+}
+
+/* Waits until every stream is idle, then fills *out. Returns 0. */
+FK_EXPORT int cudrvFakeReport(struct CudrvFakeReport *out) {
+    if (!out) return -1;
+    fk_lock(&G.lock);
+    read_env_locked();
+    drain_all_locked();
+    report_locked(out);
+    fk_unlock(&G.lock);
+    return 0;
+}
+
+/* Copies violation `index` (NUL-terminated, truncated to len). Returns 0, or -1 if out of range. */
+FK_EXPORT int cudrvFakeViolation(unsigned index, char *buf, size_t len) {
+    int r = -1;
+    fk_lock(&G.lock);
+    if (index < G.nviolations && index < FK_MAX_VIOLATIONS) {
+        const char *v = G.violations[index] ? G.violations[index] : "(out of memory)";
+        if (buf && len) {
+            size_t n = strlen(v);
+            if (n >= len) n = len - 1;
+            memcpy(buf, v, n);
+            buf[n] = 0;
+        }
+        r = 0;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+FK_EXPORT void cudrvFakeResetViolations(void) {
+    uint64_t i;
+    fk_lock(&G.lock);
+    for (i = 0; i < G.nviolations && i < FK_MAX_VIOLATIONS; i++) {
+        free(G.violations[i]);
+        G.violations[i] = NULL;
+    }
+    G.nviolations = 0;
+    fk_unlock(&G.lock);
+}
+
+FK_EXPORT void cudrvFakeShutdown(void) {
+    fk_lock(&G.lock);
+    read_env_locked();
+    G.shutdown = 1;
+    fk_unlock(&G.lock);
+}
+
+#if defined(__GNUC__)
+__attribute__((destructor)) static void fk_report_at_exit(void) {
+    struct CudrvFakeReport r;
+    uint64_t i;
+    if (!G.report_on_exit) return;
+    fk_lock(&G.lock);
+    report_locked(&r);
+    fprintf(stderr,
+            "cudrv fake driver report: live_allocations=%" PRIu64 " live_bytes=%" PRIu64 " live_streams=%" PRIu64
+            " live_events=%" PRIu64 " live_modules=%" PRIu64 " violations=%" PRIu64 "\n",
+            r.live_allocations, r.live_bytes, r.live_streams, r.live_events, r.live_modules, r.violation_count);
+    for (i = 0; i < G.nviolations && i < FK_MAX_VIOLATIONS; i++)
+        fprintf(stderr, "  violation %" PRIu64 ": %s\n", i, G.violations[i] ? G.violations[i] : "?");
+    fk_unlock(&G.lock);
+}
+#endif

@@ -1,0 +1,368 @@
+//! Test support for cudrv: an emulated CUDA driver, and a runner that executes a test body in a child
+//! process loaded with it.
+//!
+//! # The fake driver
+//!
+//! `build.rs` compiles `csrc/fake_cuda.c` into `libcuda.so` (`nvcuda.dll` for Windows targets, built
+//! with mingw) in this crate's `OUT_DIR`, plus `legacy/libcuda.so` which exports only what CUDA 11.1
+//! had (no `cuGetProcAddress`, no memory pools, no `cuLaunchKernelEx`). It exports the driver
+//! functions that cudrv uses, under the exact names of the real driver (`cuMemAlloc_v2`, ...), and
+//! `cuGetProcAddress`/`cuGetProcAddress_v2` with the real version table. The comment block at the
+//! top of `fake_cuda.c` is the full reference; in short:
+//!
+//! - **Asynchronous streams.** Every stream has a worker thread that runs its operations in order
+//!   (`CUDRV_FAKE_DELAY_US` sleeps before each one), so work really runs after the call returns and
+//!   ordering bugs show up. The legacy stream synchronises with blocking streams as in the real
+//!   driver; events capture stream positions; `cuStreamWaitEvent` orders streams.
+//! - **Driver models.** `CUDRV_FAKE_MODE=linux|wddm|tcc`, or one mode per device with
+//!   `CUDRV_FAKE_DEVICES=wddm,tcc`. In `tcc` mode, `MEMORY_POOLS_SUPPORTED` is 0 and every pool entry
+//!   point returns `CUDA_ERROR_NOT_SUPPORTED` (801).
+//! - **Memory.** Device memory is host memory behind realistic device addresses
+//!   (`0x7f0000000000 + device * 2^40`), limited to `CUDRV_FAKE_MEMORY` bytes per device (default
+//!   16 GiB). Memory pools cache freed blocks until a sync point finds the reserve above the release
+//!   threshold, or until `cuMemPoolTrimTo`.
+//! - **Access checking.** Every memset, memcpy and kernel pointer range is checked against the live
+//!   allocations when the operation *runs*; a bad range is recorded as a violation and skipped.
+//!   `cuMemFree_v2` frees at once, so a still queued operation is caught as a use after free.
+//! - **Kernels.** Modules are PTX text; `.entry` names must be built-in kernels: `fill_u32(out,
+//!   value: u32, n: u64)`, `add_f32(a, b, out, n: u64)`, `spin_fill_u32(out, value: u32, n: u64,
+//!   spin_us: u64)`, `empty()`, `fill_pattern_u8(out, n: u64, seed: u64)` which writes
+//!   [`fill_pattern_u8`]`(seed, i)` to `out[i]`.
+//! - **Versions.** `CUDRV_FAKE_DRIVER_VERSION` (default 13000) is reported by `cuDriverGetVersion`;
+//!   functions introduced later are not served by `cuGetProcAddress`.
+//! - **Faults.** `CUDRV_FAKE_FAIL=<function>:<n>[+]:<code>[,...]` makes the n-th call (and with `+`
+//!   every later one) of a function return `code`. The function is the exported or the base name.
+//! - **Report.** [`fake_report`] gives live allocations, streams, events, modules and the
+//!   violations; `CUDRV_FAKE_REPORT_ON_EXIT=1` prints it to stderr when the library unloads.
+//!
+//! # Tests in a child process
+//!
+//! A process loads the driver once, and the fake reads its configuration when it is first called, so
+//! each configuration needs its own process. [`run_with_fake`] re-runs the current test binary with
+//! only the current test selected, with `CUDRV_DRIVER_PATH` pointing at the fake and the given
+//! environment, and runs the body there:
+//!
+//! ```no_run
+//! # use cudrv_test_support::*;
+//! #[test]
+//! fn allocates_in_tcc_mode() {
+//!     run_with_fake(&[("CUDRV_FAKE_MODE", "tcc")], || {
+//!         // runs in the child, with the fake as the driver
+//!         assert_no_leaks();
+//!     });
+//! }
+//! ```
+//!
+//! The test name comes from the name of the test's thread, which libtest sets. Tests must not set
+//! environment variables in the parent process; pass them to [`run_with_fake`] instead.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+use std::cell::RefCell;
+use std::ffi::{CStr, c_char, c_int, c_uint};
+use std::fmt;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// Environment variable naming the driver library that cudrv loads.
+pub const DRIVER_PATH_ENV: &str = "CUDRV_DRIVER_PATH";
+/// Environment variable overriding the directory of the built fake libraries.
+pub const LIB_DIR_ENV: &str = "CUDRV_TEST_LIB_DIR";
+/// Marker set in the child process: `<test name>#<index of the run_with_fake call>`.
+pub const CHILD_ENV: &str = "CUDRV_FAKE_CHILD";
+
+#[cfg(windows)]
+const DRIVER_FILE: &str = "nvcuda.dll";
+#[cfg(not(windows))]
+const DRIVER_FILE: &str = "libcuda.so";
+#[cfg(windows)]
+const TCC_INTERPOSER_FILE: &str = "cudrv_tcc.dll";
+#[cfg(not(windows))]
+const TCC_INTERPOSER_FILE: &str = "libcudrv_tcc.so";
+
+/// Whether the fake driver was built (it is not for MSVC targets or without a C compiler).
+pub const FAKE_AVAILABLE: bool = !cfg!(fake_unavailable);
+
+/// Directory of the fake libraries: `CUDRV_TEST_LIB_DIR` if set, else this crate's build `OUT_DIR`.
+pub fn lib_dir() -> PathBuf {
+    match std::env::var_os(LIB_DIR_ENV) {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => PathBuf::from(env!("OUT_DIR")),
+    }
+}
+
+/// Path of the fake driver: `lib_dir()/libcuda.so` (`nvcuda.dll` on Windows).
+pub fn fake_driver_path() -> PathBuf {
+    lib_dir().join(DRIVER_FILE)
+}
+
+/// Path of the fake driver that exports only the functions of CUDA 11.1 (no `cuGetProcAddress`, no
+/// memory pools) and reports driver version 11010: `lib_dir()/legacy/libcuda.so`.
+pub fn legacy_fake_driver_path() -> PathBuf {
+    lib_dir().join("legacy").join(DRIVER_FILE)
+}
+
+/// Path of the TCC interposer (built separately): `lib_dir()/libcudrv_tcc.so`
+/// (`cudrv_tcc.dll` on Windows).
+pub fn tcc_interposer_path() -> PathBuf {
+    lib_dir().join(TCC_INTERPOSER_FILE)
+}
+
+/// Whether this process is a child started by [`run_with_fake`].
+pub fn in_fake_child() -> bool {
+    std::env::var_os(CHILD_ENV).is_some()
+}
+
+/// The bytes that the fake kernel `fill_pattern_u8(out, n, seed)` writes: `out[i]` is
+/// `fill_pattern_u8(seed, i)`, that is `((seed * 2654435761 + i * 31) >> 3) as u8` in wrapping
+/// 64-bit arithmetic.
+pub fn fill_pattern_u8(seed: u64, i: u64) -> u8 {
+    (seed.wrapping_mul(2_654_435_761).wrapping_add(i.wrapping_mul(31)) >> 3) as u8
+}
+
+thread_local! {
+    /// (test name, number of run_with_fake calls made so far by that test on this thread).
+    static CALLS: RefCell<(String, usize)> = const { RefCell::new((String::new(), 0)) };
+}
+
+fn current_test_name() -> String {
+    let thread = std::thread::current();
+    match thread.name() {
+        Some(name) if name != "main" => name.to_string(),
+        other => panic!(
+            "run_with_fake: cannot tell which test is running: the current thread is named {other:?}, \
+             not after a test. Call run_with_fake from the test's own thread, and run the tests with \
+             libtest's threads (the default; newer toolchains keep a thread per test even with \
+             --test-threads=1)."
+        ),
+    }
+}
+
+/// Runs `body` in a child process that uses the fake driver, configured by `env`.
+///
+/// In the parent, this re-executes the current test binary with
+/// `<test name> --exact --nocapture --test-threads=1`, with `CUDRV_DRIVER_PATH` set to
+/// [`fake_driver_path`] (unless `env` sets it), the variables of `env`, and `CUDRV_FAKE_CHILD` set
+/// to `<test name>#<k>`, `k` being the index of this call within the test. It panics, showing the
+/// child's output and the environment, if the child fails or does not run the body; otherwise it
+/// prints nothing.
+///
+/// In the child, only the k-th call runs `body` (the others return at once). After `body` returns,
+/// the child panics if the fake recorded access violations. Leaks are checked only where the body
+/// calls [`assert_no_leaks`].
+pub fn run_with_fake(env: &[(&str, &str)], body: impl FnOnce()) {
+    let name = current_test_name();
+    let k = CALLS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.0 != name {
+            *c = (name.clone(), 0);
+        }
+        c.1 += 1;
+        c.1 - 1
+    });
+    let marker = format!("{name}#{k}");
+
+    if let Ok(child_marker) = std::env::var(CHILD_ENV) {
+        // In a child: run only the body this child was started for.
+        if child_marker == marker {
+            body();
+            let report = fake_report();
+            if !report.violations.is_empty() {
+                panic!(
+                    "the fake driver recorded {} access violation(s):\n  {}",
+                    report.violations.len(),
+                    report.violations.join("\n  ")
+                );
+            }
+            println!("cudrv-fake-child: body done: {marker}");
+        }
+        return;
+    }
+
+    if cfg!(fake_unavailable) {
+        panic!("the fake CUDA driver was not built for this target (see the build warnings)");
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut cmd = Command::new(&exe);
+    cmd.args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"]);
+    let mut shown: Vec<(String, String)> = Vec::new();
+    if !env.iter().any(|(k, _)| *k == DRIVER_PATH_ENV) {
+        let path = fake_driver_path().to_string_lossy().into_owned();
+        shown.push((DRIVER_PATH_ENV.to_string(), path));
+    }
+    shown.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    shown.push((CHILD_ENV.to_string(), marker.clone()));
+    for (k, v) in &shown {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap_or_else(|e| panic!("run_with_fake: could not start {}: {e}", exe.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let ran = stdout.contains(&format!("cudrv-fake-child: body done: {marker}"));
+    if !out.status.success() || !ran {
+        let env_text = shown.iter().map(|(k, v)| format!("  {k}={v}")).collect::<Vec<_>>().join("\n");
+        panic!(
+            "test body {marker} {} in the fake-driver child process ({})\n\
+             environment:\n{env_text}\n\
+             ---- child stdout ----\n{stdout}\n---- child stderr ----\n{stderr}",
+            if out.status.success() { "did not run" } else { "failed" },
+            out.status
+        );
+    }
+}
+
+/// Runs `body` once per mode, each in its own child process with `CUDRV_FAKE_MODE=<mode>` and
+/// `extra_env` (see [`run_with_fake`]).
+pub fn run_with_fake_modes(modes: &[&str], extra_env: &[(&str, &str)], body: impl Fn()) {
+    for mode in modes {
+        let mut env: Vec<(&str, &str)> = extra_env.to_vec();
+        env.push(("CUDRV_FAKE_MODE", mode));
+        run_with_fake(&env, &body);
+    }
+}
+
+/// What the fake driver holds right now (see [`fake_report`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FakeReport {
+    /// Live allocations: `cuMemAlloc`, live pool allocations, managed memory and `cuMemHostAlloc`.
+    pub live_allocations: u64,
+    /// Bytes of those allocations (as requested).
+    pub live_bytes: u64,
+    /// Streams created and not destroyed.
+    pub live_streams: u64,
+    /// Events created and not destroyed.
+    pub live_events: u64,
+    /// Modules loaded and not unloaded.
+    pub live_modules: u64,
+    /// Access violations recorded since the start (or since [`fake_reset_violations`]).
+    pub violations: Vec<String>,
+}
+
+impl FakeReport {
+    /// Whether nothing is live.
+    pub fn is_clean(&self) -> bool {
+        self.live_allocations == 0 && self.live_streams == 0 && self.live_events == 0 && self.live_modules == 0
+    }
+}
+
+impl fmt::Display for FakeReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} allocation(s) ({} bytes), {} stream(s), {} event(s), {} module(s) live; {} violation(s)",
+            self.live_allocations,
+            self.live_bytes,
+            self.live_streams,
+            self.live_events,
+            self.live_modules,
+            self.violations.len()
+        )?;
+        for v in &self.violations {
+            write!(f, "\n  {v}")?;
+        }
+        Ok(())
+    }
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct RawReport {
+    live_allocations: u64,
+    live_bytes: u64,
+    live_streams: u64,
+    live_events: u64,
+    live_modules: u64,
+    violation_count: u64,
+}
+
+type ReportFn = unsafe extern "C" fn(*mut RawReport) -> c_int;
+type ViolationFn = unsafe extern "C" fn(c_uint, *mut c_char, usize) -> c_int;
+type VoidFn = unsafe extern "C" fn();
+
+/// The fake driver library of this process, opened once and never unloaded: `CUDRV_DRIVER_PATH`
+/// if set (in a [`run_with_fake`] child this is the library that cudrv loaded, so the same instance),
+/// else [`fake_driver_path`].
+///
+/// # Panics
+/// If the library cannot be loaded.
+pub fn fake_library() -> &'static libloading::Library {
+    static LIB: OnceLock<libloading::Library> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let path = match std::env::var_os(DRIVER_PATH_ENV) {
+            Some(p) if !p.is_empty() => PathBuf::from(p),
+            _ => fake_driver_path(),
+        };
+        // SAFETY: loading the fake driver runs no initialisation code with preconditions (its
+        // state is initialised statically and on first call). It is kept loaded for the rest of the
+        // process, so its worker threads never outlive it.
+        unsafe { libloading::Library::new(&path) }
+            .unwrap_or_else(|e| panic!("cannot load the fake driver {}: {e}", path.display()))
+    })
+}
+
+fn fake_fn<T: Copy>(name: &str) -> T {
+    // SAFETY: each caller names a fake-only export and gives its exact C signature as T.
+    let sym = unsafe { fake_library().get::<T>(name.as_bytes()) }
+        .unwrap_or_else(|e| panic!("the loaded driver has no {name} (is it the fake driver?): {e}"));
+    *sym
+}
+
+/// Reads the fake driver's report. It first waits until every stream of the fake is idle, so
+/// violations of queued work are included.
+pub fn fake_report() -> FakeReport {
+    let report: ReportFn = fake_fn("cudrvFakeReport");
+    let violation: ViolationFn = fake_fn("cudrvFakeViolation");
+    let mut raw = RawReport::default();
+    // SAFETY: `raw` is a valid, writable CudrvFakeReport (same layout: six uint64_t).
+    let rc = unsafe { report(&mut raw) };
+    assert_eq!(rc, 0, "cudrvFakeReport failed");
+    let mut violations = Vec::new();
+    let stored = raw.violation_count.min(4096);
+    for i in 0..stored {
+        let mut buf = vec![0 as c_char; 1024];
+        // SAFETY: `buf` is writable for its whole length, which is passed; the fake writes at most
+        // that many bytes, NUL included.
+        let rc = unsafe { violation(i as c_uint, buf.as_mut_ptr(), buf.len()) };
+        if rc != 0 {
+            break;
+        }
+        // SAFETY: on success the fake wrote a NUL-terminated string into `buf`.
+        let text = unsafe { CStr::from_ptr(buf.as_ptr()) };
+        violations.push(text.to_string_lossy().into_owned());
+    }
+    if raw.violation_count > stored {
+        violations.push(format!("... and {} more violation(s)", raw.violation_count - stored));
+    }
+    FakeReport {
+        live_allocations: raw.live_allocations,
+        live_bytes: raw.live_bytes,
+        live_streams: raw.live_streams,
+        live_events: raw.live_events,
+        live_modules: raw.live_modules,
+        violations,
+    }
+}
+
+/// Panics, listing what leaked, if the fake driver holds any live allocation, stream, event or
+/// module.
+pub fn assert_no_leaks() {
+    let report = fake_report();
+    if !report.is_clean() {
+        panic!("the fake CUDA driver reports leaks: {report}");
+    }
+}
+
+/// Makes every later driver call return `CUDA_ERROR_DEINITIALIZED` (4), as after process teardown.
+pub fn fake_shutdown() {
+    let f: VoidFn = fake_fn("cudrvFakeShutdown");
+    // SAFETY: cudrvFakeShutdown takes no arguments and only sets a flag under the fake's lock.
+    unsafe { f() }
+}
+
+/// Forgets the violations recorded so far (for tests that provoke them on purpose).
+pub fn fake_reset_violations() {
+    let f: VoidFn = fake_fn("cudrvFakeResetViolations");
+    // SAFETY: cudrvFakeResetViolations takes no arguments and only clears the list under the lock.
+    unsafe { f() }
+}
