@@ -1334,7 +1334,7 @@ mod tests {
 
     /// Where the allocation traces live.
     fn trace_path(name: &str) -> String {
-        format!("{}/{name}", "/work/main/traces")
+        format!("{}/{name}", concat!(env!("CARGO_MANIFEST_DIR"), "/traces"))
     }
 
     /// A mock stream: an index into the mock's streams.
