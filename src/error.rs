@@ -207,7 +207,7 @@ fn describe(code: CUresult) -> (String, String) {
     if let Some(pair) = crate::result::driver_describe(code) {
         return pair;
     }
-    let name = cudrv_sys::result_name(code).map_or_else(|| format!("CUresult({})", code.0), str::to_string);
+    let name = cudrv_sys::result_name(code).unwrap_or("unknown CUresult").to_string();
     let description = DESCRIPTIONS
         .iter()
         .find(|(c, _)| *c == code)

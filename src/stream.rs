@@ -34,7 +34,54 @@ const CU_STREAM_PER_THREAD: usize = 0x2;
 /// ```
 #[derive(Clone)]
 pub struct Stream {
-    inner: Arc<Inner>,
+    handle: Arc<Handle>,
+}
+
+/// The users' share of a stream. When the last user clone goes, memory pools that cached blocks
+/// freed on the stream are told to forget it (while it is still valid), and release their own
+/// references; the stream is destroyed once those are gone too.
+struct Handle {
+    key: StreamKey,
+}
+
+/// A stream's identity for memory pools: keeps the stream alive, compares by [`Stream::id`].
+#[derive(Clone)]
+pub(crate) struct StreamKey(Arc<Inner>);
+
+impl StreamKey {
+    pub(crate) fn as_raw(&self) -> CUstream {
+        self.0.raw
+    }
+
+    pub(crate) fn device(&self) -> Device {
+        self.0.ctx.device()
+    }
+}
+
+impl PartialEq for StreamKey {
+    fn eq(&self, other: &StreamKey) -> bool {
+        self.0.id == other.0.id
+    }
+}
+
+impl Eq for StreamKey {}
+
+impl std::hash::Hash for StreamKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.id.hash(state);
+    }
+}
+
+impl fmt::Debug for StreamKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StreamKey({})", self.0.id)
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        crate::memory::stream_retired(&self.key);
+    }
 }
 
 struct Inner {
@@ -90,7 +137,8 @@ impl Stream {
     }
 
     fn wrap(raw: CUstream, ctx: Arc<Context>, owned: bool) -> Stream {
-        Stream { inner: Arc::new(Inner { raw, ctx, owned, id: NEXT_ID.fetch_add(1, Ordering::Relaxed) }) }
+        let inner = Arc::new(Inner { raw, ctx, owned, id: NEXT_ID.fetch_add(1, Ordering::Relaxed) });
+        Stream { handle: Arc::new(Handle { key: StreamKey(inner) }) }
     }
 
     /// The legacy default stream of `device` (`CU_STREAM_LEGACY`), which synchronises with every
@@ -125,25 +173,33 @@ impl Stream {
         Ok(Self::wrap(raw, device.primary_context()?, false))
     }
 
+    fn inner(&self) -> &Inner {
+        &self.handle.key.0
+    }
+
+    pub(crate) fn key(&self) -> &StreamKey {
+        &self.handle.key
+    }
+
     /// The raw `CUstream`.
     pub fn as_raw(&self) -> CUstream {
-        self.inner.raw
+        self.inner().raw
     }
 
     /// The stream's device.
     pub fn device(&self) -> Device {
-        self.inner.ctx.device()
+        self.inner().ctx.device()
     }
 
     /// The stream's context.
     pub fn context(&self) -> &Arc<Context> {
-        &self.inner.ctx
+        &self.inner().ctx
     }
 
     /// A number unique to this stream for the life of the process (raw handles can be reused
     /// after a stream is destroyed; this cannot).
     pub fn id(&self) -> u64 {
-        self.inner.id
+        self.inner().id
     }
 
     /// Waits until all work queued on the stream is done.
@@ -151,9 +207,9 @@ impl Stream {
     /// # Errors
     /// The driver's error; an asynchronous error of earlier work shows up here.
     pub fn synchronize(&self) -> Result<()> {
-        let _b = self.inner.ctx.bind()?;
+        let _b = self.inner().ctx.bind()?;
         // SAFETY: the stream is valid while `self` lives; its context is current.
-        unsafe { drv!(cuStreamSynchronize(self.inner.raw)) }
+        unsafe { drv!(cuStreamSynchronize(self.inner().raw)) }
     }
 
     /// Whether all work queued on the stream is done, without waiting.
@@ -161,9 +217,9 @@ impl Stream {
     /// # Errors
     /// The driver's error (other than "not ready").
     pub fn query(&self) -> Result<bool> {
-        let _b = self.inner.ctx.bind()?;
+        let _b = self.inner().ctx.bind()?;
         // SAFETY: the stream is valid while `self` lives; its context is current.
-        let rc = unsafe { driver()?.cuStreamQuery(self.inner.raw) };
+        let rc = unsafe { driver()?.cuStreamQuery(self.inner().raw) };
         match rc {
             Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
             other => check("cuStreamQuery", other).map(|()| true),
@@ -176,9 +232,9 @@ impl Stream {
     /// # Errors
     /// The driver's error.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
-        let _b = self.inner.ctx.bind()?;
+        let _b = self.inner().ctx.bind()?;
         // SAFETY: both handles are valid while their owners live; the context is current.
-        unsafe { drv!(cuStreamWaitEvent(self.inner.raw, event.as_raw(), 0)) }
+        unsafe { drv!(cuStreamWaitEvent(self.inner().raw, event.as_raw(), 0)) }
     }
 
     /// Makes work queued on this stream after this call wait for all work queued on `other` so
@@ -187,7 +243,7 @@ impl Stream {
     /// # Errors
     /// The driver's error.
     pub fn wait_stream(&self, other: &Stream) -> Result<()> {
-        if other.inner.raw == self.inner.raw && Arc::ptr_eq(&other.inner.ctx, &self.inner.ctx) {
+        if other.inner().raw == self.inner().raw && Arc::ptr_eq(&other.inner().ctx, &self.inner().ctx) {
             return Ok(());
         }
         let event = Event::new(&other.device())?;
@@ -222,12 +278,12 @@ impl Stream {
             }
         }
         let data = Box::into_raw(Box::new(Box::new(f) as Boxed));
-        let _b = self.inner.ctx.bind();
+        let _b = self.inner().ctx.bind();
         let rc = match _b {
             // SAFETY: the stream is valid, the trampoline has the driver's CUhostFn signature and
             // `data` stays valid until the trampoline takes it back.
             Ok(_) => driver().and_then(|d| {
-                check("cuLaunchHostFunc", unsafe { d.cuLaunchHostFunc(self.inner.raw, Some(trampoline), data.cast()) })
+                check("cuLaunchHostFunc", unsafe { d.cuLaunchHostFunc(self.inner().raw, Some(trampoline), data.cast()) })
             }),
             Err(e) => Err(e),
         };
@@ -256,7 +312,7 @@ impl Drop for Inner {
 
 impl PartialEq for Stream {
     fn eq(&self, other: &Stream) -> bool {
-        self.inner.id == other.inner.id
+        self.inner().id == other.inner().id
     }
 }
 
@@ -264,16 +320,16 @@ impl Eq for Stream {}
 
 impl std::hash::Hash for Stream {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.inner.id.hash(state);
+        self.inner().id.hash(state);
     }
 }
 
 impl fmt::Debug for Stream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Stream")
-            .field("raw", &self.inner.raw)
+            .field("raw", &self.inner().raw)
             .field("device", &self.device().ordinal())
-            .field("id", &self.inner.id)
+            .field("id", &self.inner().id)
             .finish()
     }
 }

@@ -316,6 +316,13 @@ unsafe impl MemoryResource for DriverPool {
     fn stats(&self) -> Option<MemoryStats> {
         self.pool_stats().ok()
     }
+
+    fn trim(&self, keep_bytes: usize) -> Result<()> {
+        if let Some(f) = self.fallback.get() {
+            f.trim_to(keep_bytes)?;
+        }
+        self.trim_to(keep_bytes)
+    }
 }
 
 impl Drop for DriverPool {

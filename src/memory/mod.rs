@@ -29,6 +29,7 @@ pub use driver_pool::{DriverPool, DriverPoolOptions};
 pub use host::{HostRegistration, ManagedResource, PinnedBuffer, PinnedHostResource, register_host};
 pub use pool_core::{PoolConfig, PoolStats};
 pub use stream_ordered::StreamOrderedPool;
+pub(crate) use stream_ordered::stream_retired;
 pub use sync::SyncResource;
 
 use crate::device::Device;
@@ -88,6 +89,16 @@ pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
     /// Byte counts, where the resource keeps them.
     fn stats(&self) -> Option<MemoryStats> {
         None
+    }
+
+    /// Gives cached memory back to the driver until at most `keep_bytes` stay reserved. Resources
+    /// that cache nothing do nothing.
+    ///
+    /// # Errors
+    /// The driver's error.
+    fn trim(&self, keep_bytes: usize) -> Result<()> {
+        let _ = keep_bytes;
+        Ok(())
     }
 }
 

@@ -2,7 +2,7 @@
 //! without memory pools. The decisions are made by the plain-Rust [`PoolCore`]; this file only
 //! performs the driver calls it asks for.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use cudrv_sys::{CUevent, CUresult};
 
@@ -12,7 +12,7 @@ use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::result::{check, driver, drv};
-use crate::stream::Stream;
+use crate::stream::{Stream, StreamKey};
 
 /// A stream-ordered caching pool written in plain Rust over `cuMemAlloc` / `cuMemFree`, with the
 /// semantics of `cuMemAllocAsync` / `cuMemFreeAsync`. It is what cudrv uses where the driver has
@@ -31,8 +31,9 @@ use crate::stream::Stream;
 /// * On out-of-memory it gives cached chunks back (waiting on their events) and retries once;
 ///   then it returns [`Error::OutOfMemory`] with what was asked, reserved and in use.
 ///
-/// The pool keeps a handle to every stream it has cached blocks for, so such a stream lives until
-/// its blocks are reused elsewhere, trimmed or the pool is dropped.
+/// The pool keeps a reference to each stream it has cached blocks for. When the last user's
+/// `Stream` is dropped, the pool records one last event on it (so other streams can still reuse
+/// those blocks after a GPU-side wait) and lets it go; the stream is then destroyed.
 ///
 /// ```no_run
 /// use cudrv::{Device, Stream, memory::{MemoryResource, StreamOrderedPool}};
@@ -50,7 +51,33 @@ use crate::stream::Stream;
 #[derive(Debug)]
 pub struct StreamOrderedPool {
     ctx: Arc<Context>,
-    core: Mutex<PoolCore<CudaBackend>>,
+    core: Arc<Mutex<PoolCore<CudaBackend>>>,
+}
+
+type SharedCore = Mutex<PoolCore<CudaBackend>>;
+
+/// Every live pool, so that a retired stream can be forgotten by each.
+fn pools() -> &'static Mutex<Vec<Weak<SharedCore>>> {
+    static POOLS: OnceLock<Mutex<Vec<Weak<SharedCore>>>> = OnceLock::new();
+    POOLS.get_or_init(Default::default)
+}
+
+/// Called when the last user of a stream lets go of it: each pool that knows the stream records a
+/// last event on it and drops its reference.
+pub(crate) fn stream_retired(key: &StreamKey) {
+    let live: Vec<Arc<SharedCore>> = {
+        let mut list = pools().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        list.retain(|w| w.strong_count() > 0);
+        list.iter().filter_map(Weak::upgrade).collect()
+    };
+    for core in live {
+        let mut core = core.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Ok(ctx) = key.device().primary_context() else { continue };
+        let Ok(_b) = ctx.make_current() else { continue };
+        if let Err(e) = core.forget_stream(&mut CudaBackend, key) {
+            report_drop_error(Some(&ctx), e);
+        }
+    }
 }
 
 /// The driver calls the core asks for. The device's context is current while the core runs
@@ -66,7 +93,7 @@ struct PoolEvent(CUevent);
 unsafe impl Send for PoolEvent {}
 
 impl Backend for CudaBackend {
-    type Stream = Stream;
+    type Stream = StreamKey;
     type Event = PoolEvent;
     type Error = Error;
 
@@ -102,12 +129,12 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn record(&mut self, event: &PoolEvent, stream: &Stream) -> Result<()> {
+    fn record(&mut self, event: &PoolEvent, stream: &StreamKey) -> Result<()> {
         // SAFETY: valid event and stream (the core holds a clone of the stream).
         unsafe { drv!(cuEventRecord(event.0, stream.as_raw())) }
     }
 
-    fn wait(&mut self, waiter: &Stream, event: &PoolEvent) -> Result<()> {
+    fn wait(&mut self, waiter: &StreamKey, event: &PoolEvent) -> Result<()> {
         // SAFETY: valid stream and event.
         unsafe { drv!(cuStreamWaitEvent(waiter.as_raw(), event.0, 0)) }
     }
@@ -140,7 +167,9 @@ impl StreamOrderedPool {
     /// # Errors
     /// The driver's error when retaining the context.
     pub fn with_config(device: &Device, config: PoolConfig) -> Result<StreamOrderedPool> {
-        Ok(StreamOrderedPool { ctx: device.primary_context()?, core: Mutex::new(PoolCore::new(config)) })
+        let core = Arc::new(Mutex::new(PoolCore::new(config)));
+        pools().lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Arc::downgrade(&core));
+        Ok(StreamOrderedPool { ctx: device.primary_context()?, core })
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolCore<CudaBackend>> {
@@ -196,12 +225,12 @@ unsafe impl MemoryResource for StreamOrderedPool {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         check_stream("StreamOrderedPool::allocate", self.device(), stream)?;
         let _b = self.ctx.bind()?;
-        self.lock().allocate(&mut CudaBackend, bytes, stream).map_err(|e| self.map_error(e))
+        self.lock().allocate(&mut CudaBackend, bytes, stream.key()).map_err(|e| self.map_error(e))
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         check_stream("StreamOrderedPool::deallocate", self.device(), stream)?;
-        self.lock().deallocate(ptr, bytes, stream).map_err(|e| self.map_error(e))
+        self.lock().deallocate(ptr, bytes, stream.key()).map_err(|e| self.map_error(e))
     }
 
     fn device(&self) -> Device {
@@ -210,6 +239,10 @@ unsafe impl MemoryResource for StreamOrderedPool {
 
     fn kind(&self) -> ResourceKind {
         ResourceKind::StreamOrderedPool
+    }
+
+    fn trim(&self, keep_bytes: usize) -> Result<()> {
+        self.trim_to(keep_bytes)
     }
 
     fn stats(&self) -> Option<MemoryStats> {
@@ -227,7 +260,7 @@ unsafe impl MemoryResource for StreamOrderedPool {
 impl Drop for StreamOrderedPool {
     fn drop(&mut self) {
         let Ok(_b) = self.ctx.make_current() else { return };
-        let core = self.core.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut core = self.core.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match core.release_all(&mut CudaBackend) {
             Ok(leaked) if leaked.allocations > 0 => report_drop_error(
                 Some(&self.ctx),
