@@ -283,7 +283,9 @@ impl Stream {
             // SAFETY: the stream is valid, the trampoline has the driver's CUhostFn signature and
             // `data` stays valid until the trampoline takes it back.
             Ok(_) => driver().and_then(|d| {
-                check("cuLaunchHostFunc", unsafe { d.cuLaunchHostFunc(self.inner().raw, Some(trampoline), data.cast()) })
+                check("cuLaunchHostFunc", unsafe {
+                    d.cuLaunchHostFunc(self.inner().raw, Some(trampoline), data.cast())
+                })
             }),
             Err(e) => Err(e),
         };

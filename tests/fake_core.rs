@@ -139,7 +139,10 @@ fn error_messages_read_well() {
     });
     // Without a driver, cudrv's own table names the code.
     let e = Error::driver("cuInit", CUresult(999_999));
-    assert_eq!(e.to_string(), "cuInit failed: unknown CUresult (999999): no description available (the driver could not be asked)");
+    assert_eq!(
+        e.to_string(),
+        "cuInit failed: unknown CUresult (999999): no description available (the driver could not be asked)"
+    );
     let e = Error::OutOfMemory { requested: 10, device: 1, reserved: 20, in_use: 5 };
     assert_eq!(
         e.to_string(),
@@ -175,7 +178,9 @@ fn driver_models_and_capabilities_per_mode() {
             // Cached: the same object every time.
             assert!(std::ptr::eq(caps, dev.capabilities().unwrap()));
             let report = caps.to_string();
-            assert!(report.contains(&format!("memory pools                {}", if mode == "tcc" { "no" } else { "yes" })));
+            assert!(
+                report.contains(&format!("memory pools                {}", if mode == "tcc" { "no" } else { "yes" }))
+            );
             assert!(dev.name().unwrap().contains(mode));
             assert_eq!(dev.compute_capability().unwrap(), (9, 0));
             assert!(dev.total_memory().unwrap() > 0);

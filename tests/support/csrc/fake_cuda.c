@@ -1259,7 +1259,10 @@ static void run_data_op(fk_op *op, fk_stream *s) {
         if (op->kind == OP_MEMSET) {
             size_t i;
             if (op->elem == 1) memset(d, (int)(op->value & 0xff), (size_t)bytes);
-            else
+            else if (op->elem == 2) {
+                uint16_t v16 = (uint16_t)op->value;
+                for (i = 0; i < op->count; i++) memcpy(d + i * 2, &v16, 2);
+            } else
                 for (i = 0; i < op->count; i++) memcpy(d + i * 4, &op->value, 4);
         } else {
             memmove(d, src, (size_t)bytes);
@@ -2226,6 +2229,7 @@ static CUresult submit_memset(const char *api, CUdeviceptr dst, uint32_t value, 
     CUresult r;
     ENTER(api);
     if (elem == 4 && (dst & 3)) return CUDA_ERROR_INVALID_VALUE;
+    if (elem == 2 && (dst & 1)) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = sync ? get_stream_locked(NULL, &s) : get_stream_locked(h, &s);
     if (!r) {
@@ -2246,6 +2250,12 @@ API_OLD cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N) {
 }
 API_OLD cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int ui, size_t N) {
     return submit_memset("cuMemsetD32_v2", dstDevice, ui, N, 4, NULL, 1);
+}
+API_OLD cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned short us, size_t N) {
+    return submit_memset("cuMemsetD16_v2", dstDevice, us, N, 2, NULL, 1);
+}
+API_OLD cuMemsetD16Async(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream) {
+    return submit_memset("cuMemsetD16Async", dstDevice, us, N, 2, hStream, 0);
 }
 API_OLD cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream) {
     return submit_memset("cuMemsetD8Async", dstDevice, uc, N, 1, hStream, 0);
@@ -3060,6 +3070,8 @@ static const fk_proc PROC_TABLE[] = {
     P("cuMemsetD32", 3020, cuMemsetD32_v2),
     P("cuMemsetD8Async", 3020, cuMemsetD8Async),
     P("cuMemsetD32Async", 3020, cuMemsetD32Async),
+    P("cuMemsetD16", 3020, cuMemsetD16_v2),
+    P("cuMemsetD16Async", 3020, cuMemsetD16Async),
     P("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2),
     P("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2),
     P("cuMemcpyDtoD", 3020, cuMemcpyDtoD_v2),

@@ -1,0 +1,474 @@
+//! Memory resources, buffers and copies on the fake driver, in every driver model.
+//!
+//! Every test body runs in a child process of this test binary (`run_with_fake`); see
+//! `fake_core.rs`. The fake checks every queued memory access when it runs, so a block reused too
+//! early, or freed while still in use, fails the test.
+
+use std::sync::Arc;
+
+use cudrv::memory::{
+    DeviceBuffer, DriverPool, DriverPoolOptions, MemoryResource, PinnedBuffer, PoolConfig, ResourceKind,
+    StreamOrderedPool, SyncResource, register_host,
+};
+use cudrv::sys::CUresult;
+use cudrv::{Device, Error, Stream};
+use cudrv_test_support::{assert_no_leaks, fake_report, run_with_fake, run_with_fake_modes};
+
+const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
+
+/// Gives the device's cached memory back, so that the fake's leak report sees only real leaks.
+fn trim_all(dev: &Device) {
+    dev.memory_resource().unwrap().trim(0).unwrap();
+}
+
+#[test]
+fn resource_is_chosen_per_mode() {
+    for mode in MODES {
+        run_with_fake(&[("CUDRV_FAKE_MODE", mode)], || {
+            let dev = Device::get(0).unwrap();
+            let (resource, choice) = dev.memory_resource_choice().unwrap();
+            let expected = if mode == "tcc" { ResourceKind::StreamOrderedPool } else { ResourceKind::DriverPool };
+            assert_eq!(choice.kind, expected, "{}", choice.reason);
+            assert_eq!(resource.kind(), expected);
+            if mode == "tcc" {
+                assert!(choice.reason.contains("TCC"), "{}", choice.reason);
+            }
+        });
+    }
+}
+
+#[test]
+fn environment_overrides_the_choice() {
+    for (value, kind) in [("pool", ResourceKind::StreamOrderedPool), ("sync", ResourceKind::Sync)] {
+        run_with_fake_modes(&MODES, &[("CUDRV_MEMORY_RESOURCE", value)], || {
+            let dev = Device::get(0).unwrap();
+            let (_, choice) = dev.memory_resource_choice().unwrap();
+            assert_eq!(choice.kind, kind);
+            let s = Stream::new(&dev).unwrap();
+            let buf = DeviceBuffer::from_slice(&[1u16, 2, 3], &s).unwrap();
+            assert_eq!(buf.to_vec().unwrap(), [1, 2, 3]);
+            assert_eq!(buf.resource().kind(), kind);
+        });
+    }
+    run_with_fake(&[("CUDRV_MEMORY_RESOURCE", "pools")], || {
+        let err = Device::get(0).unwrap().memory_resource().unwrap_err();
+        assert!(matches!(err, Error::InvalidEnvironment { var: "CUDRV_MEMORY_RESOURCE", .. }), "{err}");
+        assert_eq!(err.to_string(), "CUDRV_MEMORY_RESOURCE=\"pools\" is not valid: expected driver-pool, pool or sync");
+    });
+    run_with_fake(&[("CUDRV_MEMORY_RESOURCE", "driver-pool"), ("CUDRV_FAKE_MODE", "tcc")], || {
+        let err = Device::get(0).unwrap().memory_resource().unwrap_err();
+        assert!(matches!(err, Error::Unsupported { feature: "memory pools", .. }), "{err}");
+    });
+}
+
+#[test]
+fn resource_can_be_set_in_code() {
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        dev.set_memory_resource(Arc::new(SyncResource::new(&dev).unwrap()), "the test asked").unwrap();
+        let (r, choice) = dev.memory_resource_choice().unwrap();
+        assert_eq!((r.kind(), choice.reason.as_str()), (ResourceKind::Sync, "the test asked"));
+    });
+}
+
+#[test]
+fn driver_refusing_pools_at_run_time_switches_to_the_fallback() {
+    // The device says it has pools, but the driver answers 801: cudrv must not fail.
+    run_with_fake(&[("CUDRV_FAKE_FAIL", "cuDeviceGetDefaultMemPool:1+:801")], || {
+        let dev = Device::get(0).unwrap();
+        let (_, choice) = dev.memory_resource_choice().unwrap();
+        assert_eq!(choice.kind, ResourceKind::StreamOrderedPool);
+        assert!(choice.reason.contains("refused"), "{}", choice.reason);
+    });
+    run_with_fake(&[("CUDRV_FAKE_FAIL", "cuMemAllocFromPoolAsync:2+:801")], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let first = DeviceBuffer::from_slice(&[1u32; 8], &s).unwrap(); // from the driver's pool
+        let pool = dev.memory_resource().unwrap();
+        assert_eq!(pool.kind(), ResourceKind::DriverPool);
+        let second = DeviceBuffer::from_slice(&[2u32; 8], &s).unwrap(); // refused: fallback
+        assert_eq!(pool.kind(), ResourceKind::StreamOrderedPool);
+        assert_eq!(first.to_vec().unwrap(), [1; 8]);
+        assert_eq!(second.to_vec().unwrap(), [2; 8]);
+        drop((first, second, s)); // one freed to each resource
+        pool.trim(0).unwrap();
+        assert_no_leaks();
+    });
+}
+
+#[test]
+fn buffers_and_copies_in_every_mode() {
+    run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "200")], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let data: Vec<u32> = (0..10_000).map(|i| i * 7 + 3).collect();
+        let buf = DeviceBuffer::from_slice(&data, &s).unwrap();
+        assert_eq!(buf.len(), data.len());
+        assert_eq!(buf.to_vec().unwrap(), data);
+        // Views.
+        let view = buf.view(100..110).unwrap();
+        assert_eq!(view.to_vec().unwrap(), &data[100..110]);
+        assert_eq!(view.as_raw(), buf.as_raw() + 400);
+        assert!(matches!(buf.view(5..10_001), Err(Error::InvalidArgument(_))));
+        assert_eq!(buf.view(..).unwrap().len(), 10_000);
+        // Zeroed, memset, fill.
+        let mut z = DeviceBuffer::<u64>::zeroed(300, &s).unwrap();
+        assert!(z.to_vec().unwrap().iter().all(|&v| v == 0));
+        z.memset(0xff).unwrap();
+        assert!(z.to_vec().unwrap().iter().all(|&v| v == u64::MAX));
+        assert!(matches!(z.fill(5), Err(Error::InvalidArgument(_))));
+        let mut f = DeviceBuffer::<f32>::zeroed(33, &s).unwrap();
+        f.fill(1.5).unwrap();
+        assert_eq!(f.to_vec().unwrap(), vec![1.5; 33]);
+        let mut h = DeviceBuffer::<i16>::zeroed(5, &s).unwrap();
+        h.fill(-2).unwrap();
+        assert_eq!(h.to_vec().unwrap(), vec![-2; 5]);
+        // Device to device.
+        let mut copy = DeviceBuffer::<u32>::zeroed(data.len(), &s).unwrap();
+        copy.copy_from(&buf).unwrap();
+        assert_eq!(copy.to_vec().unwrap(), data);
+        // Lengths must match; nothing is done otherwise.
+        let mut small = DeviceBuffer::<u32>::zeroed(3, &s).unwrap();
+        assert!(matches!(small.copy_from(&buf), Err(Error::InvalidArgument(_))));
+        assert!(matches!(small.copy_from_host(&[1, 2]), Err(Error::InvalidArgument(_))));
+        assert!(matches!(small.copy_to_host(&mut [0; 4]), Err(Error::InvalidArgument(_))));
+        assert_eq!(small.to_vec().unwrap(), [0, 0, 0]);
+        // Zero-length buffers are well defined.
+        let empty = DeviceBuffer::<u8>::from_slice(&[], &s).unwrap();
+        assert!(empty.is_empty());
+        assert_eq!(empty.to_vec().unwrap(), Vec::<u8>::new());
+        // Sizes that overflow are errors, not allocations.
+        // SAFETY: the allocation fails before any memory exists.
+        let huge = unsafe { DeviceBuffer::<u64>::uninit(usize::MAX / 4, &s) };
+        assert!(matches!(huge, Err(Error::InvalidArgument(_))));
+        drop((buf, z, f, h, copy, small, empty, s));
+        trim_all(&dev);
+        assert_no_leaks();
+    });
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Particle {
+    pos: [f32; 3],
+    id: u32,
+}
+// SAFETY: repr(C), 16 bytes of 4-byte fields without padding; every bit pattern is valid.
+unsafe impl cudrv::memory::DeviceRepr for Particle {}
+
+#[test]
+fn repr_c_structs_round_trip() {
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let ps: Vec<Particle> = (0..100).map(|i| Particle { pos: [i as f32, 1.0, -2.0], id: i }).collect();
+        let buf = DeviceBuffer::from_slice(&ps, &s).unwrap();
+        assert_eq!(buf.byte_len(), 1600);
+        assert_eq!(buf.to_vec().unwrap(), ps);
+    });
+}
+
+#[test]
+fn pinned_async_copies_wait_before_host_access() {
+    run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "20000")], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let src = PinnedBuffer::from_slice(&dev, &[9u32; 4096]).unwrap();
+        let mut buf = DeviceBuffer::<u32>::zeroed(4096, &s).unwrap();
+        buf.copy_from_pinned_async(&src).unwrap();
+        let mut back = PinnedBuffer::<u32>::new(&dev, 4096).unwrap();
+        buf.fill(11).unwrap();
+        buf.copy_to_pinned_async(&mut back).unwrap();
+        assert!(!s.query().unwrap(), "the copies are still queued behind the delays");
+        // Host access waits for the copy into `back`: it must see the data, never zeros.
+        assert!(back.as_slice().unwrap().iter().all(|&v| v == 11));
+        drop(src);
+        let mut too_short = PinnedBuffer::<u32>::new(&dev, 2).unwrap();
+        assert!(matches!(buf.copy_to_pinned_async(&mut too_short), Err(Error::InvalidArgument(_))));
+    });
+}
+
+#[test]
+fn block_freed_on_a_busy_stream_is_not_overwritten_by_its_late_write() {
+    // A is slow; a block freed on A while A still has a write into it queued is reused on B. B's
+    // data must never be overwritten by A's late write.
+    run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "20000")], || {
+        let dev = Device::get(0).unwrap();
+        let a = Stream::new(&dev).unwrap();
+        let b = Stream::new(&dev).unwrap();
+        let n = 64 * 1024;
+        let old_ptr;
+        {
+            let mut x = DeviceBuffer::<u32>::zeroed(n, &a).unwrap();
+            x.fill(0xAAAA_AAAA).unwrap(); // queued on A behind two delays
+            old_ptr = x.as_raw();
+        } // freed on A, in A's order
+        let mut y = DeviceBuffer::<u32>::zeroed(n, &b).unwrap();
+        y.fill(0x5555_5555).unwrap();
+        let got = y.to_vec().unwrap();
+        a.synchronize().unwrap();
+        let again = y.to_vec().unwrap();
+        assert!(got.iter().chain(&again).all(|&v| v == 0x5555_5555), "B's data was overwritten");
+        let resource = dev.memory_resource().unwrap();
+        if resource.kind() == ResourceKind::StreamOrderedPool {
+            // The pool reused A's block for B after a GPU-side wait.
+            assert_eq!(y.as_raw(), old_ptr);
+        }
+        assert!(fake_report().violations.is_empty());
+    });
+}
+
+#[test]
+fn stream_ordered_pool_reuses_on_the_same_stream_without_driver_calls() {
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let pool = StreamOrderedPool::new(&dev).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let p = pool.allocate(1000, &s).unwrap();
+        // SAFETY: `p` is unused.
+        unsafe { pool.deallocate(p, 1000, &s).unwrap() };
+        let before = pool.pool_stats();
+        for _ in 0..100 {
+            let q = pool.allocate(1000, &s).unwrap();
+            assert_eq!(q, p);
+            // SAFETY: `q` is unused.
+            unsafe { pool.deallocate(q, 1000, &s).unwrap() };
+        }
+        let after = pool.pool_stats();
+        assert_eq!(after.driver_allocs, before.driver_allocs);
+        assert_eq!(after.cache_hits, before.cache_hits + 100);
+        assert_eq!(after.event_records, before.event_records);
+        // Freeing what the pool did not hand out is refused and changes nothing.
+        // SAFETY: the pool refuses the pointer.
+        let bad = unsafe { pool.deallocate(p + 512, 1000, &s) };
+        assert!(matches!(bad, Err(Error::InvalidArgument(_))));
+        // SAFETY: as above (double free).
+        assert!(unsafe { pool.deallocate(p, 1000, &s) }.is_err());
+        let other = Stream::new(&Device::get(0).unwrap()).unwrap();
+        let q = pool.allocate(1000, &other).unwrap();
+        let stats = pool.pool_stats();
+        assert_eq!(q, p, "the block freed on `s` is reused on `other` after a GPU-side wait");
+        assert_eq!((stats.event_records, stats.event_waits), (1, 1));
+        // SAFETY: unused.
+        unsafe { pool.deallocate(q, 1000, &other).unwrap() };
+        drop((pool, s, other));
+        assert_no_leaks();
+    });
+}
+
+#[test]
+fn dropping_a_stream_lets_the_pool_forget_it() {
+    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_DELAY_US", "1000")], || {
+        let dev = Device::get(0).unwrap();
+        for _ in 0..20 {
+            let s = Stream::new(&dev).unwrap();
+            let mut b = DeviceBuffer::<u8>::zeroed(4096, &s).unwrap();
+            b.memset(1).unwrap();
+        }
+        // Every stream was destroyed: the pool did not keep them alive.
+        dev.primary_context().unwrap().synchronize().unwrap();
+        assert_eq!(fake_report().live_streams, 0);
+        trim_all(&dev);
+        assert_no_leaks();
+    });
+}
+
+#[test]
+fn buffer_used_on_a_second_stream_is_not_reused_too_early() {
+    run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "20000")], || {
+        let dev = Device::get(0).unwrap();
+        let home = Stream::new(&dev).unwrap();
+        let other = Stream::new(&dev).unwrap();
+        let n = 4096;
+        let src = DeviceBuffer::from_slice(&vec![3u32; n], &home).unwrap();
+        let mut dst = DeviceBuffer::<u32>::zeroed(n, &other).unwrap();
+        other.wait_stream(&home).unwrap();
+        dst.copy_from(&src).unwrap(); // reads `src` on `other`, behind delays
+        drop(src); // freed on `home`, but must wait for `other`
+        let mut reuse = DeviceBuffer::<u32>::zeroed(n, &home).unwrap();
+        reuse.fill(9).unwrap();
+        assert_eq!(dst.to_vec().unwrap(), vec![3; n]);
+        assert_eq!(reuse.to_vec().unwrap(), vec![9; n]);
+        assert!(fake_report().violations.is_empty());
+    });
+}
+
+#[test]
+fn many_threads_and_streams() {
+    run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "50")], || {
+        let dev = Device::get(0).unwrap();
+        let threads: Vec<_> = (0..4u32)
+            .map(|t| {
+                std::thread::spawn(move || {
+                    let streams: Vec<Stream> = (0..3).map(|_| Stream::new(&dev).unwrap()).collect();
+                    let mut live: Vec<(DeviceBuffer<u32>, u32)> = Vec::new();
+                    let mut x = 0x9e37_79b9u32 ^ t;
+                    for i in 0..150u32 {
+                        x ^= x << 13;
+                        x ^= x >> 17;
+                        x ^= x << 5;
+                        let s = &streams[(x % 3) as usize];
+                        let len = 1 + (x as usize % 5000);
+                        let value = t << 24 | i;
+                        let mut b = DeviceBuffer::<u32>::zeroed(len, s).unwrap();
+                        b.fill(value).unwrap();
+                        live.push((b, value));
+                        if live.len() > 6 {
+                            let (b, value) = live.swap_remove((x as usize / 7) % live.len());
+                            assert!(b.to_vec().unwrap().iter().all(|&v| v == value));
+                        }
+                    }
+                    for (b, value) in live {
+                        assert!(b.to_vec().unwrap().iter().all(|&v| v == value));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(fake_report().violations.is_empty());
+        dev.primary_context().unwrap().synchronize().unwrap();
+        trim_all(&dev);
+        assert_no_leaks();
+    });
+}
+
+#[test]
+fn out_of_memory_releases_the_cache_and_retries() {
+    let mib = 1usize << 20;
+    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_MEMORY", "67108864")], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        {
+            let _a = DeviceBuffer::<u8>::zeroed(40 * mib, &s).unwrap();
+        } // cached by the pool: 40 MiB of the 64 reserved
+        let pool = dev.memory_resource().unwrap();
+        assert!(pool.stats().unwrap().reserved >= 40 * mib);
+        // 50 MiB fits only once the cached 40 are given back.
+        let b = DeviceBuffer::<u8>::zeroed(50 * mib, &s).unwrap();
+        assert_eq!(b.len(), 50 * mib);
+        // 100 MiB cannot fit at all: a typed error with the figures.
+        // SAFETY: the allocation fails.
+        let err = unsafe { DeviceBuffer::<u8>::uninit(100 * mib, &s) }.unwrap_err();
+        let Error::OutOfMemory { requested, device, in_use, .. } = err else { panic!("{err}") };
+        assert_eq!((requested, device, in_use), (100 * mib, 0, 50 * mib));
+        drop((b, s));
+        pool.trim(0).unwrap();
+        assert_no_leaks();
+    });
+    // An injected failure of the driver's allocation is recovered from the same way.
+    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_FAIL", "cuMemAlloc_v2:2:2")], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let a = DeviceBuffer::<u8>::zeroed(8 * mib, &s).unwrap(); // first cuMemAlloc
+        let b = DeviceBuffer::<u8>::zeroed(32 * mib, &s).unwrap(); // second fails, retried
+        assert_eq!((a.len(), b.len()), (8 * mib, 32 * mib));
+    });
+}
+
+#[test]
+fn sync_resource_waits_before_freeing() {
+    run_with_fake(&[("CUDRV_FAKE_DELAY_US", "20000"), ("CUDRV_MEMORY_RESOURCE", "sync")], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let mut b = DeviceBuffer::<u32>::zeroed(1024, &s).unwrap();
+        b.fill(1).unwrap();
+        drop(b); // cuMemFree after the stream's work: no use-after-free in the fake's report
+        assert!(fake_report().violations.is_empty());
+        drop(s);
+        assert_no_leaks();
+    });
+}
+
+#[test]
+fn driver_pool_stats_trim_and_owned_pools() {
+    run_with_fake_modes(&["linux", "wddm"], &[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let pool = Arc::new(DriverPool::with_options(&dev, DriverPoolOptions::default()).unwrap());
+        {
+            let b = DeviceBuffer::from_slice_in(pool.clone(), &[1u8; 1 << 20], &s).unwrap();
+            assert_eq!(b.to_vec().unwrap()[12345], 1);
+            let st = pool.pool_stats().unwrap();
+            assert!(st.in_use >= 1 << 20 && st.reserved >= st.in_use, "{st:?}");
+        }
+        s.synchronize().unwrap();
+        let st = pool.pool_stats().unwrap();
+        assert_eq!(st.in_use, 0);
+        assert!(st.reserved > 0, "the raised release threshold keeps memory cached: {st:?}");
+        pool.trim_to(0).unwrap();
+        assert_eq!(pool.pool_stats().unwrap().reserved, 0);
+        assert!(st.peak_in_use >= 1 << 20);
+        pool.reset_peaks().unwrap();
+    });
+    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc")], || {
+        let dev = Device::get(0).unwrap();
+        let err = DriverPool::with_options(&dev, DriverPoolOptions::default()).unwrap_err();
+        assert!(matches!(err, Error::Unsupported { feature: "memory pools", .. }), "{err}");
+    });
+}
+
+#[test]
+fn stream_and_resource_of_different_devices_are_rejected() {
+    run_with_fake(&[("CUDRV_FAKE_DEVICES", "linux,tcc")], || {
+        let d0 = Device::get(0).unwrap();
+        let d1 = Device::get(1).unwrap();
+        let s1 = Stream::new(&d1).unwrap();
+        let r0 = d0.memory_resource().unwrap();
+        // SAFETY: the allocation is refused.
+        let err = unsafe { DeviceBuffer::<u8>::uninit_in(r0.clone(), 16, &s1) }.unwrap_err();
+        assert!(matches!(err, Error::DeviceMismatch { expected: 0, found: 1, .. }), "{err}");
+        assert!(d1.set_memory_resource(r0, "wrong device").is_err());
+        assert_eq!(d0.memory_resource().unwrap().kind(), ResourceKind::DriverPool);
+        assert_eq!(d1.memory_resource().unwrap().kind(), ResourceKind::StreamOrderedPool);
+        // Peer copies between them are correct, both ways.
+        let s0 = Stream::new(&d0).unwrap();
+        let a = DeviceBuffer::from_slice(&[4u32, 5, 6], &s0).unwrap();
+        let mut b = DeviceBuffer::<u32>::zeroed(3, &s1).unwrap();
+        a.copy_to_peer(&mut b, &s1).unwrap();
+        assert_eq!(b.to_vec().unwrap(), [4, 5, 6]);
+        let mut c = DeviceBuffer::<u32>::zeroed(3, &s0).unwrap();
+        b.copy_to_peer(&mut c, &s0).unwrap();
+        assert_eq!(c.to_vec().unwrap(), [4, 5, 6]);
+        assert!(matches!(c.copy_from(&b), Err(Error::DeviceMismatch { .. })));
+    });
+}
+
+#[test]
+fn host_registration_and_managed_memory_are_gated() {
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let mut host = vec![0u32; 1024];
+        let mut reg = register_host(&dev, &mut host).unwrap();
+        assert_eq!(reg.byte_len(), 4096);
+        reg.as_mut_slice()[0] = 5;
+        drop(reg);
+        assert_eq!(host[0], 5);
+        let managed = cudrv::memory::ManagedResource::new(&dev).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let buf = DeviceBuffer::from_slice_in(Arc::new(managed), &[1u8, 2], &s).unwrap();
+        assert_eq!(buf.to_vec().unwrap(), [1, 2]);
+    });
+}
+
+#[test]
+fn pool_with_a_small_config_still_merges_and_trims() {
+    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc")], || {
+        let dev = Device::get(0).unwrap();
+        let pool = Arc::new(StreamOrderedPool::with_config(&dev, PoolConfig::default()).unwrap());
+        let s = Stream::new(&dev).unwrap();
+        let bufs: Vec<DeviceBuffer<u8>> =
+            (0..64).map(|i| DeviceBuffer::from_slice_in(pool.clone(), &[i as u8; 1000], &s).unwrap()).collect();
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(b.to_vec().unwrap().iter().all(|&v| v == i as u8));
+        }
+        let live = pool.pool_stats();
+        assert_eq!(live.driver_allocs, 1, "64 small buffers share one chunk");
+        drop(bufs);
+        pool.trim_to(0).unwrap();
+        assert_eq!(pool.pool_stats().reserved, 0);
+        let err = CUresult::CUDA_SUCCESS;
+        assert_eq!(err.0, 0);
+    });
+}
