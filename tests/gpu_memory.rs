@@ -1,0 +1,201 @@
+//! Memory resources, buffers and copies on a real GPU (`--features gpu`).
+//!
+//! Run with the device's default resource, and with `CUDRV_MEMORY_RESOURCE=pool` and `=sync`;
+//! `CUDRV_EXPECT_RESOURCE` (DriverPool, StreamOrderedPool, SyncResource) makes the run check which
+//! one is in use. Data is written by memsets and copies and read back, byte for byte.
+#![cfg(feature = "gpu")]
+
+use std::sync::Arc;
+
+use cudrv::memory::{DeviceBuffer, MemoryResource, PinnedBuffer, ResourceKind, StreamOrderedPool};
+use cudrv::{Device, Error, Stream};
+
+fn device() -> Device {
+    Device::get(0).expect("a CUDA device (these tests need a GPU)")
+}
+
+/// xorshift64*: fresh random data without a dependency.
+fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8
+        })
+        .collect()
+}
+
+fn seed() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+#[test]
+fn the_expected_resource_is_in_use() {
+    let dev = device();
+    let (resource, choice) = dev.memory_resource_choice().unwrap();
+    println!("device 0 uses {}: {}", choice.kind, choice.reason);
+    if let Ok(expected) = std::env::var("CUDRV_EXPECT_RESOURCE") {
+        assert_eq!(resource.kind().to_string(), expected);
+    } else if std::env::var_os("CUDRV_MEMORY_RESOURCE").is_none() {
+        let pools = dev.capabilities().unwrap().memory_pools;
+        let expected = if pools { ResourceKind::DriverPool } else { ResourceKind::StreamOrderedPool };
+        assert_eq!(resource.kind(), expected);
+    }
+}
+
+#[test]
+fn random_round_trips_at_many_sizes() {
+    let dev = device();
+    let s = Stream::new(&dev).unwrap();
+    let base = seed();
+    for (i, n) in [0usize, 1, 7, 4096, 1 << 20, (64 << 20) + 3].into_iter().enumerate() {
+        let data = random_bytes(base + i as u64, n);
+        let buf = DeviceBuffer::from_slice(&data, &s).unwrap();
+        assert_eq!(buf.to_vec().unwrap(), data, "size {n}");
+        if n > 16 {
+            assert_eq!(buf.view(3..n - 5).unwrap().to_vec().unwrap(), &data[3..n - 5]);
+        }
+        let mut copy = DeviceBuffer::<u8>::zeroed(n, &s).unwrap();
+        copy.copy_from(&buf).unwrap();
+        assert_eq!(copy.to_vec().unwrap(), data);
+    }
+    let mut f = DeviceBuffer::<u32>::zeroed(1 << 20, &s).unwrap();
+    f.fill(0xDEAD_BEEF).unwrap();
+    assert!(f.to_vec().unwrap().iter().all(|&v| v == 0xDEAD_BEEF));
+    let mut h = DeviceBuffer::<u16>::zeroed(1001, &s).unwrap();
+    h.fill(0xBEEF).unwrap();
+    assert!(h.to_vec().unwrap().iter().all(|&v| v == 0xBEEF));
+}
+
+#[test]
+fn pinned_async_copies() {
+    let dev = device();
+    let s = Stream::new(&dev).unwrap();
+    let n = 32 << 20;
+    let data = random_bytes(seed(), n);
+    let src = PinnedBuffer::from_slice(&dev, &data).unwrap();
+    let mut buf = DeviceBuffer::<u8>::zeroed(n, &s).unwrap();
+    buf.copy_from_pinned_async(&src).unwrap();
+    let mut back = PinnedBuffer::<u8>::new(&dev, n).unwrap();
+    buf.copy_to_pinned_async(&mut back).unwrap();
+    assert_eq!(back.as_slice().unwrap(), &data[..]);
+}
+
+#[test]
+fn a_block_freed_on_a_busy_stream_is_not_overwritten_by_its_late_write() {
+    let dev = device();
+    let a = Stream::new(&dev).unwrap();
+    let b = Stream::new(&dev).unwrap();
+    let n = 256 << 20; // u32s: 1 GiB, several ms of writes per memset
+    for round in 0..4u32 {
+        {
+            let mut x = DeviceBuffer::<u32>::zeroed(n, &a).unwrap();
+            for _ in 0..4 {
+                x.fill(0xAAAA_0000 | round).unwrap();
+            }
+        } // freed on A while A is still writing it
+        let mut y = DeviceBuffer::<u32>::zeroed(n, &b).unwrap();
+        y.fill(0x5555_0000 | round).unwrap();
+        a.synchronize().unwrap();
+        let v = y.to_vec().unwrap();
+        let bad = v.iter().filter(|&&x| x != (0x5555_0000 | round)).count();
+        assert_eq!(bad, 0, "round {round}: {bad} words of B's buffer were overwritten");
+    }
+}
+
+#[test]
+fn buffers_used_on_a_second_stream() {
+    let dev = device();
+    let home = Stream::new(&dev).unwrap();
+    let other = Stream::new(&dev).unwrap();
+    let n = 128 << 20;
+    for round in 0..3u8 {
+        let data = vec![round + 1; n];
+        let src = DeviceBuffer::from_slice(&data, &home).unwrap();
+        let mut dst = DeviceBuffer::<u8>::zeroed(n, &other).unwrap();
+        other.wait_stream(&home).unwrap();
+        dst.copy_from(&src).unwrap(); // reads src on `other`
+        drop(src); // its free waits for `other`
+        let mut reuse = DeviceBuffer::<u8>::zeroed(n, &home).unwrap();
+        reuse.memset(0xEE).unwrap();
+        assert!(dst.to_vec().unwrap().iter().all(|&v| v == round + 1));
+        assert!(reuse.to_vec().unwrap().iter().all(|&v| v == 0xEE));
+    }
+}
+
+#[test]
+fn many_threads_and_streams() {
+    let dev = device();
+    let threads: Vec<_> = (0..8u32)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let streams: Vec<Stream> = (0..4).map(|_| Stream::new(&dev).unwrap()).collect();
+                let mut live: Vec<(DeviceBuffer<u32>, u32)> = Vec::new();
+                let mut x = 0x9e37_79b9u32 ^ (t * 7919);
+                for i in 0..400u32 {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    let s = &streams[(x % 4) as usize];
+                    let len = 1 + (x as usize % (1 << 20));
+                    let value = t << 24 | i;
+                    let mut b = DeviceBuffer::<u32>::zeroed(len, s).unwrap();
+                    b.fill(value).unwrap();
+                    live.push((b, value));
+                    if live.len() > 8 {
+                        let (b, value) = live.swap_remove((x as usize / 7) % live.len());
+                        assert!(b.to_vec().unwrap().iter().all(|&v| v == value), "thread {t} op {i}");
+                    }
+                }
+                for (b, value) in live {
+                    assert!(b.to_vec().unwrap().iter().all(|&v| v == value));
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn stream_ordered_pool_on_the_gpu() {
+    let dev = device();
+    let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+    let s = Stream::new(&dev).unwrap();
+    let p = pool.allocate(1 << 20, &s).unwrap();
+    // SAFETY: unused.
+    unsafe { pool.deallocate(p, 1 << 20, &s).unwrap() };
+    let before = pool.pool_stats();
+    for _ in 0..1000 {
+        let q = pool.allocate(1 << 20, &s).unwrap();
+        assert_eq!(q, p);
+        // SAFETY: unused.
+        unsafe { pool.deallocate(q, 1 << 20, &s).unwrap() };
+    }
+    assert_eq!(pool.pool_stats().driver_allocs, before.driver_allocs);
+    let data = random_bytes(seed(), 3 << 20);
+    let b = DeviceBuffer::from_slice_in(pool.clone(), &data, &s).unwrap();
+    assert_eq!(b.to_vec().unwrap(), data);
+    drop(b);
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.pool_stats().reserved, 0);
+}
+
+#[test]
+fn out_of_memory_is_a_typed_error() {
+    let dev = device();
+    let s = Stream::new(&dev).unwrap();
+    let too_much = dev.total_memory().unwrap() * 2;
+    // SAFETY: the allocation fails.
+    let err = unsafe { DeviceBuffer::<u8>::uninit(too_much, &s) }.unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    if let Error::OutOfMemory { requested, .. } = err {
+        assert_eq!(requested, too_much);
+    }
+    // Memory still works afterwards.
+    let b = DeviceBuffer::from_slice(&[1u8, 2, 3], &s).unwrap();
+    assert_eq!(b.to_vec().unwrap(), [1, 2, 3]);
+}
