@@ -400,7 +400,7 @@ fn driver_pool_stats_trim_and_owned_pools() {
         pool.trim_to(0).unwrap();
         assert_eq!(pool.pool_stats().unwrap().reserved, 0);
         assert!(st.peak_in_use >= 1 << 20);
-        pool.reset_peaks().unwrap();
+        pool.reset_pool_peaks().unwrap();
     });
     run_with_fake(&[("CUDRV_FAKE_MODE", "tcc")], || {
         let dev = Device::get(0).unwrap();

@@ -195,7 +195,7 @@ impl DriverPool {
     ///
     /// # Errors
     /// The driver's error.
-    pub fn reset_peaks(&self) -> Result<()> {
+    pub fn reset_pool_peaks(&self) -> Result<()> {
         self.set_attribute(Attr::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)?;
         self.set_attribute(Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
     }
@@ -315,6 +315,13 @@ unsafe impl MemoryResource for DriverPool {
 
     fn stats(&self) -> Option<MemoryStats> {
         self.pool_stats().ok()
+    }
+
+    fn reset_peaks(&self) -> Result<()> {
+        if let Some(f) = self.fallback.get() {
+            f.reset_peaks()?;
+        }
+        self.reset_pool_peaks()
     }
 
     fn trim(&self, keep_bytes: usize) -> Result<()> {

@@ -100,6 +100,14 @@ pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
         let _ = keep_bytes;
         Ok(())
     }
+
+    /// Resets the high-water marks of [`MemoryResource::stats`] to the current values.
+    ///
+    /// # Errors
+    /// The driver's error.
+    fn reset_peaks(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Byte counts of a resource, current and highest.

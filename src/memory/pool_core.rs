@@ -477,6 +477,12 @@ impl<B: Backend> PoolCore<B> {
         self.stats
     }
 
+    /// Resets the high-water marks of reserved and in-use bytes to their current values.
+    pub fn reset_peaks(&mut self) {
+        self.stats.peak_reserved = self.stats.reserved;
+        self.stats.peak_in_use = self.stats.in_use;
+    }
+
     /// Sets [`PoolConfig::release_threshold`]. It takes effect at the next growth; nothing is
     /// released now (call [`trim_to`](Self::trim_to) for that).
     pub fn set_release_threshold(&mut self, bytes: usize) {

@@ -245,6 +245,11 @@ unsafe impl MemoryResource for StreamOrderedPool {
         self.trim_to(keep_bytes)
     }
 
+    fn reset_peaks(&self) -> Result<()> {
+        self.lock().reset_peaks();
+        Ok(())
+    }
+
     fn stats(&self) -> Option<MemoryStats> {
         let s = self.pool_stats();
         Some(MemoryStats {

@@ -82,6 +82,11 @@ unsafe impl MemoryResource for SyncResource {
         ResourceKind::Sync
     }
 
+    fn reset_peaks(&self) -> Result<()> {
+        self.peak.store(self.in_use.load(Ordering::Relaxed), Ordering::Relaxed);
+        Ok(())
+    }
+
     fn stats(&self) -> Option<MemoryStats> {
         let in_use = self.in_use.load(Ordering::Relaxed);
         let peak = self.peak.load(Ordering::Relaxed);

@@ -42,7 +42,8 @@ fn environment_variables_come_first_in_their_order() {
     install(&home.join("include"), 12090);
     install(&path.join("include"), 13000);
     let sys_dir = install(&root.join("usr/local/cuda/include"), 11080);
-    let r = find::search(&inputs(&[("CUDA_PATH", Some(&path)), ("CUDA_HOME", Some(&home))], vec![sys_dir.clone()], vec![]));
+    let r =
+        find::search(&inputs(&[("CUDA_PATH", Some(&path)), ("CUDA_HOME", Some(&home))], vec![sys_dir.clone()], vec![]));
     let found = r.found.unwrap();
     assert_eq!(found.include_dir, path.join("include"));
     assert_eq!(found.source, "CUDA_PATH");
