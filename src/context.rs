@@ -13,6 +13,7 @@
 //! particular context current.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cudrv_sys::CUcontext;
@@ -27,6 +28,8 @@ pub struct Context {
     device: Device,
     raw: CUcontext,
     deferred: Mutex<Vec<Error>>,
+    /// Whether `deferred` may hold something: lets `bind` skip the lock on the hot path.
+    has_deferred: AtomicBool,
 }
 
 // SAFETY: a CUcontext is a handle the driver lets any thread use (make current, query,
@@ -63,10 +66,10 @@ pub(crate) fn report_drop_error(ctx: Option<&Context>, error: Error) {
         hook(&error);
     }
     match ctx {
-        Some(ctx) => match ctx.deferred.lock() {
-            Ok(mut list) => list.push(error),
-            Err(poisoned) => poisoned.into_inner().push(error),
-        },
+        Some(ctx) => {
+            ctx.deferred.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(error);
+            ctx.has_deferred.store(true, Ordering::Release);
+        }
         None if DROP_HOOK.get().is_none() => eprintln!("cudrv: error in drop: {error}"),
         None => {}
     }
@@ -81,7 +84,7 @@ impl Context {
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the device handle came from cuDeviceGet.
         unsafe { drv!(cuDevicePrimaryCtxRetain(&mut raw, device.as_raw())) }?;
-        let ctx = Arc::new(Context { device, raw, deferred: Mutex::new(Vec::new()) });
+        let ctx = Arc::new(Context { device, raw, deferred: Mutex::new(Vec::new()), has_deferred: AtomicBool::new(false) });
         map.insert(device.ordinal_i32(), Arc::downgrade(&ctx));
         Ok(ctx)
     }
@@ -123,7 +126,13 @@ impl Context {
     /// # Errors
     /// [`Error::Deferred`] with that error.
     pub fn take_deferred(&self) -> Result<()> {
+        if !self.has_deferred.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let mut list = self.deferred.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if list.len() <= 1 {
+            self.has_deferred.store(false, Ordering::Release);
+        }
         if list.is_empty() { Ok(()) } else { Err(Error::Deferred(Box::new(list.remove(0)))) }
     }
 
