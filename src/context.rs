@@ -84,7 +84,8 @@ impl Context {
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the device handle came from cuDeviceGet.
         unsafe { drv!(cuDevicePrimaryCtxRetain(&mut raw, device.as_raw())) }?;
-        let ctx = Arc::new(Context { device, raw, deferred: Mutex::new(Vec::new()), has_deferred: AtomicBool::new(false) });
+        let ctx =
+            Arc::new(Context { device, raw, deferred: Mutex::new(Vec::new()), has_deferred: AtomicBool::new(false) });
         map.insert(device.ordinal_i32(), Arc::downgrade(&ctx));
         Ok(ctx)
     }

@@ -299,6 +299,32 @@ impl Device {
         Ok(v != 0)
     }
 
+    /// Lets this device's context access memory of `peer` directly (`cuCtxEnablePeerAccess`).
+    /// Idempotent: enabling it again, or for the device itself, is `Ok`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when [`Device::can_access_peer`] says no; the driver's error.
+    pub fn enable_peer_access(&self, peer: &Device) -> Result<()> {
+        if peer == self {
+            return Ok(());
+        }
+        if !self.can_access_peer(peer)? {
+            return Err(self.unsupported(
+                "peer access",
+                format!("cuDeviceCanAccessPeer says device {} cannot access device {}", self.ordinal, peer.ordinal),
+                Some("DeviceBuffer::copy_to_peer, which copies through the driver without peer access"),
+            ));
+        }
+        let own = self.primary_context()?;
+        let other = peer.primary_context()?;
+        let _b = own.bind()?;
+        // SAFETY: `other` is a retained primary context; flags must be 0.
+        match unsafe { drv!(cuCtxEnablePeerAccess(other.as_raw(), 0)) } {
+            Err(e) if e.code() == Some(cudrv_sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) => Ok(()),
+            other => other,
+        }
+    }
+
     /// An [`Error::Unsupported`] for this device.
     pub(crate) fn unsupported(
         &self,

@@ -426,9 +426,11 @@ fn stream_and_resource_of_different_devices_are_rejected() {
         let s0 = Stream::new(&d0).unwrap();
         let a = DeviceBuffer::from_slice(&[4u32, 5, 6], &s0).unwrap();
         let mut b = DeviceBuffer::<u32>::zeroed(3, &s1).unwrap();
+        s1.wait_stream(&s0).unwrap();
         a.copy_to_peer(&mut b, &s1).unwrap();
         assert_eq!(b.to_vec().unwrap(), [4, 5, 6]);
         let mut c = DeviceBuffer::<u32>::zeroed(3, &s0).unwrap();
+        s0.wait_stream(&s1).unwrap();
         b.copy_to_peer(&mut c, &s0).unwrap();
         assert_eq!(c.to_vec().unwrap(), [4, 5, 6]);
         assert!(matches!(c.copy_from(&b), Err(Error::DeviceMismatch { .. })));
@@ -470,5 +472,42 @@ fn pool_with_a_small_config_still_merges_and_trims() {
         assert_eq!(pool.pool_stats().reserved, 0);
         let err = CUresult::CUDA_SUCCESS;
         assert_eq!(err.0, 0);
+    });
+}
+
+#[test]
+fn peer_access_is_idempotent_and_per_device_pools_stay_apart() {
+    run_with_fake(&[("CUDRV_FAKE_DEVICES", "linux,tcc")], || {
+        let d0 = Device::get(0).unwrap();
+        let d1 = Device::get(1).unwrap();
+        assert!(d0.can_access_peer(&d1).unwrap());
+        d0.enable_peer_access(&d1).unwrap();
+        d0.enable_peer_access(&d1).unwrap(); // already enabled: still Ok
+        d0.enable_peer_access(&d0).unwrap();
+        d1.enable_peer_access(&d0).unwrap();
+        // Each device has its own resource and its own statistics.
+        let s0 = Stream::new(&d0).unwrap();
+        let s1 = Stream::new(&d1).unwrap();
+        let a = DeviceBuffer::<u8>::zeroed(3 << 20, &s1).unwrap();
+        let r1 = d1.memory_resource().unwrap();
+        assert_eq!(r1.kind(), ResourceKind::StreamOrderedPool);
+        assert!(r1.stats().unwrap().in_use >= 3 << 20);
+        let b = DeviceBuffer::<u8>::zeroed(1 << 20, &s0).unwrap();
+        assert_eq!(d0.memory_resource().unwrap().kind(), ResourceKind::DriverPool);
+        // A stream of device 0 cannot allocate from device 1's pool.
+        assert!(matches!(r1.allocate(16, &s0), Err(Error::DeviceMismatch { expected: 1, found: 0, .. })));
+        // Peer copies of 1 MiB both ways, checked.
+        let data: Vec<u8> = (0..1 << 20).map(|i| (i * 31 % 251) as u8).collect();
+        let src = DeviceBuffer::from_slice(&data, &s0).unwrap();
+        let mut mid = DeviceBuffer::<u8>::zeroed(data.len(), &s1).unwrap();
+        // Streams are ordered only by the caller: the copy on s0 must come after mid's memset on s1.
+        s0.wait_stream(&s1).unwrap();
+        src.copy_to_peer(&mut mid, &s0).unwrap();
+        let mut back = DeviceBuffer::<u8>::zeroed(data.len(), &s0).unwrap();
+        s1.wait_stream(&s0).unwrap();
+        mid.copy_to_peer(&mut back, &s1).unwrap();
+        s0.wait_stream(&s1).unwrap(); // `back` is read on s0, its home stream
+        assert!(back.to_vec().unwrap() == data, "the round trip through device 1 changed the data");
+        drop((a, b));
     });
 }

@@ -60,6 +60,11 @@ pub(crate) fn byte_len<T>(len: usize) -> Result<usize> {
 /// * The synchronous copies (`copy_from_host`, `copy_to_host`, `to_vec`) run on the buffer's
 ///   stream and wait for it; the asynchronous ones take a [`PinnedBuffer`], which blocks host
 ///   access to itself until the copy is done.
+/// * As everywhere in CUDA, work on *different* streams is ordered only by you
+///   ([`Stream::wait_stream`], [`Stream::wait_event`]): a buffer written on stream B and read
+///   with `to_vec` (on its own stream A) needs A to wait for B first. cudrv orders what memory
+///   safety needs (the buffer's free, and host access to pinned memory); the order of your data
+///   between streams is yours.
 ///
 /// ```no_run
 /// use cudrv::{Device, Stream, memory::DeviceBuffer};
