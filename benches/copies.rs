@@ -108,6 +108,42 @@ fn run() -> Res<()> {
     })?;
     rows.push(("D2D", raw, ours));
 
+    if Device::count()? >= 2 {
+        let d1 = Device::get(1)?;
+        let s1 = Stream::new(&d1)?;
+        let mut on1 = DeviceBuffer::<u8>::zeroed(BYTES, &s1)?;
+        s1.synchronize()?;
+        let (ctx0, ctx1) = (ctx.as_raw(), d1.primary_context()?.as_raw());
+        let p1 = on1.as_raw();
+        for peer in [false, true] {
+            if peer {
+                if !dev.can_access_peer(&d1)? {
+                    break;
+                }
+                dev.enable_peer_access(&d1)?;
+                d1.enable_peer_access(&dev)?;
+            }
+            let raw = gbps(|| {
+                ok(unsafe { d.cuMemcpyPeerAsync(p1, ctx1, pa, ctx0, BYTES, raw_s) })?;
+                sync(&s)
+            })?;
+            let ours = gbps(|| {
+                dev_a.copy_to_peer(&mut on1, &s)?;
+                sync(&s)
+            })?;
+            rows.push((if peer { "peer 0->1 (peer access on)" } else { "peer 0->1 (peer access off)" }, raw, ours));
+            let raw = gbps(|| {
+                ok(unsafe { d.cuMemcpyPeerAsync(pa, ctx0, p1, ctx1, BYTES, raw_s) })?;
+                sync(&s)
+            })?;
+            let ours = gbps(|| {
+                on1.copy_to_peer(&mut dev_a, &s)?;
+                sync(&s)
+            })?;
+            rows.push((if peer { "peer 1->0 (peer access on)" } else { "peer 1->0 (peer access off)" }, raw, ours));
+        }
+    }
+
     println!("\n| copy | raw driver GB/s | cudrv GB/s | cudrv / raw |\n|---|---|---|---|");
     for (name, raw, ours) in rows {
         println!("| {name} | {raw:.1} | {ours:.1} | {:.3}x |", ours / raw);
