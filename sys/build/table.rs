@@ -47,8 +47,8 @@ pub fn split(bindings: &str) -> Result<(String, Vec<Function>), String> {
     while let Some(start) = find_extern_block(rest) {
         types.push_str(&rest[..start.item_start]);
         let body_start = start.brace + 1;
-        let body_len =
-            matching_brace(&rest[body_start..]).ok_or_else(|| "unbalanced braces in an extern block".to_string())?;
+        let body_len = matching(&rest[body_start..], '{', '}')
+            .ok_or_else(|| "unbalanced braces in an extern block".to_string())?;
         let body = &rest[body_start..body_start + body_len];
         for item in split_top_level(body, ';') {
             let item = strip_attributes(item.trim());
@@ -90,19 +90,6 @@ fn find_extern_block(text: &str) -> Option<ExternStart> {
     None
 }
 
-fn matching_brace(text: &str) -> Option<usize> {
-    let mut depth = 0usize;
-    for (i, c) in text.char_indices() {
-        match c {
-            '{' => depth += 1,
-            '}' if depth == 0 => return Some(i),
-            '}' => depth -= 1,
-            _ => {}
-        }
-    }
-    None
-}
-
 /// Splits at `sep` where no bracket of any kind is open. `->` does not close an angle bracket.
 fn split_top_level(text: &str, sep: char) -> Vec<&str> {
     let mut parts = Vec::new();
@@ -127,23 +114,10 @@ fn split_top_level(text: &str, sep: char) -> Vec<&str> {
 
 fn strip_attributes(mut item: &str) -> &str {
     while let Some(rest) = item.strip_prefix("#[") {
-        let end = matching_bracket(rest).unwrap_or(rest.len() - 1);
+        let end = matching(rest, '[', ']').unwrap_or(rest.len() - 1);
         item = rest[end + 1..].trim_start();
     }
     item
-}
-
-fn matching_bracket(text: &str) -> Option<usize> {
-    let mut depth = 0usize;
-    for (i, c) in text.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' if depth == 0 => return Some(i),
-            ']' => depth -= 1,
-            _ => {}
-        }
-    }
-    None
 }
 
 fn parse_fn(item: &str, abi: &str) -> Result<Function, String> {
@@ -151,7 +125,7 @@ fn parse_fn(item: &str, abi: &str) -> Result<Function, String> {
     let sig = item.strip_prefix("fn ").ok_or_else(|| format!("not a function: {item}"))?;
     let open = sig.find('(').ok_or_else(|| format!("no parameter list: {item}"))?;
     let name = sig[..open].trim().to_string();
-    let close = open + 1 + matching_paren(&sig[open + 1..]).ok_or("unbalanced parameters")?;
+    let close = open + 1 + matching(&sig[open + 1..], '(', ')').ok_or("unbalanced parameters")?;
     let params_text = &sig[open + 1..close];
     let tail = sig[close + 1..].trim();
     let ret = match tail.strip_prefix("->") {
@@ -173,14 +147,17 @@ fn parse_fn(item: &str, abi: &str) -> Result<Function, String> {
     Ok(Function { name, abi: abi.to_string(), params, ret: normalize(&ret) })
 }
 
-fn matching_paren(text: &str) -> Option<usize> {
+/// The index of the `close` that balances an `open` already consumed, skipping nested pairs.
+fn matching(text: &str, open: char, close: char) -> Option<usize> {
     let mut depth = 0usize;
     for (i, c) in text.char_indices() {
-        match c {
-            '(' => depth += 1,
-            ')' if depth == 0 => return Some(i),
-            ')' => depth -= 1,
-            _ => {}
+        if c == open {
+            depth += 1;
+        } else if c == close {
+            if depth == 0 {
+                return Some(i);
+            }
+            depth -= 1;
         }
     }
     None
