@@ -20,13 +20,17 @@ pub mod context;
 pub mod device;
 pub mod error;
 pub mod event;
+pub mod launch;
 pub mod memory;
+pub mod module;
 pub mod stream;
 
 pub use context::{Context, set_drop_error_hook};
 pub use device::{Capabilities, Device, DriverModel};
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags};
+pub use launch::{KernelArg, KernelArgs, LaunchConfig};
+pub use module::{Function, Module};
 pub use stream::Stream;
 
 /// The version of the loaded driver (`cuDriverGetVersion`: `13000` for 13.0), loading it if

@@ -1,0 +1,583 @@
+//! Launching kernels: [`LaunchConfig`], argument marshalling ([`KernelArg`], [`KernelArgs`]), and
+//! the `launch*` methods of [`Function`].
+//!
+//! # Arguments
+//!
+//! Arguments are a tuple of up to 12 values, each a [`KernelArg`]:
+//!
+//! | Rust value | the kernel parameter |
+//! |---|---|
+//! | a [`DeviceRepr`] value (`u32`, `f32`, `u64`, arrays, your `#[repr(C)]` structs) | the value, bit for bit |
+//! | `&DeviceBuffer<T>`, `&mut DeviceBuffer<T>` | a `T*` (the device address, 64 bits) |
+//! | `DeviceView<T>`, `&DeviceView<T>` | a `T*` to the view's first element |
+//!
+//! Use `()` for a kernel without parameters and `(x,)` for one parameter. Marshalling allocates
+//! nothing: the values live in a stack array whose addresses go to `cuLaunchKernel` as
+//! `kernelParams`, and they stay alive until the call returns (the driver copies them).
+//!
+//! A buffer passed to a launch on a stream other than its own has that use recorded
+//! ([`DeviceBuffer::record_use`]), so its stream-ordered free waits for the kernel.
+//!
+//! # Why launching is `unsafe`
+//!
+//! A kernel's parameter list is not visible to the driver or to cudrv, so nothing can check that
+//! the arguments match it, nor what the kernel does with the memory it is given. See
+//! [`Function::launch`] for exactly what the caller promises.
+
+use std::ffi::c_void;
+
+use cudrv_sys::{CUfunction_attribute as FA, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig, CUresult};
+
+use crate::error::{Error, Result};
+use crate::memory::{DeviceBuffer, DevicePtr, DeviceRepr, DeviceView};
+use crate::module::Function;
+use crate::result::{check, driver};
+use crate::stream::Stream;
+
+/// The shape of a launch: grid and block dimensions, and dynamic shared memory per block.
+///
+/// ```
+/// use cudrv::launch::LaunchConfig;
+/// let cfg = LaunchConfig::for_num_elems(1000);
+/// assert_eq!((cfg.grid, cfg.block), ((4, 1, 1), (256, 1, 1)));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LaunchConfig {
+    /// Blocks in the grid, per dimension (x, y, z).
+    pub grid: (u32, u32, u32),
+    /// Threads in a block, per dimension (x, y, z).
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_mem_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// Threads per block that [`LaunchConfig::for_num_elems`] uses.
+    pub const DEFAULT_BLOCK: u32 = 256;
+
+    /// A one-dimensional launch of blocks of [`LaunchConfig::DEFAULT_BLOCK`] threads with one
+    /// thread per element: `ceil(n / 256)` blocks (at least 1, at most 2^31 - 1, the grid limit of
+    /// every device; a kernel given more elements than that covers must loop over them with a
+    /// grid stride, which is good practice anyway).
+    pub fn for_num_elems(n: usize) -> LaunchConfig {
+        let blocks = n.div_ceil(Self::DEFAULT_BLOCK as usize).clamp(1, i32::MAX as usize) as u32;
+        LaunchConfig { grid: (blocks, 1, 1), block: (Self::DEFAULT_BLOCK, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// A one-dimensional launch of `grid` blocks of `block` threads, without shared memory.
+    pub fn linear(grid: u32, block: u32) -> LaunchConfig {
+        LaunchConfig { grid: (grid, 1, 1), block: (block, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// This configuration with `bytes` of dynamic shared memory per block.
+    pub fn with_shared_mem(self, bytes: u32) -> LaunchConfig {
+        LaunchConfig { shared_mem_bytes: bytes, ..self }
+    }
+
+    /// Threads per block.
+    pub fn threads_per_block(&self) -> u64 {
+        u64::from(self.block.0) * u64::from(self.block.1) * u64::from(self.block.2)
+    }
+
+    /// Blocks in the grid.
+    pub fn blocks(&self) -> u64 {
+        u64::from(self.grid.0) * u64::from(self.grid.1) * u64::from(self.grid.2)
+    }
+}
+
+/// A value that can be passed to a kernel parameter. See the [module documentation](self) for the
+/// implementations.
+///
+/// # Safety
+/// [`KernelArg::Value`] is copied bit for bit into the kernel's parameter: it must have no padding
+/// bytes and be plain data the device may read. An implementation that hands the kernel device
+/// memory must make that memory's free wait for work on `stream` (as [`DeviceBuffer::record_use`]
+/// does) and must fail with [`Error::DeviceMismatch`] for memory the stream's device cannot use.
+pub unsafe trait KernelArg {
+    /// The parameter's value as the kernel sees it.
+    type Value: Copy;
+
+    /// The value to pass, for a launch on `stream`. Called once per launch, before it.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for memory of another device; any error the implementation
+    /// reports.
+    fn kernel_value(&self, stream: &Stream) -> Result<Self::Value>;
+}
+
+// SAFETY: DeviceRepr values are padding-free plain data (DeviceRepr's contract); they refer to no
+// memory cudrv manages.
+unsafe impl<T: DeviceRepr> KernelArg for T {
+    type Value = T;
+    #[inline]
+    fn kernel_value(&self, _stream: &Stream) -> Result<T> {
+        Ok(*self)
+    }
+}
+
+// SAFETY: a device address (u64); record_use orders the buffer's free after `stream`'s work and
+// rejects streams of other devices.
+unsafe impl<T: DeviceRepr> KernelArg for &DeviceBuffer<T> {
+    type Value = DevicePtr;
+    #[inline]
+    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
+        self.record_use(stream)?;
+        Ok(self.as_raw())
+    }
+}
+
+// SAFETY: as for `&DeviceBuffer<T>`.
+unsafe impl<T: DeviceRepr> KernelArg for &mut DeviceBuffer<T> {
+    type Value = DevicePtr;
+    #[inline]
+    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
+        self.record_use(stream)?;
+        Ok(self.as_raw())
+    }
+}
+
+// SAFETY: as for `&DeviceBuffer<T>`: the use is recorded on the view's buffer.
+unsafe impl<T: DeviceRepr> KernelArg for DeviceView<'_, T> {
+    type Value = DevicePtr;
+    #[inline]
+    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
+        self.buffer().record_use(stream)?;
+        Ok(self.as_raw())
+    }
+}
+
+// SAFETY: as for `DeviceView<T>`.
+unsafe impl<T: DeviceRepr> KernelArg for &DeviceView<'_, T> {
+    type Value = DevicePtr;
+    #[inline]
+    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
+        self.buffer().record_use(stream)?;
+        Ok(self.as_raw())
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A kernel's whole argument list: a tuple of up to 12 [`KernelArg`]s (`()` for none).
+///
+/// # Safety
+/// Implemented by cudrv only (the trait is sealed).
+pub unsafe trait KernelArgs: sealed::Sealed {
+    /// The number of parameters.
+    const COUNT: usize;
+
+    /// Computes every value (recording buffer uses on `stream`), lays out their addresses as a
+    /// `kernelParams` array, and calls `f` with it; the values live until `f` returns.
+    ///
+    /// # Errors
+    /// The first error of a [`KernelArg::kernel_value`] (then `f` is not called).
+    #[doc(hidden)]
+    fn with_params<R>(self, stream: &Stream, f: impl FnOnce(*mut *mut c_void) -> R) -> Result<R>;
+}
+
+macro_rules! kernel_args {
+    ($n:literal; $($t:ident $v:ident $i:tt),*) => {
+        impl<$($t: KernelArg),*> sealed::Sealed for ($($t,)*) {}
+
+        // SAFETY: every pointer in the array points at a value that lives on this stack frame until
+        // `f` returns.
+        unsafe impl<$($t: KernelArg),*> KernelArgs for ($($t,)*) {
+            const COUNT: usize = $n;
+
+            #[inline]
+            #[allow(unused_variables)]
+            fn with_params<R>(self, stream: &Stream, f: impl FnOnce(*mut *mut c_void) -> R) -> Result<R> {
+                $( let $v = self.$i.kernel_value(stream)?; )*
+                let mut params: [*mut c_void; $n] = [$( (&raw const $v).cast_mut().cast::<c_void>() ),*];
+                Ok(f(params.as_mut_ptr()))
+            }
+        }
+    };
+}
+
+kernel_args!(0;);
+kernel_args!(1; A a 0);
+kernel_args!(2; A a 0, B b 1);
+kernel_args!(3; A a 0, B b 1, C c 2);
+kernel_args!(4; A a 0, B b 1, C c 2, D d 3);
+kernel_args!(5; A a 0, B b 1, C c 2, D d 3, E e 4);
+kernel_args!(6; A a 0, B b 1, C c 2, D d 3, E e 4, F f_ 5);
+kernel_args!(7; A a 0, B b 1, C c 2, D d 3, E e 4, F f_ 5, G g 6);
+kernel_args!(8; A a 0, B b 1, C c 2, D d 3, E e 4, F f_ 5, G g 6, H h 7);
+kernel_args!(9; A a 0, B b 1, C c 2, D d 3, E e 4, F f_ 5, G g 6, H h 7, I i_ 8);
+kernel_args!(10; A a 0, B b 1, C c 2, D d 3, E e 4, F f_ 5, G g 6, H h 7, I i_ 8, J j 9);
+kernel_args!(11; A a 0, B b 1, C c 2, D d 3, E e 4, F f_ 5, G g 6, H h 7, I i_ 8, J j 9, K k 10);
+kernel_args!(12; A a 0, B b 1, C c 2, D d 3, E e 4, F f_ 5, G g 6, H h 7, I i_ 8, J j 9, K k 10, L l 11);
+
+/// Which driver entry point a launch goes through.
+#[derive(Clone, Copy)]
+enum Kind {
+    Plain,
+    Cooperative,
+    Cluster(u32, u32, u32),
+}
+
+impl Function {
+    /// Checks `cfg` against the device's and the kernel's limits: every dimension at least 1, the
+    /// block within the device's per-dimension maximum and within the kernel's (and the device's)
+    /// maximum threads per block, the grid within the device's per-dimension maximum, and the
+    /// dynamic plus static shared memory within what a block may opt in to. [`Function::launch`]
+    /// does this first.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] saying which limit is exceeded.
+    pub fn validate(&self, cfg: &LaunchConfig) -> Result<()> {
+        let limits = &self.module.limits;
+        let block = [cfg.block.0, cfg.block.1, cfg.block.2];
+        let grid = [cfg.grid.0, cfg.grid.1, cfg.grid.2];
+        let max_threads = self.max_threads.min(limits.max_threads_per_block);
+        let ok = block.iter().zip(limits.max_block).all(|(&b, m)| b >= 1 && b <= m)
+            && grid.iter().zip(limits.max_grid).all(|(&g, m)| g >= 1 && g <= m)
+            && cfg.threads_per_block() <= u64::from(max_threads)
+            && u64::from(cfg.shared_mem_bytes) + u64::from(self.static_shared)
+                <= u64::from(limits.shared_per_block_optin);
+        if ok { Ok(()) } else { Err(self.config_error(cfg)) }
+    }
+
+    #[cold]
+    fn config_error(&self, cfg: &LaunchConfig) -> Error {
+        let limits = &self.module.limits;
+        let block = [cfg.block.0, cfg.block.1, cfg.block.2];
+        let grid = [cfg.grid.0, cfg.grid.1, cfg.grid.2];
+        let dev = self.device().ordinal();
+        let why = if block.contains(&0) || grid.contains(&0) {
+            format!(
+                "every grid and block dimension must be at least 1, got grid {:?} and block {:?}",
+                cfg.grid, cfg.block
+            )
+        } else if let Some(axis) = (0..3).find(|&i| block[i] > limits.max_block[i]) {
+            format!(
+                "block {:?}: dimension {} is {}, device {dev} allows at most {}",
+                cfg.block,
+                ["x", "y", "z"][axis],
+                block[axis],
+                limits.max_block[axis]
+            )
+        } else if cfg.threads_per_block() > u64::from(limits.max_threads_per_block) {
+            format!(
+                "block {:?} has {} threads, device {dev} allows at most {} per block",
+                cfg.block,
+                cfg.threads_per_block(),
+                limits.max_threads_per_block
+            )
+        } else if cfg.threads_per_block() > u64::from(self.max_threads) {
+            format!(
+                "block {:?} has {} threads, the kernel allows at most {} per block (its register use; \
+                 see Function::attributes)",
+                cfg.block,
+                cfg.threads_per_block(),
+                self.max_threads
+            )
+        } else if let Some(axis) = (0..3).find(|&i| grid[i] > limits.max_grid[i]) {
+            format!(
+                "grid {:?}: dimension {} is {}, device {dev} allows at most {}",
+                cfg.grid,
+                ["x", "y", "z"][axis],
+                grid[axis],
+                limits.max_grid[axis]
+            )
+        } else {
+            format!(
+                "{} bytes of dynamic shared memory plus the kernel's {} static bytes exceed the {} bytes \
+                 device {dev} allows per block",
+                cfg.shared_mem_bytes, self.static_shared, limits.shared_per_block_optin
+            )
+        };
+        Error::InvalidArgument(format!("launch of `{}`: {why}", self.name()))
+    }
+
+    /// Launches the kernel on `stream` with `args` (`cuLaunchKernel`). Returns once the launch is
+    /// queued.
+    ///
+    /// `cfg` is checked first ([`Function::validate`]), and the stream must belong to the kernel's
+    /// device. Buffers in `args` have their use on `stream` recorded. Nothing is allocated.
+    ///
+    /// # Safety
+    /// The caller promises that:
+    /// * `args` match the kernel's parameters in number, order, size and meaning (a `&DeviceBuffer<T>`
+    ///   for a `T*`, a `u64` for a `size_t`, ...);
+    /// * every memory access the kernel makes with these arguments and this configuration stays
+    ///   within the buffers passed (e.g. the element count passed is at most the buffer's length);
+    /// * memory the kernel writes is not read or written concurrently by other work (host code,
+    ///   or other streams not ordered with `stream`), and memory it reads is not written
+    ///   concurrently: as everywhere in CUDA, the order between streams is the caller's;
+    /// * the kernel terminates, and leaves the device in a state the rest of the program
+    ///   expects (a kernel fault makes the context unusable).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a configuration beyond the limits (nothing is launched);
+    /// [`Error::DeviceMismatch`] when `stream`, or a buffer, belongs to another device; the driver's
+    /// error.
+    #[inline]
+    pub unsafe fn launch<A: KernelArgs>(&self, cfg: LaunchConfig, stream: &Stream, args: A) -> Result<()> {
+        self.validate(&cfg)?;
+        self.check_stream(stream)?;
+        // SAFETY: forwarded to the caller.
+        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Plain) })?
+    }
+
+    /// Launches the kernel as a cooperative kernel (`cuLaunchCooperativeKernel`): all blocks are
+    /// resident at once, so they may synchronise with each other (a grid-wide sync).
+    ///
+    /// Gated on [`crate::Capabilities::cooperative_launch`]. The grid must fit on the device at
+    /// once: at most [`Function::max_active_blocks_per_multiprocessor`] × multiprocessors blocks,
+    /// which is checked first.
+    ///
+    /// # Safety
+    /// As [`Function::launch`].
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] without cooperative launch; [`Error::InvalidArgument`] for a
+    /// configuration beyond the limits or a grid that does not fit at once; as [`Function::launch`].
+    pub unsafe fn launch_cooperative<A: KernelArgs>(&self, cfg: LaunchConfig, stream: &Stream, args: A) -> Result<()> {
+        self.validate(&cfg)?;
+        self.check_stream(stream)?;
+        let device = self.device();
+        if !device.capabilities()?.cooperative_launch {
+            return Err(device.unsupported(
+                "cooperative launch",
+                "CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH is 0",
+                Some("Function::launch, with the grid-wide synchronisation split into separate launches"),
+            ));
+        }
+        let per_sm =
+            self.max_active_blocks_per_multiprocessor(cfg.threads_per_block() as u32, cfg.shared_mem_bytes as usize)?;
+        let fits = u64::from(per_sm) * u64::from(self.module.limits.multiprocessors);
+        if cfg.blocks() > fits {
+            return Err(Error::InvalidArgument(format!(
+                "cooperative launch of `{}`: grid {:?} has {} blocks, but only {fits} blocks of {} threads \
+                 ({per_sm} per multiprocessor × {} multiprocessors) can be resident at once on device {}",
+                self.name(),
+                cfg.grid,
+                cfg.blocks(),
+                cfg.threads_per_block(),
+                self.module.limits.multiprocessors,
+                device.ordinal()
+            )));
+        }
+        // SAFETY: forwarded to the caller.
+        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Cooperative) })?
+    }
+
+    /// Launches the kernel with thread-block clusters of `cluster` blocks
+    /// (`cuLaunchKernelEx` with `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`): the blocks of a cluster
+    /// run together on one GPU processing cluster and can share distributed shared memory.
+    ///
+    /// Needs a driver with `cuLaunchKernelEx` (CUDA 11.8 and later) and
+    /// [`crate::Capabilities::cluster_launch`] (compute capability 9.0 and later). Each cluster
+    /// dimension must be at least 1 and divide the grid's; a cluster has at most 8 blocks (the
+    /// portable size), or 16 when the kernel allows non-portable sizes
+    /// ([`Function::set_non_portable_cluster_size_allowed`]).
+    ///
+    /// # Safety
+    /// As [`Function::launch`].
+    ///
+    /// # Errors
+    /// [`Error::MissingSymbol`] without `cuLaunchKernelEx`; [`Error::Unsupported`] without cluster
+    /// support; [`Error::InvalidArgument`] for a cluster that does not divide the grid or is too
+    /// large; as [`Function::launch`].
+    pub unsafe fn launch_cluster<A: KernelArgs>(
+        &self,
+        cfg: LaunchConfig,
+        cluster: (u32, u32, u32),
+        stream: &Stream,
+        args: A,
+    ) -> Result<()> {
+        self.check_cluster_support()?;
+        self.validate(&cfg)?;
+        self.check_stream(stream)?;
+        let dims = [cluster.0, cluster.1, cluster.2];
+        let grid = [cfg.grid.0, cfg.grid.1, cfg.grid.2];
+        let bad = |why: String| {
+            Error::InvalidArgument(format!("cluster launch of `{}` with cluster {cluster:?}: {why}", self.name()))
+        };
+        if dims.contains(&0) {
+            return Err(bad("every cluster dimension must be at least 1".into()));
+        }
+        if let Some(axis) = (0..3).find(|&i| !grid[i].is_multiple_of(dims[i])) {
+            return Err(bad(format!(
+                "the grid {:?} is not a multiple of the cluster in dimension {}",
+                cfg.grid,
+                ["x", "y", "z"][axis]
+            )));
+        }
+        let size = u64::from(dims[0]) * u64::from(dims[1]) * u64::from(dims[2]);
+        if size > 16 {
+            return Err(bad(format!("{size} blocks per cluster; the most any device allows is 16")));
+        }
+        if size > 8 && self.attribute(FA::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)? == 0 {
+            return Err(bad(format!(
+                "{size} blocks per cluster exceed the portable size of 8; allow more with \
+                 Function::set_non_portable_cluster_size_allowed(true)"
+            )));
+        }
+        let kind = Kind::Cluster(cluster.0, cluster.1, cluster.2);
+        // SAFETY: forwarded to the caller.
+        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, kind) })?
+    }
+
+    /// Lets launches of this kernel use clusters of more than 8 blocks (up to 16, on devices that
+    /// support it: `CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED`).
+    ///
+    /// # Errors
+    /// As [`Function::launch_cluster`] without cluster support; the driver's error.
+    pub fn set_non_portable_cluster_size_allowed(&self, allowed: bool) -> Result<()> {
+        self.check_cluster_support()?;
+        let _b = self.context().bind()?;
+        // SAFETY: a function of a loaded module; a 0/1 value; the context is current.
+        let rc = unsafe {
+            driver()?.cuFuncSetAttribute(
+                self.raw,
+                FA::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                i32::from(allowed),
+            )
+        };
+        check("cuFuncSetAttribute", rc)
+    }
+
+    /// Launches the kernel with a prepared `kernelParams` array (`cuLaunchKernel`), for argument
+    /// lists known only at run time. The configuration and the stream's device are checked as in
+    /// [`Function::launch`], but no buffer use is recorded: call [`DeviceBuffer::record_use`] for
+    /// buffers of other streams.
+    ///
+    /// # Safety
+    /// As [`Function::launch`], and: `params` has one entry per kernel parameter, each pointing at
+    /// a value of the parameter's size and layout, valid during the call.
+    ///
+    /// # Errors
+    /// As [`Function::launch`].
+    pub unsafe fn launch_raw(&self, cfg: LaunchConfig, stream: &Stream, params: &mut [*mut c_void]) -> Result<()> {
+        self.validate(&cfg)?;
+        self.check_stream(stream)?;
+        // SAFETY: forwarded to the caller.
+        unsafe { self.enqueue(&cfg, stream, params.as_mut_ptr(), Kind::Plain) }
+    }
+
+    #[inline]
+    fn check_stream(&self, stream: &Stream) -> Result<()> {
+        if std::sync::Arc::ptr_eq(stream.context(), self.context()) {
+            return Ok(());
+        }
+        Err(Error::DeviceMismatch {
+            what: "Function::launch (the stream must belong to the kernel's device)",
+            expected: self.device().ordinal_i32(),
+            found: stream.device().ordinal_i32(),
+        })
+    }
+
+    fn check_cluster_support(&self) -> Result<()> {
+        let d = driver()?;
+        if !d.has("cuLaunchKernelEx") {
+            return Err(Error::MissingSymbol { name: "cuLaunchKernelEx", driver_version: d.version() });
+        }
+        let device = self.device();
+        let caps = device.capabilities()?;
+        if !caps.cluster_launch {
+            let (major, minor) = caps.compute_capability;
+            let reason = if major < 9 {
+                format!("thread-block clusters need compute capability 9.0 or newer; the device has {major}.{minor}")
+            } else {
+                "CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH is 0".to_string()
+            };
+            return Err(device.unsupported("thread-block clusters", reason, Some("Function::launch without clusters")));
+        }
+        Ok(())
+    }
+
+    /// Queues the launch.
+    ///
+    /// # Safety
+    /// `params` is a valid `kernelParams` array for the kernel (or unused by it), valid during
+    /// the call; the launch satisfies [`Function::launch`]'s promises; `cfg` was validated and the
+    /// stream belongs to the kernel's context.
+    #[inline]
+    unsafe fn enqueue(&self, cfg: &LaunchConfig, stream: &Stream, params: *mut *mut c_void, kind: Kind) -> Result<()> {
+        let _b = self.context().bind()?;
+        let d = driver()?;
+        let (g, b, s) = (cfg.grid, cfg.block, stream.as_raw());
+        // SAFETY (all three): a function of a loaded module of the current context, a stream of that
+        // context, a validated configuration, and a parameter array valid during the call (the
+        // caller's promise).
+        let (call, rc) = match kind {
+            Kind::Plain => ("cuLaunchKernel", unsafe {
+                d.cuLaunchKernel(
+                    self.raw,
+                    g.0,
+                    g.1,
+                    g.2,
+                    b.0,
+                    b.1,
+                    b.2,
+                    cfg.shared_mem_bytes,
+                    s,
+                    params,
+                    std::ptr::null_mut(),
+                )
+            }),
+            Kind::Cooperative => ("cuLaunchCooperativeKernel", unsafe {
+                d.cuLaunchCooperativeKernel(self.raw, g.0, g.1, g.2, b.0, b.1, b.2, cfg.shared_mem_bytes, s, params)
+            }),
+            Kind::Cluster(x, y, z) => {
+                let mut attr = CUlaunchAttribute {
+                    id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                    ..Default::default()
+                };
+                attr.value.clusterDim.x = x;
+                attr.value.clusterDim.y = y;
+                attr.value.clusterDim.z = z;
+                let config = CUlaunchConfig {
+                    gridDimX: g.0,
+                    gridDimY: g.1,
+                    gridDimZ: g.2,
+                    blockDimX: b.0,
+                    blockDimY: b.1,
+                    blockDimZ: b.2,
+                    sharedMemBytes: cfg.shared_mem_bytes,
+                    hStream: s,
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                ("cuLaunchKernelEx", unsafe { d.cuLaunchKernelEx(&config, self.raw, params, std::ptr::null_mut()) })
+            }
+        };
+        match rc {
+            Ok(CUresult::CUDA_SUCCESS) => Ok(()),
+            _ => Err(self.launch_error(call, rc, cfg)),
+        }
+    }
+
+    /// Turns a failed launch into an error, explaining the usual cause of an `INVALID_VALUE`:
+    /// dynamic shared memory above the kernel's limit.
+    #[cold]
+    fn launch_error(
+        &self,
+        call: &'static str,
+        rc: std::result::Result<CUresult, cudrv_sys::MissingSymbol>,
+        cfg: &LaunchConfig,
+    ) -> Error {
+        let err = match check(call, rc) {
+            Err(e) => e,
+            Ok(()) => return Error::InvalidArgument(format!("launch of `{}` failed without a code", self.name())),
+        };
+        if err.code() == Some(CUresult::CUDA_ERROR_INVALID_VALUE)
+            && cfg.shared_mem_bytes > 0
+            && let Ok(limit) = self.attribute(FA::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+            && i64::from(cfg.shared_mem_bytes) > i64::from(limit)
+        {
+            return Error::InvalidArgument(format!(
+                "launch of `{}`: {} bytes of dynamic shared memory exceed the kernel's limit of {limit} bytes; \
+                 raise it with Function::set_max_dynamic_shared_memory ({err})",
+                self.name(),
+                cfg.shared_mem_bytes
+            ));
+        }
+        err
+    }
+}
