@@ -389,3 +389,14 @@ pub fn fake_reset_violations() {
     // SAFETY: cudrvFakeResetViolations takes no arguments and only clears the list under the lock.
     unsafe { f() }
 }
+
+/// Whether the TCC interposer ([`tcc_interposer_path`]) was built: Linux (glibc) targets with a C
+/// compiler only.
+pub const TCC_INTERPOSER_AVAILABLE: bool = !cfg!(tcc_unavailable);
+
+/// Path of the `ProcessPrng` stub that Wine 8 needs to run Rust executables:
+/// `lib_dir()/bcryptprimitives.dll`. Built for `windows-gnu` targets only; copy it beside the test
+/// executables.
+pub fn bcrypt_stub_path() -> PathBuf {
+    lib_dir().join("bcryptprimitives.dll")
+}
