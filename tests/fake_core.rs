@@ -61,12 +61,13 @@ fn driver_path_to_a_file_that_is_not_a_library() {
 
 #[test]
 fn driver_path_to_a_library_that_is_not_a_driver() {
-    // The legacy fake's directory holds a library; a non-CUDA library is any other shared object.
-    // The test support crate's own fake exports cuDriverGetVersion, so use the C library instead.
-    let libc = ["/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib64/libc.so.6"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists());
-    let Some(libc) = libc else { return };
+    // A library that is not a CUDA driver: the C library, or kernel32.dll on Windows.
+    let candidates: &[&str] = if cfg!(windows) {
+        &[r"C:\Windows\System32\kernel32.dll"]
+    } else {
+        &["/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib64/libc.so.6"]
+    };
+    let Some(libc) = candidates.iter().copied().find(|p| std::path::Path::new(p).exists()) else { return };
     run_with_fake(&[("CUDRV_DRIVER_PATH", libc)], || {
         let err = Device::count().unwrap_err();
         assert!(err.to_string().contains("not a CUDA driver"), "{err}");
@@ -160,7 +161,7 @@ fn error_messages_read_well() {
 #[test]
 fn driver_models_and_capabilities_per_mode() {
     for (mode, expected) in [
-        ("linux", DriverModel::Linux),
+        ("linux", if cfg!(windows) { DriverModel::Wddm } else { DriverModel::Linux }),
         ("wddm", if cfg!(windows) { DriverModel::Wddm } else { DriverModel::Linux }),
         ("tcc", DriverModel::Tcc),
     ] {
