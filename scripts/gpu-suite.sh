@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The real-GPU suite, run on a machine with an NVIDIA GPU from the bundle that
+# ../shared/tools/gpu-bundle stages in .gpu/ (see the README, "Testing on a GPU").
+#
+#   bash scripts/gpu-suite.sh tests      # every test executable natively, then the --features gpu
+#                                        # tests with CUDRV_MEMORY_RESOURCE=pool and =sync, then
+#                                        # everything through the TCC interposer
+#   bash scripts/gpu-suite.sh sanitizer  # the gpu tests under compute-sanitizer memcheck (+ leak
+#                                        # check), natively and through the interposer
+#   bash scripts/gpu-suite.sh bench      # the benchmarks (memory, copies, launch)
+#   bash scripts/gpu-suite.sh stress S   # the stress test, S seconds per resource and per device
+#
+# Logs go to $OUT (or ./gpu-logs). Each phase ends with a 'N passed, N failed' line.
+set -uo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+export g="$here/.gpu"
+out=${OUT:-$here/gpu-logs}
+mkdir -p "$out"
+export CUDRV_TEST_LIB_DIR="$g/lib"
+tcc="$g/lib/libcudrv_tcc.so"
+pass=0
+fail=0
+check() { # name, command...
+  local name=$1; shift
+  if "$@" >"$out/$name.log" 2>&1; then pass=$((pass + 1)); echo "ok     $name"; else fail=$((fail + 1)); echo "FAILED $name"; tail -30 "$out/$name.log"; fi
+}
+gpu_tests() { for t in "$g"/tests/gpu_*; do "$t" --test-threads=1 || return 1; done; }
+in_tcc() { CUDRV_DRIVER_PATH="$tcc" CUDRV_EXPECT_DRIVER_MODEL=tcc "$@"; }
+
+case "${1:-tests}" in
+tests)
+  check devices "$g/bin/devices"
+  check devices-json "$g/bin/devices" --json
+  check all-tests bash "$g/run" tests
+  check gpu-tests-pool env CUDRV_MEMORY_RESOURCE=pool CUDRV_EXPECT_RESOURCE=StreamOrderedPool bash -c "$(declare -f gpu_tests); gpu_tests"
+  check gpu-tests-sync env CUDRV_MEMORY_RESOURCE=sync CUDRV_EXPECT_RESOURCE=SyncResource bash -c "$(declare -f gpu_tests); gpu_tests"
+  check tcc-devices bash -c "CUDRV_DRIVER_PATH=$tcc $g/bin/devices | tee /dev/stderr | grep -q 'driver model                TCC' && CUDRV_DRIVER_PATH=$tcc $g/bin/devices | grep -q 'memory resource             StreamOrderedPool'"
+  check tcc-all-tests env CUDRV_DRIVER_PATH="$tcc" CUDRV_EXPECT_DRIVER_MODEL=tcc CUDRV_EXPECT_RESOURCE=StreamOrderedPool bash "$g/run" tests
+  [ -x "$g/bin/vector_add" ] && check vector-add "$g/bin/vector_add" && check tcc-vector-add env CUDRV_DRIVER_PATH="$tcc" "$g/bin/vector_add"
+  ;;
+sanitizer)
+  for t in "$g"/tests/gpu_*; do
+    n=$(basename "$t" | sed 's/-.*//')
+    check "memcheck-$n" compute-sanitizer --tool memcheck --error-exitcode 99 --leak-check full "$t" --test-threads=1
+    check "memcheck-tcc-$n" env CUDRV_DRIVER_PATH="$tcc" CUDRV_EXPECT_DRIVER_MODEL=tcc compute-sanitizer --tool memcheck --error-exitcode 99 --leak-check full "$t" --test-threads=1
+  done
+  ;;
+bench)
+  for b in memory copies launch; do check "bench-$b" "$g/bin/$b"; cat "$out/bench-$b.log"; done
+  ;;
+stress)
+  # One stress process per device, all at once, for each resource and through the interposer.
+  secs=${2:-20}
+  ndev=$(nvidia-smi -L | wc -l)
+  all_devices() { # label, env/command prefix...
+    local label=$1; shift
+    local pids=() d
+    for ((d = 0; d < ndev; d++)); do
+      "$@" "$g/bin/stress" --seconds "$secs" --threads 4 --streams 4 --device "$d" >"$out/$label-dev$d.log" 2>&1 &
+      pids+=($!)
+    done
+    local ok=0
+    for ((d = 0; d < ndev; d++)); do wait "${pids[$d]}" || ok=1; grep '^stress:' "$out/$label-dev$d.log" | sed "s/^/dev$d /"; done
+    return $ok
+  }
+  for r in driver-pool pool sync; do
+    check "stress-$r" all_devices "stress-$r" env CUDRV_MEMORY_RESOURCE="$r"
+    cat "$out"/stress-"$r"-dev*.log | grep '^stress:' | sed "s/^/$r /"
+  done
+  check stress-tcc all_devices stress-tcc env CUDRV_DRIVER_PATH="$tcc"
+  cat "$out"/stress-tcc-dev*.log | grep '^stress:' | sed 's/^/tcc /'
+  ;;
+esac
+echo "gpu suite ${1:-tests}: $pass passed, $fail failed"
+[ "$fail" = 0 ]
