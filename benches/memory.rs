@@ -73,6 +73,37 @@ impl Allocator for RawAsync {
     }
 }
 
+/// Raw `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` on the default pool: what `DriverPool` calls,
+/// without cudrv around it.
+struct RawFromPool {
+    d: &'static Driver,
+    pool: Arc<DriverPool>,
+}
+
+impl Allocator for RawFromPool {
+    fn name(&self) -> String {
+        "raw cuMemAllocFromPoolAsync+cuMemFreeAsync".into()
+    }
+    fn alloc(&self, bytes: usize, s: &Stream) -> Res<u64> {
+        let mut p = 0;
+        // SAFETY: valid out-pointer, pool and stream; the context is current (bound by run).
+        let rc = unsafe { self.d.cuMemAllocFromPoolAsync(&mut p, bytes, self.pool.as_raw(), s.as_raw()) };
+        ok(rc, "cuMemAllocFromPoolAsync")?;
+        Ok(p)
+    }
+    fn free(&self, p: u64, _bytes: usize, s: &Stream) -> Res<()> {
+        // SAFETY: `p` came from the pool and is unused.
+        ok(unsafe { self.d.cuMemFreeAsync(p, s.as_raw()) }, "cuMemFreeAsync")
+    }
+    fn peak_reserved(&self) -> Option<usize> {
+        self.pool.pool_stats().ok().map(|s| s.peak_reserved)
+    }
+    fn reset(&self) -> Res<()> {
+        self.pool.trim_to(0)?;
+        Ok(self.pool.reset_pool_peaks()?)
+    }
+}
+
 /// Raw `cuMemAlloc` / `cuMemFree` (no stream order: the free synchronises implicitly).
 struct RawSync {
     d: &'static Driver,
@@ -206,9 +237,19 @@ fn load_trace(path: &str) -> Res<Trace> {
     Ok(Trace { name, events, ids, peak_live: peak })
 }
 
-/// Replays a trace: (ns per event, peak reserved / peak live).
-fn replay(a: &dyn Allocator, t: &Trace, s: &Stream) -> Res<(f64, Option<f64>)> {
+/// Replays a trace twice: cold (after giving every cached byte back) and warm (right after, with
+/// what the first pass left cached, as in the next training step). Returns (cold ns per event,
+/// warm ns per event, peak reserved / peak live over both passes).
+fn replay(a: &dyn Allocator, t: &Trace, s: &Stream) -> Res<(f64, f64, Option<f64>)> {
     a.reset()?;
+    let cold = replay_once(a, t, s)?;
+    let warm = replay_once(a, t, s)?;
+    let ratio = a.peak_reserved().map(|r| r as f64 / t.peak_live as f64);
+    a.reset()?;
+    Ok((cold, warm, ratio))
+}
+
+fn replay_once(a: &dyn Allocator, t: &Trace, s: &Stream) -> Res<f64> {
     let mut ptrs = vec![0u64; t.ids];
     let start = Instant::now();
     for &(alloc, id, size) in &t.events {
@@ -220,7 +261,6 @@ fn replay(a: &dyn Allocator, t: &Trace, s: &Stream) -> Res<(f64, Option<f64>)> {
         }
     }
     let ns = start.elapsed().as_nanos() as f64 / t.events.len() as f64;
-    let ratio = a.peak_reserved().map(|r| r as f64 / t.peak_live as f64);
     // Free what the trace leaves live (the model's state).
     for &(alloc, id, size) in &t.events {
         if alloc && ptrs[id] != 0 {
@@ -229,8 +269,7 @@ fn replay(a: &dyn Allocator, t: &Trace, s: &Stream) -> Res<(f64, Option<f64>)> {
         }
     }
     s.synchronize()?;
-    a.reset()?;
-    Ok((ns, ratio))
+    Ok(ns)
 }
 
 fn run() -> Res<()> {
@@ -255,6 +294,7 @@ fn run() -> Res<()> {
     if caps.memory_pools {
         let default = Arc::new(DriverPool::default_pool(&dev)?); // raises the default pool's threshold
         allocs.push(Box::new(RawAsync { d, pool: default.clone() }));
+        allocs.push(Box::new(RawFromPool { d, pool: default.clone() }));
     }
     allocs.push(Box::new(RawSync { d, peak: Default::default(), live: Default::default() }));
     if caps.memory_pools {
@@ -310,22 +350,25 @@ fn run() -> Res<()> {
         a.reset()?;
     }
 
-    println!("\n## trace replay (ns per event; peak reserved / peak live)\n");
+    println!("\n## trace replay (ns per event; cold: after a full trim; warm: the next replay)\n");
     println!(
-        "| allocator | trace | events | ns/event | ratio vs first row | peak reserved / peak live |\n|---|---|---|---|---|---|"
+        "| allocator | trace | events | cold ns/event | ratio | warm ns/event | ratio | peak reserved / peak live |"
     );
+    println!("|---|---|---|---|---|---|---|---|");
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
     let dir = std::env::var("CUDRV_TRACE_DIR").unwrap_or_else(|_| root.to_string());
     for file in ["gpt2_train.csv", "resnet50_train.csv"] {
         let t = load_trace(&format!("{dir}/{file}"))?;
-        let mut first = 0.0;
+        let (mut first_cold, mut first_warm) = (0.0, 0.0);
         for (k, a) in allocs.iter().enumerate() {
-            let (ns, ratio) = replay(a.as_ref(), &t, &s)?;
+            let (cold, warm, ratio) = replay(a.as_ref(), &t, &s)?;
             if k == 0 {
-                first = ns;
+                (first_cold, first_warm) = (cold, warm);
             }
             let ratio = ratio.map_or("n/a".to_string(), |r| format!("{r:.3}"));
-            println!("| {} | {} | {} | {ns:.0} | {:.3}x | {ratio} |", a.name(), t.name, t.events.len(), ns / first);
+            let (name, trace, n) = (a.name(), &t.name, t.events.len());
+            let (rc, rw) = (cold / first_cold, warm / first_warm);
+            println!("| {name} | {trace} | {n} | {cold:.0} | {rc:.3}x | {warm:.0} | {rw:.3}x | {ratio} |");
         }
     }
     Ok(())
