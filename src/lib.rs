@@ -4,6 +4,10 @@
 //!   [`Capabilities`], read per device and cached.
 //! * [`Context`]: each device's primary context, shared.
 //! * [`Stream`], [`Event`]: ordering and timing.
+//! * [`memory`]: stream-ordered [`memory::MemoryResource`]s chosen per device (the driver's pool,
+//!   or cudrv's [`memory::StreamOrderedPool`] where pools are missing), [`memory::DeviceBuffer`],
+//!   [`memory::PinnedBuffer`] and copies.
+//! * [`Module`], [`Function`], [`LaunchConfig`]: loading PTX/cubin/fatbin and launching kernels.
 //!
 //! Everything a device may lack is checked first, and reported as [`Error::Unsupported`] with
 //! the reason and an alternative, never as a bare driver code.

@@ -42,7 +42,7 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
     /// `len` zeroed elements of pinned memory, not write-combined.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] on overflow; the driver's error (out of memory).
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) on overflow; the driver's error (out of memory).
     pub fn new(device: &Device, len: usize) -> Result<PinnedBuffer<T>> {
         Self::with_flags(device, len, false)
     }
@@ -234,7 +234,7 @@ impl ManagedResource {
     /// A resource on `device`.
     ///
     /// # Errors
-    /// [`Error::Unsupported`] when the device has no managed memory.
+    /// [`Error::Unsupported`](crate::Error::Unsupported) when the device has no managed memory.
     pub fn new(device: &Device) -> Result<ManagedResource> {
         if !device.capabilities()?.managed_memory {
             return Err(device.unsupported(
@@ -289,7 +289,7 @@ pub struct HostRegistration<'a, T: DeviceRepr> {
 /// Page-locks `slice` (gated on the device's host-registration support).
 ///
 /// # Errors
-/// [`Error::Unsupported`] when the device cannot register host memory; the driver's error.
+/// [`Error::Unsupported`](crate::Error::Unsupported) when the device cannot register host memory; the driver's error.
 pub fn register_host<'a, T: DeviceRepr>(device: &Device, slice: &'a mut [T]) -> Result<HostRegistration<'a, T>> {
     if !device.capabilities()?.host_register {
         return Err(device.unsupported(
