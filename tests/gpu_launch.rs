@@ -9,6 +9,7 @@ use cudrv::memory::DeviceBuffer;
 use cudrv::module::{Function, Module};
 use cudrv::sys::CUresult;
 use cudrv::{Device, Error, Stream};
+use cudrv_test_support::{random_u64s, time_seed};
 
 const PTX: &str = include_str!("../examples/kernels/vector_add.ptx");
 
@@ -21,23 +22,6 @@ fn setup() -> (Device, Module, Stream) {
     let module = Module::from_ptx(&dev, PTX).unwrap_or_else(|e| panic!("the example PTX does not load: {e}"));
     let stream = Stream::new(&dev).unwrap();
     (dev, module, stream)
-}
-
-/// xorshift64*: fresh random data without a dependency.
-fn random_u64s(seed: u64, n: usize) -> Vec<u64> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        })
-        .collect()
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
 }
 
 /// Random finite floats over a wide range of magnitudes (random sign, exponent and mantissa).
@@ -76,7 +60,7 @@ fn the_example_ptx_compiles_for_the_device() {
 fn vector_add_on_fresh_random_data() {
     let (_dev, module, stream) = setup();
     let add = module.function("add_f32").unwrap();
-    let base = seed();
+    let base = time_seed();
     for (round, (n, cfg)) in [
         (1usize, LaunchConfig::for_num_elems(1)),
         (1000, LaunchConfig::for_num_elems(1000)),
@@ -106,7 +90,7 @@ fn fill_kernels_on_fresh_random_data() {
     let (_dev, module, stream) = setup();
     let fill = module.function("fill_u32").unwrap();
     let pattern = module.function("fill_pattern_u8").unwrap();
-    let r = random_u64s(seed(), 16);
+    let r = random_u64s(time_seed(), 16);
     for (k, n) in [1usize, 31, 4097, (1 << 24) + 5].into_iter().enumerate() {
         // Start from random contents, so a skipped element shows.
         let noise: Vec<u32> = random_u64s(r[k], n).into_iter().map(|x| x as u32).collect();

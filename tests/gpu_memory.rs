@@ -5,6 +5,7 @@
 //! one is in use. Data is written by memsets and copies and read back, byte for byte.
 #![cfg(feature = "gpu")]
 
+use cudrv_test_support::{random_bytes, time_seed};
 use std::sync::Arc;
 
 use cudrv::memory::{DeviceBuffer, MemoryResource, PinnedBuffer, ResourceKind, StreamOrderedPool};
@@ -12,23 +13,6 @@ use cudrv::{Device, Error, Stream};
 
 fn device() -> Device {
     Device::get(0).expect("a CUDA device (these tests need a GPU)")
-}
-
-/// xorshift64*: fresh random data without a dependency.
-fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8
-        })
-        .collect()
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
 }
 
 #[test]
@@ -49,7 +33,7 @@ fn the_expected_resource_is_in_use() {
 fn random_round_trips_at_many_sizes() {
     let dev = device();
     let s = Stream::new(&dev).unwrap();
-    let base = seed();
+    let base = time_seed();
     for (i, n) in [0usize, 1, 7, 4096, 1 << 20, (64 << 20) + 3].into_iter().enumerate() {
         let data = random_bytes(base + i as u64, n);
         let buf = DeviceBuffer::from_slice(&data, &s).unwrap();
@@ -74,7 +58,7 @@ fn pinned_async_copies() {
     let dev = device();
     let s = Stream::new(&dev).unwrap();
     let n = 32 << 20;
-    let data = random_bytes(seed(), n);
+    let data = random_bytes(time_seed(), n);
     let src = PinnedBuffer::from_slice(&dev, &data).unwrap();
     let mut buf = DeviceBuffer::<u8>::zeroed(n, &s).unwrap();
     buf.copy_from_pinned_async(&src).unwrap();
@@ -176,7 +160,7 @@ fn stream_ordered_pool_on_the_gpu() {
         unsafe { pool.deallocate(q, 1 << 20, &s).unwrap() };
     }
     assert_eq!(pool.pool_stats().driver_allocs, before.driver_allocs);
-    let data = random_bytes(seed(), 3 << 20);
+    let data = random_bytes(time_seed(), 3 << 20);
     let b = DeviceBuffer::from_slice_in(pool.clone(), &data, &s).unwrap();
     assert_eq!(b.to_vec().unwrap(), data);
     drop(b);

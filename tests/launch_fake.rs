@@ -4,6 +4,7 @@
 //!
 //! Every test body runs in a child process of this test binary (`run_with_fake`).
 
+use cudrv_test_support::{random_u64s, time_seed};
 use std::ffi::c_void;
 
 use cudrv::launch::LaunchConfig;
@@ -23,23 +24,6 @@ fn setup() -> (Device, Module, Stream) {
     let module = Module::from_ptx(&dev, PTX).unwrap();
     let stream = Stream::new(&dev).unwrap();
     (dev, module, stream)
-}
-
-/// xorshift64*, for fresh data.
-fn random_u64s(seed: u64, n: usize) -> Vec<u64> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        })
-        .collect()
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
 }
 
 fn invalid_argument(e: Error) -> String {
@@ -201,7 +185,7 @@ fn cubins_and_fatbins_are_checked_then_passed_to_the_driver() {
 fn arguments_reach_the_kernels() {
     run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "100")], || {
         let (_dev, module, stream) = setup();
-        let base = seed();
+        let base = time_seed();
         for (round, n) in [1usize, 255, 256, 257, 10_000].into_iter().enumerate() {
             let r = random_u64s(base + round as u64, 2 * n + 1);
             // fill_u32(out, value, n)

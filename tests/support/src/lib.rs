@@ -400,3 +400,26 @@ pub const TCC_INTERPOSER_AVAILABLE: bool = !cfg!(tcc_unavailable);
 pub fn bcrypt_stub_path() -> PathBuf {
     lib_dir().join("bcryptprimitives.dll")
 }
+
+/// `n` pseudo-random words (xorshift64*), for fresh test data without a dependency.
+pub fn random_u64s(seed: u64, n: usize) -> Vec<u64> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        })
+        .collect()
+}
+
+/// `n` pseudo-random bytes (the top byte of each [`random_u64s`] word).
+pub fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
+    random_u64s(seed, n).into_iter().map(|w| (w >> 56) as u8).collect()
+}
+
+/// A seed that differs from run to run (the clock), so each run checks fresh data.
+pub fn time_seed() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+}
