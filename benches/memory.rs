@@ -44,51 +44,31 @@ fn ok(rc: Result<CUresult, cudrv::sys::MissingSymbol>, what: &str) -> Res<()> {
     }
 }
 
-/// Raw `cuMemAllocAsync` / `cuMemFreeAsync` on the device's current (default) pool.
+/// Raw `cuMemFreeAsync` with `cuMemAllocAsync` on the device's current (default) pool, or, with
+/// `from_pool`, `cuMemAllocFromPoolAsync` on that pool by handle: what `DriverPool` calls, without
+/// cudrv around it.
 struct RawAsync {
     d: &'static Driver,
     pool: Arc<DriverPool>,
+    from_pool: bool,
 }
 
 impl Allocator for RawAsync {
     fn name(&self) -> String {
-        "raw cuMemAllocAsync+cuMemFreeAsync".into()
+        let alloc = if self.from_pool { "cuMemAllocFromPoolAsync" } else { "cuMemAllocAsync" };
+        format!("raw {alloc}+cuMemFreeAsync")
     }
     fn alloc(&self, bytes: usize, s: &Stream) -> Res<u64> {
         let mut p = 0;
-        // SAFETY: valid out-pointer and stream; the stream's context is current (bound by run).
-        ok(unsafe { self.d.cuMemAllocAsync(&mut p, bytes, s.as_raw()) }, "cuMemAllocAsync")?;
-        Ok(p)
-    }
-    fn free(&self, p: u64, _bytes: usize, s: &Stream) -> Res<()> {
-        // SAFETY: `p` came from cuMemAllocAsync and is unused.
-        ok(unsafe { self.d.cuMemFreeAsync(p, s.as_raw()) }, "cuMemFreeAsync")
-    }
-    fn peak_reserved(&self) -> Option<usize> {
-        self.pool.pool_stats().ok().map(|s| s.peak_reserved)
-    }
-    fn reset(&self) -> Res<()> {
-        self.pool.trim_to(0)?;
-        Ok(self.pool.reset_pool_peaks()?)
-    }
-}
-
-/// Raw `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` on the default pool: what `DriverPool` calls,
-/// without cudrv around it.
-struct RawFromPool {
-    d: &'static Driver,
-    pool: Arc<DriverPool>,
-}
-
-impl Allocator for RawFromPool {
-    fn name(&self) -> String {
-        "raw cuMemAllocFromPoolAsync+cuMemFreeAsync".into()
-    }
-    fn alloc(&self, bytes: usize, s: &Stream) -> Res<u64> {
-        let mut p = 0;
-        // SAFETY: valid out-pointer, pool and stream; the context is current (bound by run).
-        let rc = unsafe { self.d.cuMemAllocFromPoolAsync(&mut p, bytes, self.pool.as_raw(), s.as_raw()) };
-        ok(rc, "cuMemAllocFromPoolAsync")?;
+        // SAFETY: valid out-pointer, pool and stream; the stream's context is current (bound by run).
+        let rc = unsafe {
+            if self.from_pool {
+                self.d.cuMemAllocFromPoolAsync(&mut p, bytes, self.pool.as_raw(), s.as_raw())
+            } else {
+                self.d.cuMemAllocAsync(&mut p, bytes, s.as_raw())
+            }
+        };
+        ok(rc, "stream-ordered allocation")?;
         Ok(p)
     }
     fn free(&self, p: u64, _bytes: usize, s: &Stream) -> Res<()> {
@@ -293,8 +273,8 @@ fn run() -> Res<()> {
     let mut allocs: Vec<Box<dyn Allocator>> = Vec::new();
     if caps.memory_pools {
         let default = Arc::new(DriverPool::default_pool(&dev)?); // raises the default pool's threshold
-        allocs.push(Box::new(RawAsync { d, pool: default.clone() }));
-        allocs.push(Box::new(RawFromPool { d, pool: default.clone() }));
+        allocs.push(Box::new(RawAsync { d, pool: default.clone(), from_pool: false }));
+        allocs.push(Box::new(RawAsync { d, pool: default.clone(), from_pool: true }));
     }
     allocs.push(Box::new(RawSync { d, peak: Default::default(), live: Default::default() }));
     if caps.memory_pools {

@@ -264,8 +264,13 @@ impl Device {
     /// The driver's error on the first read.
     pub fn capabilities(&self) -> Result<&'static Capabilities> {
         static CACHE: OnceLock<Vec<OnceLock<Capabilities>>> = OnceLock::new();
-        let count = Self::count()?;
-        let cache = CACHE.get_or_init(|| (0..count).map(|_| OnceLock::new()).collect());
+        let cache = match CACHE.get() {
+            Some(cache) => cache,
+            None => {
+                let count = Self::count()?;
+                CACHE.get_or_init(|| (0..count).map(|_| OnceLock::new()).collect())
+            }
+        };
         let slot = cache
             .get(self.ordinal())
             .ok_or_else(|| Error::InvalidArgument(format!("device {} is not in the device list", self.ordinal)))?;

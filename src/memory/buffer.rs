@@ -199,11 +199,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             return Ok(());
         }
         check_stream("DeviceBuffer::record_use", self.device(), stream)?;
-        let mut used = self.used_on.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !used.contains(stream) {
-            used.push(stream.clone());
-        }
-        Ok(())
+        self.record_use_any(stream)
     }
 
     /// A view of the elements in `range`.
@@ -373,6 +369,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         unsafe { drv!(cuMemcpyPeerAsync(dst.ptr, dctx, self.ptr, sctx, self.byte_len(), stream.as_raw())) }
     }
 
+    /// Records a use on `stream` of any device (peer copies); the free waits on an event.
     fn record_use_any(&self, stream: &Stream) -> Result<()> {
         if *stream == self.stream {
             return Ok(());
