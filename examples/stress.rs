@@ -470,6 +470,7 @@ impl Worker<'_> {
         // SAFETY: `[split, len)` lies inside the live buffer; the use on `second` is recorded, so the
         // buffer's free waits for this memset; the context of `second` is current.
         let rc = unsafe { driver.cuMemsetD8Async(slot.buf.as_raw() + split as u64, high, bytes, second.as_raw()) };
+        drop(_bound);
         match rc {
             Ok(CUresult::CUDA_SUCCESS) => {}
             other => return Err(format!("cuMemsetD8Async on the second stream: {other:?}")),

@@ -11,8 +11,26 @@
 //! `Stream`, `Event` and buffers are `Send + Sync` where the driver allows their use from several
 //! threads (it does for all of these handles), and cudrv never relies on a thread having a
 //! particular context current.
+//!
+//! When another context was current (another device's, or one another library made current),
+//! cudrv makes it current again when the operation is done, so that code mixing cudrv with the
+//! CUDA runtime keeps the runtime's current device. When no context was current, cudrv leaves its
+//! own current: restoring "none" would cost two more driver calls on every operation of a thread
+//! that uses only cudrv, and a thread with no current context has no device choice to preserve
+//! (the runtime would pick device 0 by default; call `cudaSetDevice` first if that matters).
+//!
+//! # Errors met in `Drop`
+//!
+//! A `Drop` cannot return an error. cudrv passes every error it meets there to the hook set with
+//! [`set_drop_error_hook`], and keeps it on the device's context: the next
+//! [`Context::synchronize`], [`Stream::synchronize`](crate::Stream::synchronize) or
+//! [`Event::synchronize`](crate::Event::synchronize) on that context returns it as
+//! [`Error::Deferred`] *after* it has waited, as asynchronous errors of queued work show up at the
+//! next synchronisation. A kept error never stops another operation, and never makes a wait that
+//! protects memory return early. [`Context::take_deferred`] reads them on demand.
 
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -56,9 +74,15 @@ pub fn set_drop_error_hook(hook: DropErrorHook) -> bool {
     DROP_HOOK.set(hook).is_ok()
 }
 
-/// Reports an error met in a `Drop`: kept on `ctx` for its next checked call, and passed to the
-/// hook. Never panics.
-pub(crate) fn report_drop_error(ctx: Option<&Context>, error: Error) {
+/// The most errors kept per context; later ones are counted (and seen by the hook) only.
+const MAX_DEFERRED: usize = 64;
+
+/// Reports an error met in a `Drop`: kept on `ctx` for its next synchronisation, and passed to the
+/// hook. An [`Error::Deferred`] is unwrapped first, so kept errors never nest. Never panics.
+pub(crate) fn report_drop_error(ctx: Option<&Context>, mut error: Error) {
+    while let Error::Deferred(inner) = error {
+        error = *inner;
+    }
     if error.is_deinitialized() {
         return;
     }
@@ -67,7 +91,10 @@ pub(crate) fn report_drop_error(ctx: Option<&Context>, error: Error) {
     }
     match ctx {
         Some(ctx) => {
-            ctx.deferred.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(error);
+            let mut list = ctx.deferred.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if list.len() < MAX_DEFERRED {
+                list.push(error);
+            }
             ctx.has_deferred.store(true, Ordering::Release);
         }
         None if DROP_HOOK.get().is_none() => eprintln!("cudrv: error in drop: {error}"),
@@ -100,29 +127,29 @@ impl Context {
         self.raw
     }
 
-    /// Makes this context current on the calling thread, unless it already is, and returns an
-    /// error that an earlier `Drop` met on it, if any ([`Error::Deferred`]).
+    /// Makes this context current on the calling thread, unless it already is. The returned
+    /// guard makes the previously current context current again when dropped, if there was one
+    /// and it was another (see the [module documentation](self)).
     ///
     /// # Errors
-    /// The driver's error, or the deferred one.
+    /// [`Error::InHostFunction`] inside a host function; the driver's error.
+    #[inline]
     pub fn bind(&self) -> Result<Bound<'_>> {
-        self.take_deferred()?;
-        self.make_current()
-    }
-
-    /// Makes this context current without looking at deferred errors (for `Drop`s).
-    pub(crate) fn make_current(&self) -> Result<Bound<'_>> {
+        if crate::host_fn::in_host_fn() {
+            return Err(Error::InHostFunction { call: "Context::bind" });
+        }
         let mut current = std::ptr::null_mut();
         // SAFETY: `current` is a valid out-pointer.
         unsafe { drv!(cuCtxGetCurrent(&mut current)) }?;
-        if current != self.raw {
-            // SAFETY: `raw` is a retained primary context, alive while `self` is.
-            unsafe { drv!(cuCtxSetCurrent(self.raw)) }?;
+        if current == self.raw {
+            return Ok(Bound { restore: std::ptr::null_mut(), _ctx: PhantomData });
         }
-        Ok(Bound { _ctx: self })
+        // SAFETY: `raw` is a retained primary context, alive while `self` is.
+        unsafe { drv!(cuCtxSetCurrent(self.raw)) }?;
+        Ok(Bound { restore: current, _ctx: PhantomData })
     }
 
-    /// Returns (and forgets) the first error a `Drop` met on this context.
+    /// Returns (and forgets) the first error a `Drop` met on this context, if any.
     ///
     /// # Errors
     /// [`Error::Deferred`] with that error.
@@ -137,22 +164,45 @@ impl Context {
         if list.is_empty() { Ok(()) } else { Err(Error::Deferred(Box::new(list.remove(0)))) }
     }
 
-    /// Waits until all work on the device's context is done (`cuCtxSynchronize`).
+    /// Waits until all work on the device's context is done (`cuCtxSynchronize`), then returns an
+    /// error kept from a `Drop`, if any (see the [module documentation](self)).
     ///
     /// # Errors
-    /// The driver's error (an asynchronous error of earlier work shows up here).
+    /// The driver's error (an asynchronous error of earlier work shows up here), else
+    /// [`Error::Deferred`].
     pub fn synchronize(&self) -> Result<()> {
-        let _b = self.bind()?;
-        // SAFETY: the context is current.
-        unsafe { drv!(cuCtxSynchronize()) }
+        {
+            let _b = self.bind()?;
+            // SAFETY: the context is current.
+            unsafe { drv!(cuCtxSynchronize()) }?;
+        }
+        self.take_deferred()
     }
 }
 
 /// Proof that a context is current on this thread (returned by [`Context::bind`]). It borrows
-/// the context, so the context outlives the calls made under it.
+/// the context, so the context outlives the calls made under it; it is tied to its thread.
+/// Dropping it makes the context that was current before current again, if it was another one.
 #[derive(Debug)]
 pub struct Bound<'a> {
-    _ctx: &'a Context,
+    /// The context to make current again, or null.
+    restore: CUcontext,
+    _ctx: PhantomData<&'a Context>,
+}
+
+impl Drop for Bound<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        if self.restore.is_null() {
+            return;
+        }
+        if let Some(d) = crate::result::loaded_driver() {
+            // SAFETY: `restore` was the thread's current context when the guard was made; making
+            // it current again is what its owner expects. A failure leaves ours current, which is
+            // what cudrv did before restoring existed.
+            let _ = unsafe { d.cuCtxSetCurrent(self.restore) };
+        }
+    }
 }
 
 impl Drop for Context {
@@ -164,11 +214,19 @@ impl Drop for Context {
             map.remove(&self.device.ordinal_i32());
         }
         drop(map);
-        let Ok(driver) = crate::result::driver() else { return };
-        // SAFETY: this Context retained the primary context once; this releases it once.
-        let rc = unsafe { driver.cuDevicePrimaryCtxRelease_v2(self.device.as_raw()) };
-        if let Err(e) = crate::result::check("cuDevicePrimaryCtxRelease", rc) {
-            report_drop_error(None, e);
+        let device = self.device;
+        let release = move || {
+            let Ok(driver) = crate::result::driver() else { return };
+            // SAFETY: this Context retained the primary context once; this releases it once.
+            let rc = unsafe { driver.cuDevicePrimaryCtxRelease_v2(device.as_raw()) };
+            if let Err(e) = crate::result::check("cuDevicePrimaryCtxRelease", rc) {
+                report_drop_error(None, e);
+            }
+        };
+        if crate::host_fn::in_host_fn() {
+            crate::host_fn::defer(release);
+        } else {
+            release();
         }
         // Errors kept for a next call that will never come: the hook saw them already.
         if DROP_HOOK.get().is_none() {

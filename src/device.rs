@@ -8,7 +8,7 @@ use cudrv_sys::{CUdevice, CUdevice_attribute as A};
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::result::{driver, drv};
+use crate::result::{driver, drv, drv_compat};
 
 /// A CUDA device (a GPU), by ordinal.
 ///
@@ -122,8 +122,9 @@ impl Device {
     /// The driver's error.
     pub fn uuid(&self) -> Result<[u8; 16]> {
         let mut uuid = cudrv_sys::CUuuid::default();
-        // SAFETY: `uuid` is a valid out-pointer.
-        unsafe { drv!(cuDeviceGetUuid_v2(&mut uuid, self.raw)) }?;
+        // SAFETY: `uuid` is a valid out-pointer. Both variants take the same arguments; drivers
+        // before 11.4 have only the first (the second reports MIG instances' own UUIDs).
+        unsafe { drv_compat!(cuDeviceGetUuid_v2 | cuDeviceGetUuid(&mut uuid, self.raw)) }?;
         Ok(uuid.bytes.map(|b| b as u8))
     }
 

@@ -48,7 +48,7 @@ pub enum Error {
         driver_version: i32,
     },
     /// The device does not support what was asked. Raised before the driver is called.
-    #[error("{feature} is not supported on device {device}: {reason}{}", Alternative(.alternative))]
+    #[error("not supported on device {device}: {feature}: {reason}{}", Alternative(.alternative))]
     Unsupported {
         /// The feature (`memory pools`).
         feature: &'static str,
@@ -61,17 +61,28 @@ pub enum Error {
     },
     /// Device memory is exhausted, also after cached memory was given back.
     #[error(
-        "out of device memory on device {device}: {requested} bytes requested, {reserved} bytes reserved by the pool, {in_use} bytes in use"
+        "out of device memory on device {device}: {requested} bytes requested from {resource}, which holds {reserved} bytes, {in_use} of them in use"
     )]
     OutOfMemory {
         /// Bytes asked for.
         requested: usize,
         /// The device's ordinal.
         device: i32,
+        /// The memory resource that was asked (`StreamOrderedPool`, `DriverPool`, ...).
+        resource: &'static str,
         /// Bytes the memory resource holds from the driver.
         reserved: usize,
         /// Bytes of those handed out and not yet freed.
         in_use: usize,
+    },
+    /// A cudrv call that needs the driver was made inside a host function
+    /// ([`Stream::launch_host_fn`](crate::Stream::launch_host_fn)), where the driver forbids CUDA
+    /// calls. Nothing was done. Dropping cudrv objects there is allowed (see
+    /// [`Stream::launch_host_fn`](crate::Stream::launch_host_fn)).
+    #[error("{call} was called inside a host function, where CUDA calls are not permitted")]
+    InHostFunction {
+        /// The operation.
+        call: &'static str,
     },
     /// An argument is invalid. Nothing was done.
     #[error("invalid argument: {0}")]
@@ -135,11 +146,19 @@ impl fmt::Display for DriverNotFoundDisplay<'_> {
         for a in self.0 {
             write!(f, "\n  - {}: {}", a.path, a.reason)?;
         }
-        write!(
-            f,
-            "\nhint: install the NVIDIA driver, or set {} to the driver library (libcuda.so.1 or nvcuda.dll)",
-            cudrv_sys::DRIVER_PATH_VAR
-        )
+        let var = cudrv_sys::DRIVER_PATH_VAR;
+        match std::env::var_os(var).filter(|v| !v.to_string_lossy().trim().is_empty()) {
+            Some(v) => write!(
+                f,
+                "\nhint: {var} is set to {:?}: make it name the CUDA driver library (libcuda.so.1 or nvcuda.dll), \
+                 or unset it to search the usual places",
+                v.to_string_lossy()
+            ),
+            None => write!(
+                f,
+                "\nhint: install the NVIDIA driver, or set {var} to the driver library (libcuda.so.1 or nvcuda.dll)"
+            ),
+        }
     }
 }
 

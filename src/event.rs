@@ -9,6 +9,8 @@ use cudrv_sys::{CUevent, CUresult};
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
+#[cfg(cuda_12080)]
+use crate::result::drv_compat;
 use crate::result::{check, driver, drv};
 use crate::stream::Stream;
 
@@ -106,11 +108,18 @@ impl Event {
         unsafe { drv!(cuEventRecord(self.raw, stream.as_raw())) }
     }
 
-    /// Waits until the event completes (at once for an event never recorded).
+    /// Waits until the event completes (at once for an event never recorded), then returns an
+    /// error kept from a `Drop` on the event's context, if any (see [`crate::context`]).
     ///
     /// # Errors
-    /// The driver's error.
+    /// The driver's error, else [`Error::Deferred`].
     pub fn synchronize(&self) -> Result<()> {
+        self.wait()?;
+        self.ctx.take_deferred()
+    }
+
+    /// Waits until the event completes, reporting no kept `Drop` error.
+    pub(crate) fn wait(&self) -> Result<()> {
         let _b = self.ctx.bind()?;
         // SAFETY: the event is valid; the context is current.
         unsafe { drv!(cuEventSynchronize(self.raw)) }
@@ -140,9 +149,10 @@ impl Event {
         }
         let _b = start.ctx.bind()?;
         let mut ms = 0f32;
-        // SAFETY: valid out-pointer and events; the context is current.
+        // SAFETY: valid out-pointer and events; the context is current. Both variants take the
+        // same arguments; drivers before 12.8 have only the first.
         #[cfg(cuda_12080)]
-        unsafe { drv!(cuEventElapsedTime_v2(&mut ms, start.raw, end.raw)) }?;
+        unsafe { drv_compat!(cuEventElapsedTime_v2 | cuEventElapsedTime(&mut ms, start.raw, end.raw)) }?;
         // SAFETY: as above.
         #[cfg(not(cuda_12080))]
         unsafe { drv!(cuEventElapsedTime(&mut ms, start.raw, end.raw)) }?;
@@ -152,13 +162,18 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        let Ok(driver) = crate::result::driver() else { return };
-        // SAFETY: the event was created by cudrv and is destroyed once, here. Destroying an event
-        // that is recorded but not complete is allowed: the driver frees it once it completes.
-        let rc = unsafe { driver.cuEventDestroy_v2(self.raw) };
-        if let Err(e) = check("cuEventDestroy", rc) {
-            report_drop_error(Some(&self.ctx), e);
-        }
+        let (raw, ctx) = (crate::host_fn::SendHandle(self.raw), self.ctx.clone());
+        let destroy = move || {
+            let Ok(driver) = crate::result::driver() else { return };
+            // SAFETY: the event was created by cudrv and is destroyed once, here. Destroying an
+            // event that is recorded but not complete is allowed: the driver frees it once it
+            // completes.
+            let rc = unsafe { driver.cuEventDestroy_v2(raw.get()) };
+            if let Err(e) = check("cuEventDestroy", rc) {
+                report_drop_error(Some(&ctx), e);
+            }
+        };
+        if crate::host_fn::in_host_fn() { crate::host_fn::defer(destroy) } else { destroy() }
     }
 }
 

@@ -74,14 +74,15 @@ impl LaunchConfig {
         LaunchConfig { shared_mem_bytes: bytes, ..self }
     }
 
-    /// Threads per block.
+    /// Threads per block, saturating at `u64::MAX` (three `u32` factors can exceed it; no
+    /// device allows anywhere near that many).
     pub fn threads_per_block(&self) -> u64 {
-        u64::from(self.block.0) * u64::from(self.block.1) * u64::from(self.block.2)
+        u64::from(self.block.0).saturating_mul(u64::from(self.block.1)).saturating_mul(u64::from(self.block.2))
     }
 
-    /// Blocks in the grid.
+    /// Blocks in the grid, saturating at `u64::MAX` (as [`LaunchConfig::threads_per_block`]).
     pub fn blocks(&self) -> u64 {
-        u64::from(self.grid.0) * u64::from(self.grid.1) * u64::from(self.grid.2)
+        u64::from(self.grid.0).saturating_mul(u64::from(self.grid.1)).saturating_mul(u64::from(self.grid.2))
     }
 }
 

@@ -18,6 +18,7 @@
 
 pub use cudrv_sys as sys;
 
+mod host_fn;
 mod result;
 
 pub mod context;
@@ -33,6 +34,7 @@ pub use context::{Context, set_drop_error_hook};
 pub use device::{Capabilities, Device, DriverModel};
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags};
+pub use host_fn::flush_deferred_drops;
 pub use launch::{KernelArg, KernelArgs, LaunchConfig};
 pub use module::{Function, Module};
 pub use stream::Stream;

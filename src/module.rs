@@ -146,14 +146,18 @@ unsafe impl Sync for ModuleInner {}
 
 impl Drop for ModuleInner {
     fn drop(&mut self) {
-        let result = self.ctx.make_current().and_then(|_b| {
-            // SAFETY: the module was loaded by cudrv into this context and is unloaded once, here;
-            // no Function refers to it any more (each holds this value).
-            unsafe { drv!(cuModuleUnload(self.raw)) }
-        });
-        if let Err(e) = result {
-            report_drop_error(Some(&self.ctx), e);
-        }
+        let (raw, ctx) = (crate::host_fn::SendHandle(self.raw), self.ctx.clone());
+        let unload = move || {
+            let result = ctx.bind().and_then(|_b| {
+                // SAFETY: the module was loaded by cudrv into this context and is unloaded once,
+                // here; no Function refers to it any more (each holds this value).
+                unsafe { drv!(cuModuleUnload(raw.get())) }
+            });
+            if let Err(e) = result {
+                report_drop_error(Some(&ctx), e);
+            }
+        };
+        if crate::host_fn::in_host_fn() { crate::host_fn::defer(unload) } else { unload() }
     }
 }
 
@@ -270,6 +274,7 @@ impl Module {
         // arrays have 5 entries each; the log buffers are LOG_SIZE bytes and outlive the call; the
         // context is current.
         let rc = unsafe { driver()?.cuModuleLoadDataEx(&mut raw, image, 5, options.as_mut_ptr(), values.as_mut_ptr()) };
+        drop(_b);
         let error_text = log_text(&error_log, values[1] as usize);
         let info_text = log_text(&info_log, values[3] as usize);
         match check("cuModuleLoadDataEx", rc) {

@@ -73,3 +73,18 @@ macro_rules! drv {
     };
 }
 pub(crate) use drv;
+
+/// Calls the newer variant of a driver function, or, where the driver lacks it, the older variant
+/// with the same signature: `drv_compat!(cuEventElapsedTime_v2 | cuEventElapsedTime(&mut ms, a, b))`
+/// is a `Result<()>`. The arguments are evaluated again for the second call, so they must be
+/// plain values or borrows. Used inside `unsafe`, as [`drv!`].
+macro_rules! drv_compat {
+    ($new:ident | $old:ident ( $($arg:expr),* $(,)? )) => {{
+        let d = $crate::result::driver()?;
+        match d.$new($($arg),*) {
+            Err(_) => $crate::result::check(stringify!($old), d.$old($($arg),*)),
+            rc => $crate::result::check(stringify!($new), rc),
+        }
+    }};
+}
+pub(crate) use drv_compat;

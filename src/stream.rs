@@ -1,10 +1,11 @@
 //! Streams: queues of device work that run in order.
 
+use std::cell::RefCell;
 use std::ffi::c_void;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use cudrv_sys::{CUresult, CUstream};
 
@@ -12,6 +13,7 @@ use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::Event;
+use crate::host_fn;
 use crate::result::{check, driver, drv};
 
 /// `CU_STREAM_LEGACY`, a macro in cuda.h that bindgen cannot translate.
@@ -49,8 +51,10 @@ struct Handle {
 pub(crate) struct StreamKey(Arc<Inner>);
 
 impl StreamKey {
+    /// The raw handle that means this stream on the calling thread (see [`Stream::as_raw`]).
+    #[inline]
     pub(crate) fn as_raw(&self) -> CUstream {
-        self.0.raw
+        self.0.raw_here()
     }
 
     pub(crate) fn device(&self) -> Device {
@@ -80,7 +84,12 @@ impl fmt::Debug for StreamKey {
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        crate::memory::stream_retired(&self.key);
+        if host_fn::in_host_fn() {
+            let key = self.key.clone();
+            host_fn::defer(move || crate::memory::stream_retired(&key));
+        } else {
+            crate::memory::stream_retired(&self.key);
+        }
     }
 }
 
@@ -89,15 +98,51 @@ struct Inner {
     ctx: Arc<Context>,
     owned: bool,
     id: u64,
+    /// For the per-thread default stream: the [`thread_token`] of the thread whose stream this
+    /// is. 0 for every other stream.
+    per_thread_owner: u64,
+}
+
+impl Inner {
+    /// The raw handle that means this stream on the calling thread. `CU_STREAM_PER_THREAD` means
+    /// the *calling* thread's per-thread stream, so on any other thread than the owner's, the
+    /// legacy default stream stands in: the driver orders it after all earlier work on every
+    /// blocking stream of the context (per-thread streams are blocking) and all later work there
+    /// after it, so it is ordered with the owner's stream both ways.
+    #[inline]
+    fn raw_here(&self) -> CUstream {
+        if self.per_thread_owner != 0 && self.per_thread_owner != thread_token() {
+            CU_STREAM_LEGACY as CUstream
+        } else {
+            self.raw
+        }
+    }
 }
 
 // SAFETY: a CUstream may be used from any thread (the driver API is thread-safe for streams);
-// cudrv makes the stream's context current before each use.
+// cudrv makes the stream's context current before each use, and uses the per-thread stream
+// handle only on its own thread (`raw_here`).
 unsafe impl Send for Inner {}
 // SAFETY: as above; all uses go through `&self` and thread-safe driver calls.
 unsafe impl Sync for Inner {}
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A number for the calling thread, never 0, unique for the life of the process.
+#[inline]
+fn thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    TOKEN.with(|t| *t)
+}
+
+thread_local! {
+    /// This thread's per-thread stream of each context (by the context's address), so that every
+    /// `Stream::per_thread` on a thread shares one identity.
+    static PER_THREAD: RefCell<Vec<(usize, Weak<Handle>)>> = const { RefCell::new(Vec::new()) };
+}
 
 impl Stream {
     /// A new non-blocking stream on `device` (`CU_STREAM_NON_BLOCKING`), at default priority.
@@ -133,11 +178,12 @@ impl Stream {
                 None => drv!(cuStreamCreate(&mut raw, flags)),
             }
         }?;
-        Ok(Self::wrap(raw, ctx, true))
+        Ok(Self::wrap(raw, ctx.clone(), true, 0))
     }
 
-    fn wrap(raw: CUstream, ctx: Arc<Context>, owned: bool) -> Stream {
-        let inner = Arc::new(Inner { raw, ctx, owned, id: NEXT_ID.fetch_add(1, Ordering::Relaxed) });
+    fn wrap(raw: CUstream, ctx: Arc<Context>, owned: bool, per_thread_owner: u64) -> Stream {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let inner = Arc::new(Inner { raw, ctx, owned, id, per_thread_owner });
         Stream { handle: Arc::new(Handle { key: StreamKey(inner) }) }
     }
 
@@ -147,20 +193,40 @@ impl Stream {
     /// # Errors
     /// The driver's error when retaining the context.
     pub fn legacy(device: &Device) -> Result<Stream> {
-        Ok(Self::wrap(CU_STREAM_LEGACY as CUstream, device.primary_context()?, false))
+        Ok(Self::wrap(CU_STREAM_LEGACY as CUstream, device.primary_context()?, false, 0))
     }
 
-    /// The per-thread default stream of `device` (`CU_STREAM_PER_THREAD`): each host thread that
-    /// uses it gets its own stream.
+    /// The calling thread's per-thread default stream of `device` (`CU_STREAM_PER_THREAD`). Every
+    /// host thread has its own, and every call on one thread returns the same stream (equal
+    /// [`Stream::id`]).
+    ///
+    /// The value may be sent to and used from other threads, but what it names is the stream of
+    /// the thread that made it. There, cudrv queues work on it directly. On any other thread
+    /// (including a drop there, which frees buffers on it) cudrv queues the work on the legacy
+    /// default stream instead, which the driver orders after all earlier work on every thread's
+    /// per-thread stream and before all later work on them. So ordering and memory safety hold,
+    /// at the price of the legacy stream's synchronisation.
     ///
     /// # Errors
     /// The driver's error when retaining the context.
     pub fn per_thread(device: &Device) -> Result<Stream> {
-        Ok(Self::wrap(CU_STREAM_PER_THREAD as CUstream, device.primary_context()?, false))
+        let ctx = device.primary_context()?;
+        let key = Arc::as_ptr(&ctx) as usize;
+        PER_THREAD.with(|cache| {
+            let mut cache = cache.borrow_mut();
+            cache.retain(|(_, w)| w.strong_count() > 0);
+            if let Some(handle) = cache.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+                return Ok(Stream { handle });
+            }
+            let stream = Self::wrap(CU_STREAM_PER_THREAD as CUstream, ctx, false, thread_token());
+            cache.push((key, Arc::downgrade(&stream.handle)));
+            Ok(stream)
+        })
     }
 
     /// Borrows a stream made elsewhere (by another library) without owning it: dropping the
-    /// returned `Stream` does not destroy it.
+    /// returned `Stream` does not destroy it. `CU_STREAM_PER_THREAD` is taken as the calling
+    /// thread's per-thread stream, as [`Stream::per_thread`] returns it.
     ///
     /// # Safety
     /// `raw` must be a valid stream of `device`'s primary context (or a special stream value),
@@ -170,9 +236,13 @@ impl Stream {
     /// # Errors
     /// The driver's error when retaining the context.
     pub unsafe fn from_raw(device: &Device, raw: CUstream) -> Result<Stream> {
-        Ok(Self::wrap(raw, device.primary_context()?, false))
+        if raw as usize == CU_STREAM_PER_THREAD {
+            return Self::per_thread(device);
+        }
+        Ok(Self::wrap(raw, device.primary_context()?, false, 0))
     }
 
+    #[inline]
     fn inner(&self) -> &Inner {
         &self.handle.key.0
     }
@@ -181,9 +251,12 @@ impl Stream {
         &self.handle.key
     }
 
-    /// The raw `CUstream`.
+    /// The raw `CUstream` that means this stream on the calling thread: the stream's handle,
+    /// except for the per-thread default stream used on another thread than its own, where it is
+    /// `CU_STREAM_LEGACY` (see [`Stream::per_thread`]).
+    #[inline]
     pub fn as_raw(&self) -> CUstream {
-        self.inner().raw
+        self.inner().raw_here()
     }
 
     /// The stream's device.
@@ -202,14 +275,47 @@ impl Stream {
         self.inner().id
     }
 
-    /// Waits until all work queued on the stream is done.
+    /// Waits until all work queued on the stream is done, then returns an error kept from a
+    /// `Drop` on the stream's context, if any (see [`crate::context`]).
     ///
     /// # Errors
-    /// The driver's error; an asynchronous error of earlier work shows up here.
+    /// The driver's error (an asynchronous error of earlier work shows up here), else
+    /// [`Error::Deferred`].
     pub fn synchronize(&self) -> Result<()> {
-        let _b = self.inner().ctx.bind()?;
-        // SAFETY: the stream is valid while `self` lives; its context is current.
-        unsafe { drv!(cuStreamSynchronize(self.inner().raw)) }
+        {
+            let _b = self.inner().ctx.bind()?;
+            // SAFETY: the stream is valid while `self` lives; its context is current.
+            unsafe { drv!(cuStreamSynchronize(self.as_raw())) }?;
+        }
+        self.inner().ctx.take_deferred()
+    }
+
+    /// Waits until all work queued on the stream is done, for memory that the work touches: if
+    /// `cuStreamSynchronize` fails, it polls the stream until the driver reports it idle or
+    /// failed (a failed stream runs nothing more), so that it never returns while the work may
+    /// still run. Reports no kept `Drop` error.
+    pub(crate) fn wait_for_memory(&self) -> Result<()> {
+        let synced = self.inner().ctx.bind().and_then(|_b| {
+            // SAFETY: the stream is valid while `self` lives; its context is current.
+            unsafe { drv!(cuStreamSynchronize(self.as_raw())) }
+        });
+        let Err(e) = synced else { return Ok(()) };
+        if matches!(e, Error::InHostFunction { .. }) {
+            return Err(e);
+        }
+        let Some(d) = crate::result::loaded_driver() else { return Err(e) };
+        let mut pause = std::time::Duration::from_micros(10);
+        loop {
+            let _b = self.inner().ctx.bind();
+            // SAFETY: the stream is valid while `self` lives.
+            match unsafe { d.cuStreamQuery(self.as_raw()) } {
+                Ok(CUresult::CUDA_ERROR_NOT_READY) => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(10));
+                }
+                _ => return Err(e),
+            }
+        }
     }
 
     /// Whether all work queued on the stream is done, without waiting.
@@ -219,7 +325,7 @@ impl Stream {
     pub fn query(&self) -> Result<bool> {
         let _b = self.inner().ctx.bind()?;
         // SAFETY: the stream is valid while `self` lives; its context is current.
-        let rc = unsafe { driver()?.cuStreamQuery(self.inner().raw) };
+        let rc = unsafe { driver()?.cuStreamQuery(self.as_raw()) };
         match rc {
             Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
             other => check("cuStreamQuery", other).map(|()| true),
@@ -234,16 +340,16 @@ impl Stream {
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         let _b = self.inner().ctx.bind()?;
         // SAFETY: both handles are valid while their owners live; the context is current.
-        unsafe { drv!(cuStreamWaitEvent(self.inner().raw, event.as_raw(), 0)) }
+        unsafe { drv!(cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)) }
     }
 
     /// Makes work queued on this stream after this call wait for all work queued on `other` so
-    /// far. Returns at once.
+    /// far (of any device). Returns at once.
     ///
     /// # Errors
     /// The driver's error.
     pub fn wait_stream(&self, other: &Stream) -> Result<()> {
-        if other.inner().raw == self.inner().raw && Arc::ptr_eq(&other.inner().ctx, &self.inner().ctx) {
+        if other.id() == self.id() {
             return Ok(());
         }
         let event = Event::new(&other.device())?;
@@ -262,8 +368,19 @@ impl Stream {
     /// Queues `f` to run on a driver thread once all work queued before it is done; later work
     /// waits for it to return.
     ///
-    /// `f` must not call into CUDA (the driver forbids it in host functions, and may deadlock).
-    /// A panic in `f` is caught and printed; it does not cross into the driver.
+    /// # What `f` may do with cudrv
+    ///
+    /// The driver forbids CUDA calls inside a host function (they may fail or deadlock). Inside
+    /// `f`:
+    /// * dropping cudrv objects is allowed, and is the usual way to keep memory alive until queued
+    ///   work is done: `stream.launch_host_fn(move || drop(buffer))`. What such a drop would ask
+    ///   of the driver (a stream-ordered free, destroying a stream or event, unloading a module)
+    ///   is handed to a cudrv thread that does it at once, outside the host function; a buffer's
+    ///   free is then queued on its stream after the host function, still after every use.
+    ///   [`crate::flush_deferred_drops`] waits until those have been carried out;
+    /// * every other cudrv call that needs the driver fails with [`Error::InHostFunction`] and
+    ///   does nothing; host memory (a `Vec`, a channel) may be used freely;
+    /// * a panic in `f` is caught and printed; it does not cross into the driver.
     ///
     /// # Errors
     /// The driver's error (then `f` is dropped without running).
@@ -273,22 +390,18 @@ impl Stream {
             // SAFETY: `data` is the pointer made by Box::into_raw below, handed to the driver
             // exactly once, and the driver calls this exactly once with it.
             let f = unsafe { Box::from_raw(data.cast::<Boxed>()) };
+            let _scope = host_fn::HostFnScope::enter();
             if catch_unwind(AssertUnwindSafe(f)).is_err() {
                 eprintln!("cudrv: a host function queued with Stream::launch_host_fn panicked");
             }
         }
+        let _b = self.inner().ctx.bind()?;
         let data = Box::into_raw(Box::new(Box::new(f) as Boxed));
-        let _b = self.inner().ctx.bind();
-        let rc = match _b {
-            // SAFETY: the stream is valid, the trampoline has the driver's CUhostFn signature and
-            // `data` stays valid until the trampoline takes it back.
-            Ok(_) => driver().and_then(|d| {
-                check("cuLaunchHostFunc", unsafe {
-                    d.cuLaunchHostFunc(self.inner().raw, Some(trampoline), data.cast())
-                })
-            }),
-            Err(e) => Err(e),
-        };
+        // SAFETY: the stream is valid, the trampoline has the driver's CUhostFn signature and
+        // `data` stays valid until the trampoline takes it back.
+        let rc = driver().and_then(|d| {
+            check("cuLaunchHostFunc", unsafe { d.cuLaunchHostFunc(self.as_raw(), Some(trampoline), data.cast()) })
+        });
         if rc.is_err() {
             // SAFETY: the driver did not take `data`, so it is still ours to free.
             drop(unsafe { Box::from_raw(data) });
@@ -302,13 +415,17 @@ impl Drop for Inner {
         if !self.owned {
             return;
         }
-        let Ok(driver) = crate::result::driver() else { return };
-        // Destroying a stream needs no current context. Work still queued completes.
-        // SAFETY: the stream was created by cudrv and is destroyed once, here.
-        let rc = unsafe { driver.cuStreamDestroy_v2(self.raw) };
-        if let Err(e) = check("cuStreamDestroy", rc) {
-            report_drop_error(Some(&self.ctx), e);
-        }
+        let (raw, ctx) = (host_fn::SendHandle(self.raw), self.ctx.clone());
+        let destroy = move || {
+            let Ok(driver) = crate::result::driver() else { return };
+            // Destroying a stream needs no current context. Work still queued completes.
+            // SAFETY: the stream was created by cudrv and is destroyed once, here.
+            let rc = unsafe { driver.cuStreamDestroy_v2(raw.get()) };
+            if let Err(e) = check("cuStreamDestroy", rc) {
+                report_drop_error(Some(&ctx), e);
+            }
+        };
+        if host_fn::in_host_fn() { host_fn::defer(destroy) } else { destroy() }
     }
 }
 
@@ -330,6 +447,7 @@ impl fmt::Debug for Stream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Stream")
             .field("raw", &self.inner().raw)
+            .field("per_thread", &(self.inner().per_thread_owner != 0))
             .field("device", &self.device().ordinal())
             .field("id", &self.inner().id)
             .finish()

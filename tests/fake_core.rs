@@ -144,10 +144,10 @@ fn error_messages_read_well() {
         e.to_string(),
         "cuInit failed: unknown CUresult (999999): no description available (the driver could not be asked)"
     );
-    let e = Error::OutOfMemory { requested: 10, device: 1, reserved: 20, in_use: 5 };
+    let e = Error::OutOfMemory { requested: 10, device: 1, resource: "SyncResource", reserved: 20, in_use: 5 };
     assert_eq!(
         e.to_string(),
-        "out of device memory on device 1: 10 bytes requested, 20 bytes reserved by the pool, 5 bytes in use"
+        "out of device memory on device 1: 10 bytes requested from SyncResource, which holds 20 bytes, 5 of them in use"
     );
     let e = Error::Unsupported {
         feature: "memory pools",
@@ -155,7 +155,7 @@ fn error_messages_read_well() {
         reason: "TCC".into(),
         alternative: Some("StreamOrderedPool"),
     };
-    assert_eq!(e.to_string(), "memory pools is not supported on device 0: TCC; use StreamOrderedPool instead");
+    assert_eq!(e.to_string(), "not supported on device 0: memory pools: TCC; use StreamOrderedPool instead");
 }
 
 #[test]

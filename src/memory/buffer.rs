@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::size_of;
+use std::mem::{align_of, size_of};
 use std::ops::{Bound as RangeBound, RangeBounds};
 use std::sync::{Arc, Mutex};
 
@@ -11,7 +11,6 @@ use super::{DevicePtr, MemoryResource, check_stream};
 use crate::context::report_drop_error;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::event::Event;
 use crate::result::drv;
 use crate::stream::Stream;
 
@@ -42,6 +41,10 @@ device_repr!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize, f32
 
 // SAFETY: an array of such values has no padding between elements and inherits their validity.
 unsafe impl<T: DeviceRepr, const N: usize> DeviceRepr for [T; N] {}
+
+/// The alignment every [`MemoryResource`] guarantees, and so the most a [`DeviceBuffer`]'s element
+/// type may need.
+pub(crate) const MAX_ALIGN: usize = 256;
 
 /// Bytes for `len` elements of `T`, or an error when that overflows.
 pub(crate) fn byte_len<T>(len: usize) -> Result<usize> {
@@ -111,8 +114,24 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if !resource.is_device_accessible() {
             return Err(Error::InvalidArgument(format!("{} is not device-accessible memory", resource.kind())));
         }
+        if align_of::<T>() > MAX_ALIGN {
+            return Err(Error::InvalidArgument(format!(
+                "DeviceBuffer needs align_of::<T>() <= {MAX_ALIGN} (what memory resources guarantee); {} has {}",
+                std::any::type_name::<T>(),
+                align_of::<T>()
+            )));
+        }
         let bytes = byte_len::<T>(len)?;
         let ptr = resource.allocate(bytes, stream)?;
+        if ptr % MAX_ALIGN as u64 != 0 {
+            // A resource outside cudrv broke its contract; give the memory back unused.
+            // SAFETY: `ptr` came from `resource` with `bytes`, and nothing has used it.
+            let _ = unsafe { resource.deallocate(ptr, bytes, stream) };
+            return Err(Error::InvalidArgument(format!(
+                "{} returned {ptr:#x}, which is not aligned to {MAX_ALIGN} bytes",
+                resource.kind()
+            )));
+        }
         Ok(DeviceBuffer {
             ptr,
             len,
@@ -130,6 +149,17 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     pub fn zeroed(len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
         // SAFETY: the memory is zeroed (in stream order) before anything can read it.
         let mut buf = unsafe { Self::uninit(len, stream)? };
+        buf.memset(0)?;
+        Ok(buf)
+    }
+
+    /// As [`DeviceBuffer::zeroed`], from `resource`.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::uninit_in`].
+    pub fn zeroed_in(resource: Arc<dyn MemoryResource>, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        // SAFETY: the memory is zeroed (in stream order) before anything can read it.
+        let mut buf = unsafe { Self::uninit_in(resource, len, stream)? };
         buf.memset(0)?;
         Ok(buf)
     }
@@ -188,14 +218,22 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         &self.resource
     }
 
-    /// Records that work on `stream` uses the buffer, so that its free (on its own stream) waits
-    /// for that work. Needed only for work cudrv does not queue itself (raw driver calls);
-    /// cudrv's copies and launches call it.
+    /// Records that work on `stream` uses the buffer, and orders that work after the buffer's
+    /// allocation. The first time a stream is recorded, it is made to wait (on the GPU) for the
+    /// buffer's own stream up to now, so that nothing it runs can touch the memory before the
+    /// memory is the buffer's (the pool may have taken it from a block whose previous owner still
+    /// had work queued there); and the buffer's free, on its own stream, waits for that stream's
+    /// work, as PyTorch's `record_stream`. Needed only for work cudrv does not queue itself (raw
+    /// driver calls); cudrv's copies and launches call it.
+    ///
+    /// The order of *data* between streams stays the caller's: a later write on the buffer's
+    /// stream is not ordered before reads already queued on `stream`.
     ///
     /// # Errors
-    /// [`Error::DeviceMismatch`] for a stream of another device.
+    /// [`Error::DeviceMismatch`] for a stream of another device; the driver's error (then
+    /// nothing was recorded).
     pub fn record_use(&self, stream: &Stream) -> Result<()> {
-        if *stream == self.stream {
+        if stream.id() == self.stream.id() {
             return Ok(());
         }
         check_stream("DeviceBuffer::record_use", self.device(), stream)?;
@@ -286,11 +324,18 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        let _b = self.stream.context().bind()?;
-        // SAFETY: both ranges are valid for `byte_len` bytes; `src` stays allocated and
-        // unchanged until the event recorded below completes (PinnedBuffer waits for it).
-        unsafe { drv!(cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), self.byte_len(), self.stream.as_raw())) }?;
-        src.add_pending(&self.stream)
+        let copy = src.prepare(&self.stream)?;
+        {
+            let _b = self.stream.context().bind()?;
+            // SAFETY: both ranges are valid for `byte_len` bytes; `src` stays allocated and
+            // unchanged until the copy is done (`commit` tracks it, and PinnedBuffer's host access
+            // and drop wait for it).
+            unsafe {
+                drv!(cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), self.byte_len(), self.stream.as_raw()))
+            }?;
+        }
+        src.commit(copy, &self.stream);
+        Ok(())
     }
 
     /// Queues a copy into pinned host memory on the buffer's stream and returns at once. `dst`
@@ -303,17 +348,21 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        let _b = self.stream.context().bind()?;
-        // SAFETY: as in copy_from_pinned_async; `dst` waits for the event before host access.
-        unsafe {
-            drv!(cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr_unsynced().cast(),
-                self.ptr,
-                self.byte_len(),
-                self.stream.as_raw()
-            ))
-        }?;
-        dst.add_pending(&self.stream)
+        let copy = dst.prepare(&self.stream)?;
+        {
+            let _b = self.stream.context().bind()?;
+            // SAFETY: as in copy_from_pinned_async; `dst` waits for the copy before host access.
+            unsafe {
+                drv!(cuMemcpyDtoHAsync_v2(
+                    dst.as_mut_ptr_unsynced().cast(),
+                    self.ptr,
+                    self.byte_len(),
+                    self.stream.as_raw()
+                ))
+            }?;
+        }
+        dst.commit(copy, &self.stream);
+        Ok(())
     }
 
     /// Copies `src` (same device) into this buffer, queued on this buffer's stream. `src`'s use
@@ -369,25 +418,16 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         unsafe { drv!(cuMemcpyPeerAsync(dst.ptr, dctx, self.ptr, sctx, self.byte_len(), stream.as_raw())) }
     }
 
-    /// Records a use on `stream` of any device (peer copies); the free waits on an event.
+    /// [`DeviceBuffer::record_use`] for a stream of any device (peer copies): events order
+    /// streams across devices too.
     fn record_use_any(&self, stream: &Stream) -> Result<()> {
-        if *stream == self.stream {
+        if stream.id() == self.stream.id() {
             return Ok(());
         }
         let mut used = self.used_on.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if !used.contains(stream) {
+            stream.wait_stream(&self.stream)?;
             used.push(stream.clone());
-        }
-        Ok(())
-    }
-
-    /// Orders the buffer's stream after every other stream it was used on.
-    fn join_uses(&mut self) -> Result<()> {
-        let used = std::mem::take(self.used_on.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
-        for other in used {
-            let event = Event::new(&other.device())?;
-            event.record(&other)?;
-            self.stream.wait_event(&event)?;
         }
         Ok(())
     }
@@ -395,15 +435,49 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 
 impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        let bytes = self.byte_len();
-        let result = self.join_uses().and_then(|()| {
-            // SAFETY: the pointer came from this resource with this size and is freed once; every
-            // use is queued on `stream` or ordered before it by `join_uses`.
-            unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) }
-        });
-        if let Err(e) = result {
+        let free = Free {
+            resource: self.resource.clone(),
+            ptr: self.ptr,
+            bytes: self.byte_len(),
+            stream: self.stream.clone(),
+            used_on: std::mem::take(self.used_on.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner)),
+        };
+        if crate::host_fn::in_host_fn() {
+            crate::host_fn::defer(move || free.run());
+        } else {
+            free.run();
+        }
+    }
+}
+
+/// A buffer's stream-ordered free, after the work of every stream it was used on.
+struct Free {
+    resource: Arc<dyn MemoryResource>,
+    ptr: DevicePtr,
+    bytes: usize,
+    stream: Stream,
+    used_on: Vec<Stream>,
+}
+
+impl Free {
+    fn run(self) {
+        if let Err(e) = self.try_run() {
+            // The memory may still be in use, or the resource refused it: leaking it is sound.
             report_drop_error(Some(self.stream.context()), e);
         }
+    }
+
+    fn try_run(&self) -> Result<()> {
+        for other in &self.used_on {
+            if self.stream.wait_stream(other).is_err() {
+                // Cannot order the free after `other` on the GPU: wait for it on the host (this
+                // never returns while its work may still run). If even that fails, the memory leaks.
+                other.wait_for_memory()?;
+            }
+        }
+        // SAFETY: the pointer came from this resource with this size and is freed once; every use
+        // is queued on `stream` or ordered before this point (above).
+        unsafe { self.resource.deallocate(self.ptr, self.bytes, &self.stream) }
     }
 }
 
@@ -463,7 +537,9 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
         unsafe {
             drv!(cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.ptr, self.len * size_of::<T>(), stream.as_raw()))
         }?;
-        stream.synchronize()
+        // Waits even if an unrelated error is pending, and never returns while the copy may
+        // still write `dst` (it may be pinned or registered, and then the copy is asynchronous).
+        stream.wait_for_memory()
     }
 
     /// The view's contents as a `Vec`.
@@ -494,7 +570,7 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
         unsafe {
             drv!(cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), self.len * size_of::<T>(), stream.as_raw()))
         }?;
-        stream.synchronize()
+        stream.wait_for_memory()
     }
 }
 

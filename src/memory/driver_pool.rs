@@ -18,7 +18,8 @@ pub struct DriverPoolOptions {
     /// Bytes the pool keeps cached at a synchronisation point before giving memory back to the
     /// driver. The default is `u64::MAX`, see [`DriverPool`].
     pub release_threshold: u64,
-    /// The most bytes the pool may reserve (0: no limit). Needs CUDA 12.2 headers and driver.
+    /// The most bytes the pool may reserve (0: no limit). Needs a driver and headers of CUDA 12.8
+    /// or newer (`CUmemPoolProps::maxSize`).
     pub max_size: usize,
 }
 
@@ -49,6 +50,13 @@ pub struct DriverPool {
 
 #[derive(Debug, Clone, Copy)]
 struct RawPool(CUmemoryPool);
+
+impl RawPool {
+    /// The handle. (A method, so that closures capture the whole `Send` wrapper.)
+    fn get(self) -> CUmemoryPool {
+        self.0
+    }
+}
 
 // SAFETY: a CUmemoryPool handle may be used from any thread; the driver serialises pool access.
 unsafe impl Send for RawPool {}
@@ -254,6 +262,7 @@ impl DriverPool {
         let stats = self.pool_stats().unwrap_or_default();
         Error::OutOfMemory {
             requested: bytes,
+            resource: "DriverPool",
             device: self.device().ordinal_i32(),
             reserved: stats.reserved,
             in_use: stats.in_use,
@@ -291,14 +300,11 @@ unsafe impl MemoryResource for DriverPool {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        if let Some(f) = self.fallback.get() {
-            // The fallback refuses (and leaves untouched) a pointer it did not hand out; then it
-            // came from the driver's pool.
-            // SAFETY: forwarded from the caller.
-            match unsafe { f.deallocate(ptr, bytes, stream) } {
-                Err(Error::InvalidArgument(_)) => {}
-                other => return other,
-            }
+        if let Some(f) = self.fallback.get()
+            && f.owns(ptr)
+        {
+            // SAFETY: forwarded from the caller; the fallback handed `ptr` out.
+            return unsafe { f.deallocate(ptr, bytes, stream) };
         }
         let _b = self.ctx.bind()?;
         // SAFETY: the caller passes a live pointer from this pool; the free is ordered on `stream`.
@@ -337,12 +343,16 @@ impl Drop for DriverPool {
         if !self.owned {
             return;
         }
-        let Ok(driver) = driver() else { return };
-        // SAFETY: the pool was created by this value and is destroyed once. The driver defers the
-        // release while allocations are outstanding.
-        let rc = unsafe { driver.cuMemPoolDestroy(self.pool.0) };
-        if let Err(e) = check("cuMemPoolDestroy", rc) {
-            report_drop_error(Some(&self.ctx), e);
-        }
+        let (pool, ctx) = (self.pool, self.ctx.clone());
+        let destroy = move || {
+            let Ok(driver) = driver() else { return };
+            // SAFETY: the pool was created by this value and is destroyed once. The driver defers
+            // the release while allocations are outstanding.
+            let rc = unsafe { driver.cuMemPoolDestroy(pool.get()) };
+            if let Err(e) = check("cuMemPoolDestroy", rc) {
+                report_drop_error(Some(&ctx), e);
+            }
+        };
+        if crate::host_fn::in_host_fn() { crate::host_fn::defer(destroy) } else { destroy() }
     }
 }

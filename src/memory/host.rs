@@ -1,17 +1,18 @@
 //! Host-side memory: pinned buffers, the pinned and managed resources, host registration.
 
+use std::ffi::c_void;
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::size_of_val;
+use std::mem::{align_of, size_of, size_of_val};
 use std::sync::{Arc, Mutex};
 
 use super::buffer::{DeviceRepr, byte_len};
 use super::{DevicePtr, MemoryResource, ResourceKind, check_stream};
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::result::{check, driver, drv};
+use crate::result::drv;
 use crate::stream::Stream;
 
 /// Page-locked ("pinned") host memory for `len` elements of `T` (`cuMemHostAlloc`, portable to
@@ -20,16 +21,72 @@ use crate::stream::Stream;
 /// While an asynchronous copy may still read or write it, host access waits: [`as_slice`],
 /// [`as_mut_slice`] and `Drop` first wait for every copy queued with this buffer. So safe code
 /// can neither read data the GPU is still writing nor change or free memory the GPU is still
-/// reading.
+/// reading. Copies queued with it on different streams are ordered with each other (a later copy
+/// waits, on the GPU, for the earlier ones of other streams). If a wait fails, the host access
+/// returns the error and `Drop` leaks the memory rather than free it under a copy.
+///
+/// ```no_run
+/// use cudrv::{Device, Stream, memory::{DeviceBuffer, PinnedBuffer}};
+/// let device = Device::get(0)?;
+/// let stream = Stream::new(&device)?;
+/// let src = PinnedBuffer::from_slice(&device, &[1.0f32, 2.0, 3.0])?;
+/// let mut buf = DeviceBuffer::<f32>::zeroed(3, &stream)?;
+/// buf.copy_from_pinned_async(&src)?; // returns at once
+/// let mut dst = PinnedBuffer::<f32>::new(&device, 3)?;
+/// buf.copy_to_pinned_async(&mut dst)?;
+/// assert_eq!(dst.as_slice()?, [1.0, 2.0, 3.0]); // waits for the copy
+/// # Ok::<(), cudrv::Error>(())
+/// ```
 ///
 /// [`as_slice`]: PinnedBuffer::as_slice
 /// [`as_mut_slice`]: PinnedBuffer::as_mut_slice
 pub struct PinnedBuffer<T: DeviceRepr> {
+    /// The first element: `base`, or past it when `T` needs more alignment than the driver gave.
     ptr: *mut T,
+    /// What `cuMemHostAlloc` returned, and is freed.
+    base: *mut c_void,
     len: usize,
     ctx: Arc<Context>,
-    pending: Mutex<Vec<Event>>,
+    /// Copies that may still use the memory: at most one per stream (a later copy on a stream
+    /// covers the earlier ones there).
+    pending: Mutex<Vec<Pending>>,
     _t: PhantomData<T>,
+}
+
+/// A copy that may still use a pinned buffer.
+struct Pending {
+    stream: Stream,
+    /// Recorded after the copy. `None` when recording failed: then only waiting for the whole
+    /// stream proves the copy done.
+    event: Option<Event>,
+}
+
+impl Pending {
+    /// Waits for the copy on the host: on the event, or, should that fail, on the stream (which
+    /// never returns while the copy may still run).
+    fn wait(&self) -> Result<()> {
+        match &self.event {
+            Some(ev) => ev.wait().or_else(|_| self.stream.wait_for_memory()),
+            None => self.stream.wait_for_memory(),
+        }
+    }
+
+    /// Makes `stream` wait, on the GPU, for this copy.
+    fn order_before(&self, stream: &Stream) -> Result<()> {
+        if self.stream == *stream {
+            return Ok(());
+        }
+        match &self.event {
+            Some(ev) => stream.wait_event(ev),
+            None => stream.wait_stream(&self.stream),
+        }
+    }
+}
+
+/// A copy about to be queued with a pinned buffer ([`PinnedBuffer::prepare`]): made before the copy
+/// so that nothing that can fail stands between queuing the copy and tracking it.
+pub(crate) struct PendingCopy {
+    event: Option<Event>,
 }
 
 // SAFETY: the buffer owns its memory (like a Box<[T]>) and T is Send + Sync; the pending list
@@ -54,11 +111,25 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
     /// As [`PinnedBuffer::new`].
     pub fn with_flags(device: &Device, len: usize, write_combined: bool) -> Result<PinnedBuffer<T>> {
         let bytes = byte_len::<T>(len)?;
+        let align = align_of::<T>();
         let ctx = device.primary_context()?;
-        let ptr = host_alloc(&ctx, bytes, write_combined)?;
+        let mut base = host_alloc(&ctx, bytes, write_combined)?;
+        let mut offset = (base as usize).wrapping_neg() % align;
+        if offset != 0 {
+            // The driver aligns to pages; a type aligned beyond that gets room to align itself.
+            host_free(&ctx, base);
+            let padded = bytes.checked_add(align - 1).filter(|b| *b <= isize::MAX as usize).ok_or_else(|| {
+                Error::InvalidArgument(format!("{len} elements of {} bytes overflow", size_of::<T>()))
+            })?;
+            base = host_alloc(&ctx, padded, write_combined)?;
+            offset = (base as usize).wrapping_neg() % align;
+        }
+        // SAFETY: `offset + bytes` lies within the allocation (it is `bytes`, or `bytes + align - 1`
+        // with `offset < align`).
+        let ptr = unsafe { base.cast::<u8>().add(offset) }.cast::<T>();
         // SAFETY: `ptr` is valid for `bytes` bytes; zero bits are a valid T (DeviceRepr).
         unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
-        Ok(PinnedBuffer { ptr: ptr.cast(), len, ctx, pending: Mutex::new(Vec::new()), _t: PhantomData })
+        Ok(PinnedBuffer { ptr, base, len, ctx, pending: Mutex::new(Vec::new()), _t: PhantomData })
     }
 
     /// Pinned memory holding a copy of `data`.
@@ -87,7 +158,8 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
     /// The driver's error while waiting.
     pub fn as_slice(&self) -> Result<&[T]> {
         self.wait()?;
-        // SAFETY: no copy is pending, so nothing writes the memory; it is valid for `len`.
+        // SAFETY: no copy is pending, so nothing writes the memory; it is valid and aligned for
+        // `len` elements.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
     }
 
@@ -97,18 +169,19 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
     /// The driver's error while waiting.
     pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
         self.wait()?;
-        // SAFETY: no copy is pending and `&mut self` excludes new ones; valid for `len`.
+        // SAFETY: no copy is pending and `&mut self` excludes new ones; valid and aligned for `len`.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
     }
 
-    /// Waits for every copy queued with this buffer.
+    /// Waits for every copy queued with this buffer. A copy whose wait fails stays pending, so
+    /// host access keeps failing and `Drop` leaks the memory.
     ///
     /// # Errors
     /// The driver's error.
     pub fn wait(&self) -> Result<()> {
         let mut pending = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        while let Some(ev) = pending.last() {
-            ev.synchronize()?;
+        while let Some(p) = pending.last() {
+            p.wait()?;
             pending.pop();
         }
         Ok(())
@@ -118,33 +191,50 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
         self.ptr
     }
 
-    /// The pointer, without waiting: only for queuing a copy, which `add_pending` then tracks.
+    /// The pointer, without waiting: only for queuing a copy between [`prepare`](Self::prepare)
+    /// and [`commit`](Self::commit).
     pub(crate) fn as_mut_ptr_unsynced(&mut self) -> *mut T {
         self.ptr
     }
 
-    /// Records that a copy queued on `stream` uses the buffer.
-    pub(crate) fn add_pending(&self, stream: &Stream) -> Result<()> {
+    /// Gets ready to queue a copy with this buffer on `stream`: orders `stream` after the copies
+    /// of other streams still pending with it, and makes the event that will track the new copy.
+    /// Nothing is queued if this fails.
+    pub(crate) fn prepare(&self, stream: &Stream) -> Result<PendingCopy> {
         let event = Event::new(&stream.device())?;
-        let recorded = event.record(stream);
-        if let Err(e) = recorded {
-            // The copy is queued but cannot be tracked: wait for it here rather than risk a race.
-            stream.synchronize()?;
-            return Err(e);
+        let pending = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for p in pending.iter() {
+            p.order_before(stream)?;
         }
-        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(event);
-        Ok(())
+        Ok(PendingCopy { event: Some(event) })
+    }
+
+    /// Tracks a copy just queued on `stream` (after [`prepare`](Self::prepare)). It cannot fail: if
+    /// the event cannot be recorded, the copy is tracked by its stream instead.
+    pub(crate) fn commit(&self, copy: PendingCopy, stream: &Stream) {
+        let event = copy.event.filter(|ev| ev.record(stream).is_ok());
+        let mut pending = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A copy queued on a stream comes after the earlier ones there: it covers them.
+        pending.retain(|p| p.stream != *stream);
+        pending.push(Pending { stream: stream.clone(), event });
     }
 }
 
 impl<T: DeviceRepr> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
-        if let Err(e) = self.wait() {
-            // The copy may still run: leaking the memory is the only sound choice.
-            report_drop_error(Some(&self.ctx), e);
-            return;
-        }
-        host_free(&self.ctx, self.ptr.cast());
+        let pending = std::mem::take(self.pending.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let (base, ctx) = (crate::host_fn::SendHandle(self.base), self.ctx.clone());
+        let free = move || {
+            for p in pending.iter().rev() {
+                if let Err(e) = p.wait() {
+                    // The copy may still run: leaking the memory is the only sound choice.
+                    report_drop_error(Some(&ctx), e);
+                    return;
+                }
+            }
+            host_free(&ctx, base.get());
+        };
+        if crate::host_fn::in_host_fn() { crate::host_fn::defer(free) } else { free() }
     }
 }
 
@@ -154,7 +244,7 @@ impl<T: DeviceRepr> fmt::Debug for PinnedBuffer<T> {
     }
 }
 
-fn host_alloc(ctx: &Context, bytes: usize, write_combined: bool) -> Result<*mut std::ffi::c_void> {
+fn host_alloc(ctx: &Context, bytes: usize, write_combined: bool) -> Result<*mut c_void> {
     let mut flags = cudrv_sys::CU_MEMHOSTALLOC_PORTABLE;
     if write_combined {
         flags |= cudrv_sys::CU_MEMHOSTALLOC_WRITECOMBINED;
@@ -166,11 +256,12 @@ fn host_alloc(ctx: &Context, bytes: usize, write_combined: bool) -> Result<*mut 
     Ok(ptr)
 }
 
-fn host_free(ctx: &Context, ptr: *mut std::ffi::c_void) {
-    let Ok(_b) = ctx.make_current() else { return };
-    let Ok(d) = driver() else { return };
-    // SAFETY: `ptr` came from cuMemHostAlloc and no copy uses it any more.
-    if let Err(e) = check("cuMemFreeHost", unsafe { d.cuMemFreeHost(ptr) }) {
+fn host_free(ctx: &Context, ptr: *mut c_void) {
+    let result = ctx.bind().and_then(|_b| {
+        // SAFETY: `ptr` came from cuMemHostAlloc and no copy uses it any more.
+        unsafe { drv!(cuMemFreeHost(ptr)) }
+    });
+    if let Err(e) = result {
         report_drop_error(Some(ctx), e);
     }
 }
@@ -200,7 +291,7 @@ unsafe impl MemoryResource for PinnedHostResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: &Stream) -> Result<()> {
-        stream.synchronize()?;
+        stream.wait_for_memory()?;
         let _b = self.ctx.bind()?;
         // SAFETY: the caller passes memory from `allocate`; the stream's uses are complete.
         unsafe { drv!(cuMemFreeHost(ptr as *mut std::ffi::c_void)) }
@@ -260,7 +351,7 @@ unsafe impl MemoryResource for ManagedResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: &Stream) -> Result<()> {
-        stream.synchronize()?;
+        stream.wait_for_memory()?;
         let _b = self.ctx.bind()?;
         // SAFETY: the caller passes memory from `allocate`; the stream's uses are complete.
         unsafe { drv!(cuMemFree_v2(ptr)) }
@@ -340,10 +431,14 @@ impl<T: DeviceRepr> Drop for HostRegistration<'_, T> {
         if self.slice.is_empty() {
             return;
         }
-        let Ok(_b) = self.ctx.make_current() else { return };
-        let Ok(d) = driver() else { return };
-        // SAFETY: the memory was registered by `register_host` and is unregistered once.
-        if let Err(e) = check("cuMemHostUnregister", unsafe { d.cuMemHostUnregister(self.slice.as_mut_ptr().cast()) }) {
+        // A registration borrows its slice, so it cannot be moved into a host function ('static):
+        // this never runs inside one.
+        let ptr = self.slice.as_mut_ptr().cast();
+        let result = self.ctx.bind().and_then(|_b| {
+            // SAFETY: the memory was registered by `register_host` and is unregistered once.
+            unsafe { drv!(cuMemHostUnregister(ptr)) }
+        });
+        if let Err(e) = result {
             report_drop_error(Some(&self.ctx), e);
         }
     }

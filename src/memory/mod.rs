@@ -155,7 +155,8 @@ impl fmt::Display for ResourceKind {
     }
 }
 
-/// The environment variable that overrides the choice of resource for every device.
+/// The environment variable that overrides the choice of resource for every device. Unset, empty
+/// or blank means no override.
 pub const RESOURCE_VAR: &str = "CUDRV_MEMORY_RESOURCE";
 
 /// Which resource a device uses, and why.
@@ -176,7 +177,8 @@ pub struct Choice {
 /// when it asks for `driver-pool` on a device without pools; the driver's error.
 pub fn choose(device: &Device) -> Result<Choice> {
     let caps = device.capabilities()?;
-    if let Some(value) = std::env::var_os(RESOURCE_VAR) {
+    // Unset, empty and blank are the same: no override (as for CUDRV_DRIVER_PATH).
+    if let Some(value) = std::env::var_os(RESOURCE_VAR).filter(|v| !v.to_string_lossy().trim().is_empty()) {
         let value = value.to_string_lossy().into_owned();
         let kind = match value.trim() {
             "driver-pool" => ResourceKind::DriverPool,

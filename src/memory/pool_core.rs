@@ -472,6 +472,11 @@ impl<B: Backend> PoolCore<B> {
         &self.config
     }
 
+    /// Whether `ptr` is a live allocation of this pool.
+    pub fn is_allocated(&self, ptr: u64) -> bool {
+        self.allocated.contains_key(&ptr)
+    }
+
     /// Counters and gauges.
     pub fn stats(&self) -> PoolStats {
         self.stats

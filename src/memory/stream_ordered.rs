@@ -73,7 +73,7 @@ pub(crate) fn stream_retired(key: &StreamKey) {
     for core in live {
         let mut core = core.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let Ok(ctx) = key.device().primary_context() else { continue };
-        let Ok(_b) = ctx.make_current() else { continue };
+        let Ok(_b) = ctx.bind() else { continue };
         if let Err(e) = core.forget_stream(&mut CudaBackend, key) {
             report_drop_error(Some(&ctx), e);
         }
@@ -172,6 +172,11 @@ impl StreamOrderedPool {
         Ok(StreamOrderedPool { ctx: device.primary_context()?, core })
     }
 
+    /// Whether `ptr` is a live allocation of this pool.
+    pub(crate) fn owns(&self, ptr: DevicePtr) -> bool {
+        self.lock().is_allocated(ptr)
+    }
+
     fn lock(&self) -> MutexGuard<'_, PoolCore<CudaBackend>> {
         // A panic while the core is locked cannot leave it half-updated in a way that matters
         // more than losing the pool: keep going with what is there.
@@ -202,9 +207,13 @@ impl StreamOrderedPool {
 
     fn map_error(&self, e: PoolError<Error>) -> Error {
         match e {
-            PoolError::OutOfMemory { requested, reserved, in_use } => {
-                Error::OutOfMemory { requested, device: self.device().ordinal_i32(), reserved, in_use }
-            }
+            PoolError::OutOfMemory { requested, reserved, in_use } => Error::OutOfMemory {
+                requested,
+                device: self.device().ordinal_i32(),
+                resource: "StreamOrderedPool",
+                reserved,
+                in_use,
+            },
             PoolError::TooLarge { requested } => {
                 Error::InvalidArgument(format!("an allocation of {requested} bytes is too large"))
             }
@@ -264,18 +273,27 @@ unsafe impl MemoryResource for StreamOrderedPool {
 
 impl Drop for StreamOrderedPool {
     fn drop(&mut self) {
-        let Ok(_b) = self.ctx.make_current() else { return };
-        let mut core = self.core.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (core, ctx) = (self.core.clone(), self.ctx.clone());
+        let release = move || release_pool(&core, &ctx);
+        if crate::host_fn::in_host_fn() { crate::host_fn::defer(release) } else { release() }
+    }
+}
+
+/// Gives everything a dropped pool holds back to the driver.
+fn release_pool(core: &SharedCore, ctx: &Context) {
+    {
+        let Ok(_b) = ctx.bind() else { return };
+        let mut core = core.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match core.release_all(&mut CudaBackend) {
             Ok(leaked) if leaked.allocations > 0 => report_drop_error(
-                Some(&self.ctx),
+                Some(ctx),
                 Error::InvalidArgument(format!(
                     "StreamOrderedPool dropped with {} live allocations ({} bytes); their {} chunks are leaked",
                     leaked.allocations, leaked.bytes, leaked.chunks
                 )),
             ),
             Ok(_) => {}
-            Err(e) => report_drop_error(Some(&self.ctx), e),
+            Err(e) => report_drop_error(Some(ctx), e),
         }
     }
 }

@@ -51,6 +51,7 @@ unsafe impl MemoryResource for SyncResource {
             if e.is_out_of_memory() {
                 crate::Error::OutOfMemory {
                     requested: bytes,
+                    resource: "SyncResource",
                     device: self.device().ordinal_i32(),
                     reserved: self.in_use.load(Ordering::Relaxed),
                     in_use: self.in_use.load(Ordering::Relaxed),
@@ -66,8 +67,9 @@ unsafe impl MemoryResource for SyncResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        // Waits even if an unrelated error is pending; never frees while the stream may use it.
+        stream.wait_for_memory()?;
         let _b = self.ctx.bind()?;
-        stream.synchronize()?;
         // SAFETY: the caller passes a pointer from `allocate`; the stream's work is done.
         unsafe { drv!(cuMemFree_v2(ptr)) }?;
         self.in_use.fetch_sub(bytes, Ordering::Relaxed);

@@ -175,6 +175,7 @@ fn normalize(ty: &str) -> String {
 /// because `cuGetProcAddress` would hand back the newer ABI; it is resolved by its exact exported
 /// name instead.
 pub fn generate(functions: &[Function]) -> String {
+    let functions = &with_older_variants(functions);
     let mut out = String::new();
     let newest = |f: &Function| {
         !functions.iter().any(|g| g.base_name() == f.base_name() && version_of(&g.name) > version_of(&f.name))
@@ -232,6 +233,28 @@ pub fn generate(functions: &[Function]) -> String {
     }
     let _ = writeln!(out, "}}");
     out
+}
+
+/// Older variants that `cuda.h` hides behind a `#define` of the base name to the newer one, with
+/// the same signature: (the declared newer name, the older exported name). The newer ones arrived
+/// in CUDA 12.8 and 11.4, so on older drivers only the older symbol exists; the safe crate falls
+/// back to it.
+const OLDER_VARIANTS: [(&str, &str); 2] =
+    [("cuEventElapsedTime_v2", "cuEventElapsedTime"), ("cuDeviceGetUuid_v2", "cuDeviceGetUuid")];
+
+/// `functions` plus a declaration of each [`OLDER_VARIANTS`] entry whose newer variant is declared
+/// and whose older name is not. Such an older variant is resolved by its exact exported name (it
+/// is not the newest of its base name), so the driver hands back the older ABI.
+fn with_older_variants(functions: &[Function]) -> Vec<Function> {
+    let mut all = functions.to_vec();
+    for (newer, older) in OLDER_VARIANTS {
+        if let Some(f) = functions.iter().find(|f| f.name == newer)
+            && !functions.iter().any(|f| f.name == older)
+        {
+            all.push(Function { name: older.to_string(), ..f.clone() });
+        }
+    }
+    all
 }
 
 fn version_of(name: &str) -> u32 {

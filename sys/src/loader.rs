@@ -164,7 +164,8 @@ impl Driver {
     /// otherwise `libcuda.so.1`, `libcuda.so` and the WSL folder `/usr/lib/wsl/lib` on Linux, and
     /// `nvcuda.dll` (from the system folder) on Windows.
     pub fn candidates() -> Vec<PathBuf> {
-        if let Some(path) = std::env::var_os(DRIVER_PATH_VAR).filter(|p| !p.is_empty()) {
+        // Unset, empty and blank are the same: no override.
+        if let Some(path) = std::env::var_os(DRIVER_PATH_VAR).filter(|p| !p.to_string_lossy().trim().is_empty()) {
             return vec![PathBuf::from(path)];
         }
         if cfg!(windows) {
@@ -196,9 +197,17 @@ impl Driver {
 
     /// Loads the driver library at `path`.
     ///
+    /// # Safety
+    /// Opening a library runs its initialisers, and cudrv-sys then calls its `cuDriverGetVersion`
+    /// and, later, any function the caller asks for, trusting each to have the signature and
+    /// behaviour that `cuda.h` declares. `path` must name a CUDA driver library (or a faithful
+    /// stand-in, such as an emulated driver for tests); anything else may do anything.
+    /// ([`Driver::global`] and [`Driver::load`] load only the system's driver, or what the user
+    /// named in `CUDRV_DRIVER_PATH`, and are safe for that reason.)
+    ///
     /// # Errors
     /// [`LoadError`] with the one attempt when it cannot be opened or is not a CUDA driver.
-    pub fn load_from(path: impl AsRef<Path>) -> Result<Driver, LoadError> {
+    pub unsafe fn load_from(path: impl AsRef<Path>) -> Result<Driver, LoadError> {
         Self::open(path.as_ref()).map_err(|a| LoadError { attempts: vec![a] })
     }
 
