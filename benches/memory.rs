@@ -4,23 +4,29 @@
 //! cargo bench --features gpu --bench memory            # needs a GPU
 //! ```
 //!
-//! 1. alloc+free pair latency at 256 B, 1 MiB, 64 MiB, 1 GiB: raw `cuMemAllocAsync`+`cuMemFreeAsync`
-//!    (default pool, release threshold at its maximum), raw `cuMemAlloc`+`cuMemFree`, and cudrv's
-//!    `DriverPool`, `StreamOrderedPool` and `SyncResource`;
-//! 2. cross-stream reuse: the pair alternating between two streams;
-//! 3. replay of the allocation traces in `traces/`: ns per event, and peak reserved / peak live.
+//! 1. alloc+free pair latency at 256 B, 1 MiB, 64 MiB, 1 GiB: raw `cuMemAllocAsync` and
+//!    `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` (default pool, release threshold at its
+//!    maximum), raw `cuMemAlloc`+`cuMemFree`, and cudrv's `DriverPool`, `StreamOrderedPool` and
+//!    `SyncResource`, each through the resource and through `DeviceBuffer` (uninit + drop);
+//! 2. cross-stream reuse: the pair alternating between two streams; and a buffer allocated on one
+//!    stream, used on another (`record_use`), then dropped;
+//! 3. threads: 1, 2, 4, 8 and 16 threads, each allocating and freeing 1 MiB on its own stream:
+//!    pairs per second, all threads together;
+//! 4. replay of the allocation traces in `traces/` (with their streams): ns per event, cold (after
+//!    a full trim) and warm (the next replay), and peak reserved / peak live.
 //!
 //! Figures are medians of several rounds, printed as markdown tables with ratios against the raw
 //! driver. Without a driver it prints the error and exits 0 (CI builds benches but has no GPU).
+//! `CUDRV_BENCH_QUICK=1` cuts every loop (for a check on the emulated driver).
 
-use std::sync::Arc;
+use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
-use cudrv::memory::{DriverPool, MemoryResource, StreamOrderedPool, SyncResource};
+use cudrv::memory::{DeviceBuffer, DriverPool, MemoryResource, StreamOrderedPool, SyncResource, Trace, TraceEvent};
 use cudrv::sys::{CUresult, Driver};
 use cudrv::{Device, Stream};
 
-type Res<T> = Result<T, Box<dyn std::error::Error>>;
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 fn main() {
     if let Err(e) = run() {
@@ -28,13 +34,8 @@ fn main() {
     }
 }
 
-/// One way to allocate: a name and an alloc+free pair on given streams.
-trait Allocator {
-    fn name(&self) -> String;
-    fn alloc(&self, bytes: usize, s: &Stream) -> Res<u64>;
-    fn free(&self, p: u64, bytes: usize, s: &Stream) -> Res<()>;
-    fn peak_reserved(&self) -> Option<usize>;
-    fn reset(&self) -> Res<()>;
+fn quick() -> bool {
+    std::env::var_os("CUDRV_BENCH_QUICK").is_some()
 }
 
 fn ok(rc: Result<CUresult, cudrv::sys::MissingSymbol>, what: &str) -> Res<()> {
@@ -44,117 +45,115 @@ fn ok(rc: Result<CUresult, cudrv::sys::MissingSymbol>, what: &str) -> Res<()> {
     }
 }
 
-/// Raw `cuMemFreeAsync` with `cuMemAllocAsync` on the device's current (default) pool, or, with
-/// `from_pool`, `cuMemAllocFromPoolAsync` on that pool by handle: what `DriverPool` calls, without
-/// cudrv around it.
-struct RawAsync {
-    d: &'static Driver,
-    pool: Arc<DriverPool>,
-    from_pool: bool,
+/// One way to allocate.
+#[derive(Clone)]
+enum Alloc {
+    /// Raw `cuMemAllocAsync` (device's current pool) or, with `from_pool`,
+    /// `cuMemAllocFromPoolAsync` on the default pool by handle, + `cuMemFreeAsync`.
+    RawAsync { d: &'static Driver, pool: Arc<DriverPool>, from_pool: bool },
+    /// Raw `cuMemAlloc` + `cuMemFree`.
+    RawSync { d: &'static Driver },
+    /// A cudrv resource, called directly.
+    Resource { name: &'static str, r: Arc<dyn MemoryResource> },
+    /// `DeviceBuffer::uninit` + drop, with the device's resource set to `r`.
+    Buffer { name: &'static str, r: Arc<dyn MemoryResource> },
 }
 
-impl Allocator for RawAsync {
+impl Alloc {
     fn name(&self) -> String {
-        let alloc = if self.from_pool { "cuMemAllocFromPoolAsync" } else { "cuMemAllocAsync" };
-        format!("raw {alloc}+cuMemFreeAsync")
+        match self {
+            Alloc::RawAsync { from_pool: false, .. } => "raw cuMemAllocAsync+cuMemFreeAsync".into(),
+            Alloc::RawAsync { from_pool: true, .. } => "raw cuMemAllocFromPoolAsync+cuMemFreeAsync".into(),
+            Alloc::RawSync { .. } => "raw cuMemAlloc+cuMemFree".into(),
+            Alloc::Resource { name, .. } => format!("cudrv {name}"),
+            Alloc::Buffer { name, .. } => format!("cudrv DeviceBuffer on {name}"),
+        }
     }
-    fn alloc(&self, bytes: usize, s: &Stream) -> Res<u64> {
-        let mut p = 0;
-        // SAFETY: valid out-pointer, pool and stream; the stream's context is current (bound by run).
-        let rc = unsafe {
-            if self.from_pool {
-                self.d.cuMemAllocFromPoolAsync(&mut p, bytes, self.pool.as_raw(), s.as_raw())
-            } else {
-                self.d.cuMemAllocAsync(&mut p, bytes, s.as_raw())
-            }
-        };
-        ok(rc, "stream-ordered allocation")?;
-        Ok(p)
-    }
-    fn free(&self, p: u64, _bytes: usize, s: &Stream) -> Res<()> {
-        // SAFETY: `p` came from the pool and is unused.
-        ok(unsafe { self.d.cuMemFreeAsync(p, s.as_raw()) }, "cuMemFreeAsync")
-    }
-    fn peak_reserved(&self) -> Option<usize> {
-        self.pool.pool_stats().ok().map(|s| s.peak_reserved)
-    }
-    fn reset(&self) -> Res<()> {
-        self.pool.trim_to(0)?;
-        Ok(self.pool.reset_pool_peaks()?)
-    }
-}
 
-/// Raw `cuMemAlloc` / `cuMemFree` (no stream order: the free synchronises implicitly).
-struct RawSync {
-    d: &'static Driver,
-    peak: std::sync::atomic::AtomicUsize,
-    live: std::sync::atomic::AtomicUsize,
-}
+    fn slow(&self) -> bool {
+        matches!(self, Alloc::RawSync { .. }) || self.name().contains("SyncResource")
+    }
 
-impl Allocator for RawSync {
-    fn name(&self) -> String {
-        "raw cuMemAlloc+cuMemFree".into()
-    }
-    fn alloc(&self, bytes: usize, _s: &Stream) -> Res<u64> {
-        let mut p = 0;
-        // SAFETY: valid out-pointer; the context is current.
-        ok(unsafe { self.d.cuMemAlloc_v2(&mut p, bytes) }, "cuMemAlloc")?;
-        let live = self.live.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed) + bytes;
-        self.peak.fetch_max(live, std::sync::atomic::Ordering::Relaxed);
-        Ok(p)
-    }
-    fn free(&self, p: u64, bytes: usize, _s: &Stream) -> Res<()> {
-        self.live.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
-        // SAFETY: `p` came from cuMemAlloc and is unused.
-        ok(unsafe { self.d.cuMemFree_v2(p) }, "cuMemFree")
-    }
-    fn peak_reserved(&self) -> Option<usize> {
-        Some(self.peak.load(std::sync::atomic::Ordering::Relaxed))
-    }
-    fn reset(&self) -> Res<()> {
-        self.peak.store(0, std::sync::atomic::Ordering::Relaxed);
+    /// Makes `r` the device's resource, for `DeviceBuffer::uninit`.
+    fn prepare(&self, dev: &Device) -> Res<()> {
+        if let Alloc::Buffer { r, name } = self {
+            dev.set_memory_resource(r.clone(), *name)?;
+        }
         Ok(())
     }
-}
 
-/// A cudrv resource.
-struct Cudrv {
-    name: &'static str,
-    r: Arc<dyn MemoryResource>,
-    pool: Option<Arc<StreamOrderedPool>>,
-    driver_pool: Option<Arc<DriverPool>>,
-}
-
-impl Allocator for Cudrv {
-    fn name(&self) -> String {
-        format!("cudrv {}", self.name)
-    }
     fn alloc(&self, bytes: usize, s: &Stream) -> Res<u64> {
-        Ok(self.r.allocate(bytes, s)?)
-    }
-    fn free(&self, p: u64, bytes: usize, s: &Stream) -> Res<()> {
-        // SAFETY: `p` came from this resource with this size and is unused.
-        Ok(unsafe { self.r.deallocate(p, bytes, s) }?)
-    }
-    fn peak_reserved(&self) -> Option<usize> {
-        if let Some(p) = &self.pool {
-            return Some(p.pool_stats().peak_reserved);
+        let mut p = 0;
+        match self {
+            // SAFETY (both): valid out-pointer, pool and stream; the context is current.
+            Alloc::RawAsync { d, pool, from_pool: true } => ok(
+                unsafe { d.cuMemAllocFromPoolAsync(&mut p, bytes, pool.as_raw(), s.as_raw()) },
+                "cuMemAllocFromPoolAsync",
+            )?,
+            Alloc::RawAsync { d, .. } => {
+                ok(unsafe { d.cuMemAllocAsync(&mut p, bytes, s.as_raw()) }, "cuMemAllocAsync")?
+            }
+            // SAFETY: valid out-pointer; the context is current.
+            Alloc::RawSync { d } => ok(unsafe { d.cuMemAlloc_v2(&mut p, bytes) }, "cuMemAlloc")?,
+            Alloc::Resource { r, .. } => p = r.allocate(bytes, s)?,
+            Alloc::Buffer { .. } => unreachable!("buffers go through `pair`"),
         }
-        if let Some(p) = &self.driver_pool {
-            return p.pool_stats().ok().map(|s| s.peak_reserved);
-        }
-        self.r.stats().map(|s| s.peak_reserved)
+        Ok(p)
     }
-    fn reset(&self) -> Res<()> {
-        self.r.trim(0)?;
-        Ok(self.r.reset_peaks()?)
-    }
-}
 
-/// Pairs per round for the fast allocators; `CUDRV_BENCH_QUICK=1` cuts it (for a check on the
-/// emulated driver, whose frees run late on its stream threads).
-fn fast_iters() -> usize {
-    if std::env::var_os("CUDRV_BENCH_QUICK").is_some() { 20 } else { 20_000 }
+    fn free(&self, p: u64, bytes: usize, s: &Stream) -> Res<()> {
+        match self {
+            // SAFETY: `p` came from the pool and is unused.
+            Alloc::RawAsync { d, .. } => ok(unsafe { d.cuMemFreeAsync(p, s.as_raw()) }, "cuMemFreeAsync"),
+            // SAFETY: `p` came from cuMemAlloc and is unused.
+            Alloc::RawSync { d } => ok(unsafe { d.cuMemFree_v2(p) }, "cuMemFree"),
+            // SAFETY: `p` came from this resource with this size and is unused.
+            Alloc::Resource { r, .. } => Ok(unsafe { r.deallocate(p, bytes, s) }?),
+            Alloc::Buffer { .. } => unreachable!("buffers go through `pair`"),
+        }
+    }
+
+    /// One alloc+free pair.
+    #[inline]
+    fn pair(&self, bytes: usize, s: &Stream) -> Res<()> {
+        if let Alloc::Buffer { .. } = self {
+            // SAFETY: the contents are never read.
+            let b = unsafe { DeviceBuffer::<u8>::uninit(bytes, s) }?;
+            drop(b);
+            return Ok(());
+        }
+        let p = self.alloc(bytes, s)?;
+        self.free(p, bytes, s)
+    }
+
+    fn resource(&self) -> Option<&Arc<dyn MemoryResource>> {
+        match self {
+            Alloc::Resource { r, .. } | Alloc::Buffer { r, .. } => Some(r),
+            _ => None,
+        }
+    }
+
+    fn reset(&self) -> Res<()> {
+        match self {
+            Alloc::RawAsync { pool, .. } => {
+                pool.trim_to(0)?;
+                pool.reset_pool_peaks()?;
+            }
+            Alloc::RawSync { .. } => {}
+            Alloc::Resource { r, .. } | Alloc::Buffer { r, .. } => {
+                r.trim(0)?;
+                r.reset_peaks()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn peak_reserved(&self) -> Option<usize> {
+        match self {
+            Alloc::RawAsync { pool, .. } => pool.pool_stats().ok().map(|s| s.peak_reserved),
+            _ => self.resource().and_then(|r| r.stats()).map(|s| s.peak_reserved),
+        }
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -163,20 +162,23 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// ns per alloc+free pair: rounds of `iters` pairs, median of rounds. `streams` alternate.
-fn pair_ns(a: &dyn Allocator, bytes: usize, streams: &[Stream], iters: usize, rounds: usize) -> Res<f64> {
-    // Warm up (the pools reserve their memory here).
+fn pair_ns(dev: &Device, a: &Alloc, bytes: usize, streams: &[Stream], rounds: usize) -> Res<f64> {
+    a.prepare(dev)?;
+    let iters = if a.slow() {
+        50
+    } else if quick() {
+        20
+    } else {
+        20_000
+    };
     for i in 0..4 {
-        let s = &streams[i % streams.len()];
-        let p = a.alloc(bytes, s)?;
-        a.free(p, bytes, s)?;
+        a.pair(bytes, &streams[i % streams.len()])?;
     }
     let mut per = Vec::new();
     for _ in 0..rounds {
         let t = Instant::now();
         for i in 0..iters {
-            let s = &streams[i % streams.len()];
-            let p = a.alloc(bytes, s)?;
-            a.free(p, bytes, s)?;
+            a.pair(bytes, &streams[i % streams.len()])?;
         }
         per.push(t.elapsed().as_nanos() as f64 / iters as f64);
     }
@@ -186,69 +188,83 @@ fn pair_ns(a: &dyn Allocator, bytes: usize, streams: &[Stream], iters: usize, ro
     Ok(median(per))
 }
 
-struct Trace {
-    name: String,
-    events: Vec<(bool, usize, usize)>, // (is_alloc, id, size)
-    ids: usize,
-    peak_live: usize,
-}
-
-fn load_trace(path: &str) -> Res<Trace> {
-    let text = std::fs::read_to_string(path)?;
-    let mut events = Vec::new();
-    let (mut live, mut peak, mut ids) = (0usize, 0usize, 0usize);
-    for line in text.lines().filter(|l| !l.starts_with('#') && !l.starts_with("op,")) {
-        let f: Vec<&str> = line.split(',').collect();
-        if f.len() < 3 {
-            continue;
+/// A buffer allocated on `a`, used on `b` (`record_use`), dropped: ns per round.
+fn cross_use_ns(dev: &Device, r: &Arc<dyn MemoryResource>, a: &Stream, b: &Stream) -> Res<f64> {
+    dev.set_memory_resource(r.clone(), "bench")?;
+    let iters = if quick() { 20 } else { 20_000 };
+    let mut per = Vec::new();
+    for _ in 0..7 {
+        let t = Instant::now();
+        for _ in 0..iters {
+            // SAFETY: the contents are never read.
+            let buf = unsafe { DeviceBuffer::<u8>::uninit(1 << 20, a) }?;
+            buf.record_use(b)?;
+            drop(buf);
         }
-        let (id, size): (usize, usize) = (f[1].parse()?, f[2].parse()?);
-        let alloc = f[0] == "a";
-        if alloc {
-            live += size;
-            peak = peak.max(live);
-        } else {
-            live -= size;
-        }
-        ids = ids.max(id + 1);
-        events.push((alloc, id, size));
+        per.push(t.elapsed().as_nanos() as f64 / iters as f64);
     }
-    let name = std::path::Path::new(path).file_stem().unwrap_or_default().to_string_lossy().into_owned();
-    Ok(Trace { name, events, ids, peak_live: peak })
+    a.synchronize()?;
+    b.synchronize()?;
+    Ok(median(per))
 }
 
-/// Replays a trace twice: cold (after giving every cached byte back) and warm (right after, with
-/// what the first pass left cached, as in the next training step). Returns (cold ns per event,
-/// warm ns per event, peak reserved / peak live over both passes).
-fn replay(a: &dyn Allocator, t: &Trace, s: &Stream) -> Res<(f64, f64, Option<f64>)> {
-    a.reset()?;
-    let cold = replay_once(a, t, s)?;
-    let warm = replay_once(a, t, s)?;
-    let ratio = a.peak_reserved().map(|r| r as f64 / t.peak_live as f64);
-    a.reset()?;
-    Ok((cold, warm, ratio))
+/// Pairs per second of `threads` threads, each on its own stream, for about `secs` seconds.
+fn threads_rate(dev: &Device, a: &Alloc, threads: usize) -> Res<f64> {
+    a.prepare(dev)?;
+    let iters = if a.slow() || quick() { 20 } else { 40_000 };
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (a, dev, barrier) = (a.clone(), *dev, barrier.clone());
+            std::thread::spawn(move || -> Res<()> {
+                let ctx = dev.primary_context()?;
+                let _bound = ctx.bind()?; // the raw driver needs the context current
+                let s = Stream::new(&dev)?;
+                for _ in 0..4 {
+                    a.pair(1 << 20, &s)?;
+                }
+                barrier.wait();
+                for _ in 0..iters {
+                    a.pair(1 << 20, &s)?;
+                }
+                barrier.wait();
+                s.synchronize()?;
+                Ok(())
+            })
+        })
+        .collect();
+    barrier.wait();
+    let t = Instant::now();
+    barrier.wait();
+    let secs = t.elapsed().as_secs_f64();
+    for h in handles {
+        h.join().map_err(|_| "a bench thread panicked")??;
+    }
+    Ok((threads * iters) as f64 / secs)
 }
 
-fn replay_once(a: &dyn Allocator, t: &Trace, s: &Stream) -> Res<f64> {
-    let mut ptrs = vec![0u64; t.ids];
+/// Replays a trace on its streams; returns ns per event (the trace's leftovers freed after).
+fn replay_once(a: &Alloc, t: &Trace, streams: &[Stream]) -> Res<f64> {
+    let mut ptrs = std::collections::HashMap::with_capacity(4096);
     let start = Instant::now();
-    for &(alloc, id, size) in &t.events {
-        if alloc {
-            ptrs[id] = a.alloc(size, s)?;
-        } else {
-            a.free(ptrs[id], size, s)?;
-            ptrs[id] = 0;
+    for ev in t.events() {
+        match *ev {
+            TraceEvent::Alloc { id, size, stream } => {
+                ptrs.insert(id, (a.alloc(size, &streams[stream])?, size, stream));
+            }
+            TraceEvent::Free { id, size, stream } => {
+                let (p, _, _) = ptrs.remove(&id).ok_or("a free of an unknown id")?;
+                a.free(p, size, &streams[stream])?;
+            }
         }
     }
-    let ns = start.elapsed().as_nanos() as f64 / t.events.len() as f64;
-    // Free what the trace leaves live (the model's state).
-    for &(alloc, id, size) in &t.events {
-        if alloc && ptrs[id] != 0 {
-            a.free(ptrs[id], size, s)?;
-            ptrs[id] = 0;
-        }
+    let ns = start.elapsed().as_nanos() as f64 / t.events().len() as f64;
+    for (_, (p, size, stream)) in ptrs {
+        a.free(p, size, &streams[stream])?;
     }
-    s.synchronize()?;
+    for s in streams {
+        s.synchronize()?;
+    }
     Ok(ns)
 }
 
@@ -270,28 +286,24 @@ fn run() -> Res<()> {
     let s = Stream::new(&dev)?;
     let s2 = Stream::new(&dev)?;
 
-    let mut allocs: Vec<Box<dyn Allocator>> = Vec::new();
+    let mut resources: Vec<(&'static str, Arc<dyn MemoryResource>)> = Vec::new();
+    let mut allocs: Vec<Alloc> = Vec::new();
     if caps.memory_pools {
         let default = Arc::new(DriverPool::default_pool(&dev)?); // raises the default pool's threshold
-        allocs.push(Box::new(RawAsync { d, pool: default.clone(), from_pool: false }));
-        allocs.push(Box::new(RawAsync { d, pool: default.clone(), from_pool: true }));
+        allocs.push(Alloc::RawAsync { d, pool: default.clone(), from_pool: false });
+        allocs.push(Alloc::RawAsync { d, pool: default.clone(), from_pool: true });
+        resources.push(("DriverPool", Arc::new(DriverPool::default_pool(&dev)?)));
     }
-    allocs.push(Box::new(RawSync { d, peak: Default::default(), live: Default::default() }));
-    if caps.memory_pools {
-        let dp = Arc::new(DriverPool::default_pool(&dev)?);
-        allocs.push(Box::new(Cudrv { name: "DriverPool", r: dp.clone(), pool: None, driver_pool: Some(dp) }));
+    allocs.push(Alloc::RawSync { d });
+    resources.push(("StreamOrderedPool", Arc::new(StreamOrderedPool::new(&dev)?)));
+    resources.push(("SyncResource", Arc::new(SyncResource::new(&dev)?)));
+    for (name, r) in &resources {
+        allocs.push(Alloc::Resource { name, r: r.clone() });
+        allocs.push(Alloc::Buffer { name, r: r.clone() });
     }
-    let pool = Arc::new(StreamOrderedPool::new(&dev)?);
-    allocs.push(Box::new(Cudrv { name: "StreamOrderedPool", r: pool.clone(), pool: Some(pool), driver_pool: None }));
-    allocs.push(Box::new(Cudrv {
-        name: "SyncResource",
-        r: Arc::new(SyncResource::new(&dev)?),
-        pool: None,
-        driver_pool: None,
-    }));
 
     let mut sizes = vec![(256, "256 B"), (1 << 20, "1 MiB"), (64 << 20, "64 MiB"), (1 << 30, "1 GiB")];
-    if std::env::var_os("CUDRV_BENCH_QUICK").is_some() {
+    if quick() {
         sizes.truncate(2);
     }
     println!("\n## alloc+free pair, one stream (ns per pair, median of 7 rounds; ratio vs the first row)\n");
@@ -302,31 +314,75 @@ fn run() -> Res<()> {
     println!();
     println!("|---|{}", "---|---|".repeat(sizes.len()));
     let mut base = vec![0f64; sizes.len()];
+    let mut resource_ns: Vec<Vec<f64>> = Vec::new();
     for (k, a) in allocs.iter().enumerate() {
         print!("| {} |", a.name());
+        let mut row = Vec::new();
         for (i, (bytes, _)) in sizes.iter().enumerate() {
-            let slow = a.name().contains("cuMemAlloc+") || a.name().contains("Sync");
-            let iters = if slow { 50 } else { fast_iters() };
-            let ns = pair_ns(a.as_ref(), *bytes, std::slice::from_ref(&s), iters, 7)?;
+            let ns = pair_ns(&dev, a, *bytes, std::slice::from_ref(&s), 7)?;
             if k == 0 {
                 base[i] = ns;
             }
+            row.push(ns);
             print!(" {ns:.0} | {:.3}x |", ns / base[i]);
         }
         println!();
+        if let Alloc::Buffer { .. } = a {
+            let own = resource_ns.last().cloned().unwrap_or_default();
+            print!("| (DeviceBuffer over its resource) |");
+            for (i, ns) in row.iter().enumerate() {
+                print!(" | {:.3}x |", ns / own.get(i).copied().unwrap_or(f64::NAN));
+            }
+            println!();
+        }
+        resource_ns.push(row);
         a.reset()?;
     }
 
-    println!("\n## cross-stream reuse: the pair alternating between two streams (ns per pair)\n");
-    println!("| allocator | 1 MiB | ratio |\n|---|---|---|");
+    println!("\n## cross-stream (ns per pair; ratio vs the first row)\n");
+    println!("Alternating: each pair on the other stream than the last. Buffer: allocated on one stream, used");
+    println!("on a second (`record_use`), dropped.\n");
+    println!("| allocator | alternating, 1 MiB | ratio |\n|---|---|---|");
     let mut cbase = 0.0;
     for (k, a) in allocs.iter().enumerate() {
-        let slow = a.name().contains("cuMemAlloc+") || a.name().contains("Sync");
-        let ns = pair_ns(a.as_ref(), 1 << 20, &[s.clone(), s2.clone()], if slow { 50 } else { fast_iters() }, 7)?;
+        let ns = pair_ns(&dev, a, 1 << 20, &[s.clone(), s2.clone()], 7)?;
         if k == 0 {
             cbase = ns;
         }
         println!("| {} | {ns:.0} | {:.3}x |", a.name(), ns / cbase);
+        a.reset()?;
+    }
+    println!("\n| resource | buffer used on a second stream, 1 MiB |\n|---|---|");
+    for (name, r) in &resources {
+        if *name == "SyncResource" {
+            continue;
+        }
+        let ns = cross_use_ns(&dev, r, &s, &s2)?;
+        println!("| {name} | {ns:.0} |");
+        r.trim(0)?;
+    }
+
+    println!("\n## threads: each thread allocates and frees 1 MiB on its own stream (pairs per second, all threads)\n");
+    let counts: &[usize] = if quick() { &[1, 2] } else { &[1, 2, 4, 8, 16] };
+    print!("| allocator |");
+    for n in counts {
+        print!(" {n} |");
+    }
+    println!(" {}/1 |", counts.last().unwrap_or(&1));
+    println!("|---|{}---|", "---|".repeat(counts.len()));
+    for a in allocs.iter().filter(|a| !a.slow()) {
+        print!("| {} |", a.name());
+        let mut first = 0.0;
+        let mut last = 0.0;
+        for (i, &n) in counts.iter().enumerate() {
+            let rate = threads_rate(&dev, a, n)?;
+            if i == 0 {
+                first = rate;
+            }
+            last = rate;
+            print!(" {:.2}M |", rate / 1e6);
+        }
+        println!(" {:.2}x |", last / first);
         a.reset()?;
     }
 
@@ -337,18 +393,37 @@ fn run() -> Res<()> {
     println!("|---|---|---|---|---|---|---|---|");
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
     let dir = std::env::var("CUDRV_TRACE_DIR").unwrap_or_else(|_| root.to_string());
-    for file in ["gpt2_train.csv", "resnet50_train.csv"] {
-        let t = load_trace(&format!("{dir}/{file}"))?;
+    let mut files: Vec<_> = std::fs::read_dir(&dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "csv"))
+        .collect();
+    files.sort();
+    for path in files {
+        let t = Trace::parse(&std::fs::read_to_string(&path)?)?;
+        let name = path.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+        let streams: Vec<Stream> = (0..t.streams().max(1)).map(|_| Stream::new(&dev)).collect::<Result<_, _>>()?;
         let (mut first_cold, mut first_warm) = (0.0, 0.0);
-        for (k, a) in allocs.iter().enumerate() {
-            let (cold, warm, ratio) = replay(a.as_ref(), &t, &s)?;
+        for (k, a) in allocs.iter().filter(|a| !matches!(a, Alloc::Buffer { .. })).enumerate() {
+            // cuMemAlloc costs ~60 µs: skip the synchronous allocators on the long traces.
+            if a.slow() && (t.events().len() > 20_000 || quick()) {
+                continue;
+            }
+            a.reset()?;
+            let cold = replay_once(a, &t, &streams)?;
+            let warm = replay_once(a, &t, &streams)?;
+            let ratio =
+                a.peak_reserved().map_or("n/a".to_string(), |r| format!("{:.3}", r as f64 / t.peak_live() as f64));
+            a.reset()?;
             if k == 0 {
                 (first_cold, first_warm) = (cold, warm);
             }
-            let ratio = ratio.map_or("n/a".to_string(), |r| format!("{r:.3}"));
-            let (name, trace, n) = (a.name(), &t.name, t.events.len());
-            let (rc, rw) = (cold / first_cold, warm / first_warm);
-            println!("| {name} | {trace} | {n} | {cold:.0} | {rc:.3}x | {warm:.0} | {rw:.3}x | {ratio} |");
+            let n = t.events().len();
+            println!(
+                "| {} | {name} | {n} | {cold:.0} | {:.3}x | {warm:.0} | {:.3}x | {ratio} |",
+                a.name(),
+                cold / first_cold,
+                warm / first_warm
+            );
         }
     }
     Ok(())

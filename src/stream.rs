@@ -1,11 +1,12 @@
 //! Streams: queues of device work that run in order.
 
+use std::any::Any;
 use std::cell::RefCell;
 use std::ffi::c_void;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use cudrv_sys::{CUresult, CUstream};
 
@@ -56,10 +57,6 @@ impl StreamKey {
     pub(crate) fn as_raw(&self) -> CUstream {
         self.0.raw_here()
     }
-
-    pub(crate) fn device(&self) -> Device {
-        self.0.ctx.device()
-    }
 }
 
 impl PartialEq for StreamKey {
@@ -82,14 +79,73 @@ impl fmt::Debug for StreamKey {
     }
 }
 
+impl StreamKey {
+    /// Runs `f` on the attachment of `owner`, made with `make` if the stream has none. The
+    /// stream's attachments are behind one lock of its own, held while `f` runs.
+    #[inline]
+    pub(crate) fn with_attachment<T: Attachment, R>(
+        &self,
+        owner: u64,
+        make: impl FnOnce() -> T,
+        f: impl FnOnce(&mut T) -> R,
+    ) -> R {
+        let mut list = self.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let i = match list.iter().position(|(o, _)| *o == owner) {
+            Some(i) => i,
+            None => {
+                list.push((owner, Box::new(make())));
+                list.len() - 1
+            }
+        };
+        let any: &mut dyn Any = &mut *list[i].1;
+        f(any.downcast_mut::<T>().expect("an owner attaches one type"))
+    }
+
+    /// Runs `f` on the attachment of `owner`, if the stream has one.
+    pub(crate) fn with_existing_attachment<T: Attachment, R>(
+        &self,
+        owner: u64,
+        f: impl FnOnce(&mut T) -> R,
+    ) -> Option<R> {
+        let mut list = self.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (_, a) = list.iter_mut().find(|(o, _)| *o == owner)?;
+        let any: &mut dyn Any = &mut **a;
+        any.downcast_mut::<T>().map(f)
+    }
+
+    /// Takes the attachment of `owner` off the stream.
+    pub(crate) fn remove_attachment(&self, owner: u64) -> Option<Box<dyn Attachment>> {
+        let mut list = self.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let i = list.iter().position(|(o, _)| *o == owner)?;
+        Some(list.swap_remove(i).1)
+    }
+}
+
+/// State another layer keeps on a stream, found by its owner's number: a memory pool's cache of
+/// the stream. When the stream's last user lets go of it (while it is still valid), each
+/// attachment is told, so that it can give back what it holds.
+pub(crate) trait Attachment: Any + Send {
+    /// The stream's last user let go of it; `stream` is still valid.
+    fn retire(self: Box<Self>, stream: &StreamKey);
+}
+
+/// A number for an attachment's owner, unique for the life of the process.
+pub(crate) fn attachment_owner_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 impl Drop for Handle {
     fn drop(&mut self) {
-        if host_fn::in_host_fn() {
-            let key = self.key.clone();
-            host_fn::defer(move || crate::memory::stream_retired(&key));
-        } else {
-            crate::memory::stream_retired(&self.key);
-        }
+        let key = self.key.clone();
+        let retire = move || {
+            let attachments =
+                std::mem::take(&mut *key.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+            for (_, a) in attachments {
+                a.retire(&key);
+            }
+        };
+        if host_fn::in_host_fn() { host_fn::defer(retire) } else { retire() }
     }
 }
 
@@ -101,6 +157,8 @@ struct Inner {
     /// For the per-thread default stream: the [`thread_token`] of the thread whose stream this
     /// is. 0 for every other stream.
     per_thread_owner: u64,
+    /// What other layers keep on the stream (see [`Attachment`]).
+    attachments: Mutex<Vec<(u64, Box<dyn Attachment>)>>,
 }
 
 impl Inner {
@@ -183,7 +241,7 @@ impl Stream {
 
     fn wrap(raw: CUstream, ctx: Arc<Context>, owned: bool, per_thread_owner: u64) -> Stream {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        let inner = Arc::new(Inner { raw, ctx, owned, id, per_thread_owner });
+        let inner = Arc::new(Inner { raw, ctx, owned, id, per_thread_owner, attachments: Mutex::new(Vec::new()) });
         Stream { handle: Arc::new(Handle { key: StreamKey(inner) }) }
     }
 
@@ -257,6 +315,13 @@ impl Stream {
     #[inline]
     pub fn as_raw(&self) -> CUstream {
         self.inner().raw_here()
+    }
+
+    /// Whether the handle names a stream of its own, which carries its context (not the null,
+    /// legacy or per-thread handle, which mean "the current context's").
+    #[inline]
+    pub(crate) fn carries_context(&self) -> bool {
+        self.inner().raw as usize > CU_STREAM_PER_THREAD
     }
 
     /// The stream's device.

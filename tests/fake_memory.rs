@@ -196,7 +196,8 @@ fn block_freed_on_a_busy_stream_is_not_overwritten_by_its_late_write() {
         let dev = Device::get(0).unwrap();
         let a = Stream::new(&dev).unwrap();
         let b = Stream::new(&dev).unwrap();
-        let n = 64 * 1024;
+        // 2 MiB: a chunk of its own in cudrv's pool, so B can only reuse A's block.
+        let n = 512 * 1024;
         let old_ptr;
         {
             let mut x = DeviceBuffer::<u32>::zeroed(n, &a).unwrap();
@@ -224,15 +225,18 @@ fn stream_ordered_pool_reuses_on_the_same_stream_without_driver_calls() {
         let dev = Device::get(0).unwrap();
         let pool = StreamOrderedPool::new(&dev).unwrap();
         let s = Stream::new(&dev).unwrap();
-        let p = pool.allocate(1000, &s).unwrap();
+        // Two 1 MiB blocks fill one small chunk.
+        const MIB: usize = 1 << 20;
+        let p = pool.allocate(MIB, &s).unwrap();
+        let fill = pool.allocate(MIB, &s).unwrap();
         // SAFETY: `p` is unused.
-        unsafe { pool.deallocate(p, 1000, &s).unwrap() };
+        unsafe { pool.deallocate(p, MIB, &s).unwrap() };
         let before = pool.pool_stats();
         for _ in 0..100 {
-            let q = pool.allocate(1000, &s).unwrap();
+            let q = pool.allocate(MIB, &s).unwrap();
             assert_eq!(q, p);
             // SAFETY: `q` is unused.
-            unsafe { pool.deallocate(q, 1000, &s).unwrap() };
+            unsafe { pool.deallocate(q, MIB, &s).unwrap() };
         }
         let after = pool.pool_stats();
         assert_eq!(after.driver_allocs, before.driver_allocs);
@@ -240,17 +244,21 @@ fn stream_ordered_pool_reuses_on_the_same_stream_without_driver_calls() {
         assert_eq!(after.event_records, before.event_records);
         // Freeing what the pool did not hand out is refused and changes nothing.
         // SAFETY: the pool refuses the pointer.
-        let bad = unsafe { pool.deallocate(p + 512, 1000, &s) };
+        let bad = unsafe { pool.deallocate(p + 512, MIB, &s) };
         assert!(matches!(bad, Err(Error::InvalidArgument(_))));
         // SAFETY: as above (double free).
-        assert!(unsafe { pool.deallocate(p, 1000, &s) }.is_err());
+        assert!(unsafe { pool.deallocate(p, MIB, &s) }.is_err());
+        assert_eq!(pool.pool_stats(), after);
         let other = Stream::new(&Device::get(0).unwrap()).unwrap();
-        let q = pool.allocate(1000, &other).unwrap();
+        let q = pool.allocate(MIB, &other).unwrap();
         let stats = pool.pool_stats();
         assert_eq!(q, p, "the block freed on `s` is reused on `other` after a GPU-side wait");
-        assert_eq!((stats.event_records, stats.event_waits), (1, 1));
+        assert_eq!((stats.event_records, stats.event_waits, stats.driver_allocs), (1, 1, 1));
         // SAFETY: unused.
-        unsafe { pool.deallocate(q, 1000, &other).unwrap() };
+        unsafe {
+            pool.deallocate(q, MIB, &other).unwrap();
+            pool.deallocate(fill, MIB, &s).unwrap();
+        }
         drop((pool, s, other));
         assert_no_leaks();
     });
@@ -388,7 +396,7 @@ fn driver_pool_stats_trim_and_owned_pools() {
         let s = Stream::new(&dev).unwrap();
         let pool = Arc::new(DriverPool::with_options(&dev, DriverPoolOptions::default()).unwrap());
         {
-            let b = DeviceBuffer::from_slice_in(pool.clone(), &[1u8; 1 << 20], &s).unwrap();
+            let b = DeviceBuffer::from_slice_in(&[1u8; 1 << 20], &s, pool.clone()).unwrap();
             assert_eq!(b.to_vec().unwrap()[12345], 1);
             let st = pool.pool_stats().unwrap();
             assert!(st.in_use >= 1 << 20 && st.reserved >= st.in_use, "{st:?}");
@@ -417,7 +425,7 @@ fn stream_and_resource_of_different_devices_are_rejected() {
         let s1 = Stream::new(&d1).unwrap();
         let r0 = d0.memory_resource().unwrap();
         // SAFETY: the allocation is refused.
-        let err = unsafe { DeviceBuffer::<u8>::uninit_in(r0.clone(), 16, &s1) }.unwrap_err();
+        let err = unsafe { DeviceBuffer::<u8>::uninit_in(16, &s1, r0.clone()) }.unwrap_err();
         assert!(matches!(err, Error::DeviceMismatch { expected: 0, found: 1, .. }), "{err}");
         assert!(d1.set_memory_resource(r0, "wrong device").is_err());
         assert_eq!(d0.memory_resource().unwrap().kind(), ResourceKind::DriverPool);
@@ -449,7 +457,7 @@ fn host_registration_and_managed_memory_are_gated() {
         assert_eq!(host[0], 5);
         let managed = cudrv::memory::ManagedResource::new(&dev).unwrap();
         let s = Stream::new(&dev).unwrap();
-        let buf = DeviceBuffer::from_slice_in(Arc::new(managed), &[1u8, 2], &s).unwrap();
+        let buf = DeviceBuffer::from_slice_in(&[1u8, 2], &s, Arc::new(managed)).unwrap();
         assert_eq!(buf.to_vec().unwrap(), [1, 2]);
     });
 }
@@ -461,7 +469,7 @@ fn pool_with_a_small_config_still_merges_and_trims() {
         let pool = Arc::new(StreamOrderedPool::with_config(&dev, PoolConfig::default()).unwrap());
         let s = Stream::new(&dev).unwrap();
         let bufs: Vec<DeviceBuffer<u8>> =
-            (0..64).map(|i| DeviceBuffer::from_slice_in(pool.clone(), &[i as u8; 1000], &s).unwrap()).collect();
+            (0..64).map(|i| DeviceBuffer::from_slice_in(&[i as u8; 1000], &s, pool.clone()).unwrap()).collect();
         for (i, b) in bufs.iter().enumerate() {
             assert!(b.to_vec().unwrap().iter().all(|&v| v == i as u8));
         }

@@ -351,12 +351,12 @@ fn out_of_memory_names_the_resource() {
         let dev = Device::get(0).unwrap();
         let stream = Stream::new(&dev).unwrap();
         let sync: Arc<dyn MemoryResource> = Arc::new(SyncResource::new(&dev).unwrap());
-        let err = DeviceBuffer::<u8>::zeroed_in(sync, 1 << 30, &stream).unwrap_err();
+        let err = DeviceBuffer::<u8>::zeroed_in(1 << 30, &stream, sync).unwrap_err();
         assert!(matches!(err, Error::OutOfMemory { resource: "SyncResource", .. }), "{err:?}");
         assert!(!err.to_string().contains("pool"), "{err}");
         let pool: Arc<dyn MemoryResource> =
             Arc::new(StreamOrderedPool::with_config(&dev, PoolConfig::default()).unwrap());
-        let err = DeviceBuffer::<u8>::zeroed_in(pool, 1 << 30, &stream).unwrap_err();
+        let err = DeviceBuffer::<u8>::zeroed_in(1 << 30, &stream, pool).unwrap_err();
         assert!(matches!(err, Error::OutOfMemory { resource: "StreamOrderedPool", .. }), "{err:?}");
     });
 }

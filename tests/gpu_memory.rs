@@ -161,7 +161,7 @@ fn stream_ordered_pool_on_the_gpu() {
     }
     assert_eq!(pool.pool_stats().driver_allocs, before.driver_allocs);
     let data = random_bytes(time_seed(), 3 << 20);
-    let b = DeviceBuffer::from_slice_in(pool.clone(), &data, &s).unwrap();
+    let b = DeviceBuffer::from_slice_in(&data, &s, pool.clone()).unwrap();
     assert_eq!(b.to_vec().unwrap(), data);
     drop(b);
     pool.trim_to(0).unwrap();

@@ -79,10 +79,31 @@ pub(crate) fn byte_len<T>(len: usize) -> Result<usize> {
 pub struct DeviceBuffer<T: DeviceRepr> {
     ptr: DevicePtr,
     len: usize,
-    resource: Arc<dyn MemoryResource>,
+    resource: ResourceRef,
     stream: Stream,
     used_on: Mutex<Vec<Stream>>,
     _t: PhantomData<T>,
+}
+
+/// Where a buffer's memory came from: the device's resource (which lives for the rest of the
+/// process, so the buffer holds it without a reference count that every thread would share), or
+/// one the caller gave.
+#[derive(Clone)]
+enum ResourceRef {
+    Device(&'static dyn MemoryResource),
+    Given(Arc<dyn MemoryResource>),
+}
+
+impl std::ops::Deref for ResourceRef {
+    type Target = dyn MemoryResource;
+
+    #[inline]
+    fn deref(&self) -> &(dyn MemoryResource + 'static) {
+        match self {
+            ResourceRef::Device(r) => *r,
+            ResourceRef::Given(r) => &**r,
+        }
+    }
 }
 
 impl<T: DeviceRepr> DeviceBuffer<T> {
@@ -96,9 +117,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`], [`Error::InvalidArgument`] on overflow, the driver's error.
+    #[inline]
     pub unsafe fn uninit(len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        let resource = ResourceRef::Device(super::default_resource(&stream.device())?);
         // SAFETY: forwarded.
-        unsafe { Self::uninit_in(stream.device().memory_resource()?, len, stream) }
+        unsafe { Self::uninit_from(resource, len, stream) }
     }
 
     /// As [`DeviceBuffer::uninit`], from `resource`.
@@ -109,7 +132,15 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::uninit`], and [`Error::DeviceMismatch`] when the stream and the
     /// resource belong to different devices.
-    pub unsafe fn uninit_in(resource: Arc<dyn MemoryResource>, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+    pub unsafe fn uninit_in(len: usize, stream: &Stream, resource: Arc<dyn MemoryResource>) -> Result<DeviceBuffer<T>> {
+        // SAFETY: forwarded.
+        unsafe { Self::uninit_from(ResourceRef::Given(resource), len, stream) }
+    }
+
+    /// # Safety
+    /// As [`DeviceBuffer::uninit`].
+    #[inline]
+    unsafe fn uninit_from(resource: ResourceRef, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
         check_stream("DeviceBuffer::uninit_in", resource.device(), stream)?;
         if !resource.is_device_accessible() {
             return Err(Error::InvalidArgument(format!("{} is not device-accessible memory", resource.kind())));
@@ -147,8 +178,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::uninit`].
     pub fn zeroed(len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        let resource = ResourceRef::Device(super::default_resource(&stream.device())?);
         // SAFETY: the memory is zeroed (in stream order) before anything can read it.
-        let mut buf = unsafe { Self::uninit(len, stream)? };
+        let mut buf = unsafe { Self::uninit_from(resource, len, stream)? };
         buf.memset(0)?;
         Ok(buf)
     }
@@ -157,9 +189,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     ///
     /// # Errors
     /// As [`DeviceBuffer::uninit_in`].
-    pub fn zeroed_in(resource: Arc<dyn MemoryResource>, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+    pub fn zeroed_in(len: usize, stream: &Stream, resource: Arc<dyn MemoryResource>) -> Result<DeviceBuffer<T>> {
         // SAFETY: the memory is zeroed (in stream order) before anything can read it.
-        let mut buf = unsafe { Self::uninit_in(resource, len, stream)? };
+        let mut buf = unsafe { Self::uninit_in(len, stream, resource)? };
         buf.memset(0)?;
         Ok(buf)
     }
@@ -169,16 +201,20 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::uninit`].
     pub fn from_slice(data: &[T], stream: &Stream) -> Result<DeviceBuffer<T>> {
-        Self::from_slice_in(stream.device().memory_resource()?, data, stream)
+        let resource = ResourceRef::Device(super::default_resource(&stream.device())?);
+        // SAFETY: every element is written by the copy before anyone can read it.
+        let mut buf = unsafe { Self::uninit_from(resource, data.len(), stream)? };
+        buf.copy_from_host(data)?;
+        Ok(buf)
     }
 
     /// A buffer from `resource` holding a copy of `data`. Waits for the copy.
     ///
     /// # Errors
     /// As [`DeviceBuffer::uninit_in`].
-    pub fn from_slice_in(resource: Arc<dyn MemoryResource>, data: &[T], stream: &Stream) -> Result<DeviceBuffer<T>> {
+    pub fn from_slice_in(data: &[T], stream: &Stream, resource: Arc<dyn MemoryResource>) -> Result<DeviceBuffer<T>> {
         // SAFETY: every element is written by the copy before anyone can read it.
-        let mut buf = unsafe { Self::uninit_in(resource, data.len(), stream)? };
+        let mut buf = unsafe { Self::uninit_in(data.len(), stream, resource)? };
         buf.copy_from_host(data)?;
         Ok(buf)
     }
@@ -214,8 +250,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// The resource the memory came from.
-    pub fn resource(&self) -> &Arc<dyn MemoryResource> {
-        &self.resource
+    pub fn resource(&self) -> &dyn MemoryResource {
+        &*self.resource
     }
 
     /// Records that work on `stream` uses the buffer, and orders that work after the buffer's
@@ -434,42 +470,26 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 }
 
 impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
+    #[inline]
     fn drop(&mut self) {
-        let free = Free {
-            resource: self.resource.clone(),
-            ptr: self.ptr,
-            bytes: self.byte_len(),
-            stream: self.stream.clone(),
-            used_on: std::mem::take(self.used_on.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner)),
-        };
+        let used_on = std::mem::take(self.used_on.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let bytes = self.byte_len();
         if crate::host_fn::in_host_fn() {
-            crate::host_fn::defer(move || free.run());
+            let (resource, ptr, stream) = (self.resource.clone(), self.ptr, self.stream.clone());
+            crate::host_fn::defer(move || free_after_uses(&*resource, ptr, bytes, &stream, &used_on));
         } else {
-            free.run();
+            free_after_uses(&*self.resource, self.ptr, bytes, &self.stream, &used_on);
         }
     }
 }
 
-/// A buffer's stream-ordered free, after the work of every stream it was used on.
-struct Free {
-    resource: Arc<dyn MemoryResource>,
-    ptr: DevicePtr,
-    bytes: usize,
-    stream: Stream,
-    used_on: Vec<Stream>,
-}
-
-impl Free {
-    fn run(self) {
-        if let Err(e) = self.try_run() {
-            // The memory may still be in use, or the resource refused it: leaking it is sound.
-            report_drop_error(Some(self.stream.context()), e);
-        }
-    }
-
-    fn try_run(&self) -> Result<()> {
-        for other in &self.used_on {
-            if self.stream.wait_stream(other).is_err() {
+/// A buffer's stream-ordered free, after the work of every stream it was used on. An error leaks
+/// the memory (it may still be in use, or the resource refused it), which is sound, and is
+/// reported as a drop error.
+fn free_after_uses(resource: &dyn MemoryResource, ptr: DevicePtr, bytes: usize, stream: &Stream, used_on: &[Stream]) {
+    let freed = (|| {
+        for other in used_on {
+            if stream.wait_stream(other).is_err() {
                 // Cannot order the free after `other` on the GPU: wait for it on the host (this
                 // never returns while its work may still run). If even that fails, the memory leaks.
                 other.wait_for_memory()?;
@@ -477,7 +497,10 @@ impl Free {
         }
         // SAFETY: the pointer came from this resource with this size and is freed once; every use
         // is queued on `stream` or ordered before this point (above).
-        unsafe { self.resource.deallocate(self.ptr, self.bytes, &self.stream) }
+        unsafe { resource.deallocate(ptr, bytes, stream) }
+    })();
+    if let Err(e) = freed {
+        report_drop_error(Some(stream.context()), e);
     }
 }
 

@@ -258,6 +258,30 @@ impl DriverPool {
         Ok(self.fallback.get_or_init(|| pool))
     }
 
+    /// Makes a stream-ordered driver call. A stream of its own carries its context, and the
+    /// driver takes the context from it, so cudrv makes no context current first (that saves a
+    /// `cuCtxGetCurrent` per call on the hot path). The legacy and per-thread streams mean "the
+    /// current context's", so for them the context is bound first; and if the driver answers
+    /// `CUDA_ERROR_INVALID_CONTEXT` anyway, the call is made again with the context bound.
+    #[inline]
+    fn stream_call(
+        &self,
+        stream: &Stream,
+        mut call: impl FnMut() -> std::result::Result<CUresult, cudrv_sys::MissingSymbol>,
+    ) -> Result<std::result::Result<CUresult, cudrv_sys::MissingSymbol>> {
+        if crate::host_fn::in_host_fn() {
+            return Err(Error::InHostFunction { call: "DriverPool" });
+        }
+        if stream.carries_context() {
+            let rc = call();
+            if rc != Ok(CUresult::CUDA_ERROR_INVALID_CONTEXT) {
+                return Ok(rc);
+            }
+        }
+        let _b = self.ctx.bind()?;
+        Ok(call())
+    }
+
     fn out_of_memory(&self, bytes: usize) -> Error {
         let stats = self.pool_stats().unwrap_or_default();
         Error::OutOfMemory {
@@ -278,11 +302,14 @@ unsafe impl MemoryResource for DriverPool {
         if self.switched.load(Ordering::Acquire) {
             return self.fallback()?.allocate(bytes, stream);
         }
-        let _b = self.ctx.bind()?;
         let mut ptr = 0;
-        // SAFETY: valid out-pointer, pool and stream; the context is current. Zero bytes is an
-        // error for the driver, so a zero-sized request takes one byte.
-        let rc = unsafe { driver()?.cuMemAllocFromPoolAsync(&mut ptr, bytes.max(1), self.pool.0, stream.as_raw()) };
+        let d = driver()?;
+        // SAFETY: valid out-pointer, pool and stream; the stream's context is current or carried
+        // by the stream (`stream_call`). Zero bytes is an error for the driver, so a zero-sized
+        // request takes one byte.
+        let rc = self.stream_call(stream, || unsafe {
+            d.cuMemAllocFromPoolAsync(&mut ptr, bytes.max(1), self.pool.0, stream.as_raw())
+        })?;
         match rc {
             Ok(CUresult::CUDA_SUCCESS) => Ok(ptr),
             Ok(CUresult::CUDA_ERROR_NOT_SUPPORTED) => {
@@ -301,14 +328,16 @@ unsafe impl MemoryResource for DriverPool {
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         if let Some(f) = self.fallback.get()
-            && f.owns(ptr)
+            && f.owns(ptr, stream)
         {
             // SAFETY: forwarded from the caller; the fallback handed `ptr` out.
             return unsafe { f.deallocate(ptr, bytes, stream) };
         }
-        let _b = self.ctx.bind()?;
-        // SAFETY: the caller passes a live pointer from this pool; the free is ordered on `stream`.
-        unsafe { drv!(cuMemFreeAsync(ptr, stream.as_raw())) }
+        let d = driver()?;
+        // SAFETY: the caller passes a live pointer from this pool; the free is ordered on `stream`,
+        // whose context is current or carried by the stream (`stream_call`).
+        let rc = self.stream_call(stream, || unsafe { d.cuMemFreeAsync(ptr, stream.as_raw()) })?;
+        check("cuMemFreeAsync", rc)
     }
 
     fn device(&self) -> Device {

@@ -15,21 +15,22 @@
 mod buffer;
 mod driver_pool;
 mod host;
-#[allow(dead_code)]
-mod pool_core;
+mod pool;
 mod stream_ordered;
 mod sync;
 
-use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use buffer::{DeviceBuffer, DeviceRepr, DeviceView};
 pub use driver_pool::{DriverPool, DriverPoolOptions};
 pub use host::{HostRegistration, ManagedResource, PinnedBuffer, PinnedHostResource, register_host};
-pub use pool_core::{PoolConfig, PoolStats};
+pub use pool::config::PoolConfig;
+pub use pool::sim::SimulatedPool;
+pub use pool::stats::{Leaked, PoolStats};
+pub use pool::trace::{ReplayReport, Trace, TraceError, TraceEvent};
 pub use stream_ordered::StreamOrderedPool;
-pub(crate) use stream_ordered::stream_retired;
 pub use sync::SyncResource;
 
 use crate::device::Device;
@@ -232,11 +233,64 @@ fn pools_missing_reason(caps: &crate::Capabilities) -> String {
     }
 }
 
-type Registry = Mutex<HashMap<usize, (Arc<dyn MemoryResource>, Choice)>>;
+/// A device's resource, as the registry publishes it. Entries are never freed: a buffer may keep
+/// a `&'static` to its resource without touching a shared reference count, and a replaced entry
+/// stays valid for the buffers that came from it.
+struct Entry {
+    resource: Arc<dyn MemoryResource>,
+    choice: Choice,
+}
 
-fn registry() -> &'static Registry {
-    static REGISTRY: OnceLock<Registry> = OnceLock::new();
-    REGISTRY.get_or_init(Default::default)
+/// Per device, the current [`Entry`] (null until first use). Read with one atomic load, which no
+/// thread ever contends on: the hot path of `DeviceBuffer::uninit` reads it.
+fn slots() -> Result<&'static [AtomicPtr<Entry>]> {
+    static SLOTS: OnceLock<Box<[AtomicPtr<Entry>]>> = OnceLock::new();
+    if let Some(s) = SLOTS.get() {
+        return Ok(s);
+    }
+    let count = Device::count()?;
+    Ok(SLOTS.get_or_init(|| (0..count).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect()))
+}
+
+/// Serialises making and replacing entries (never taken on the hot path).
+static INSTALL: Mutex<()> = Mutex::new(());
+
+fn slot(device: &Device) -> Result<&'static AtomicPtr<Entry>> {
+    slots()?
+        .get(device.ordinal())
+        .ok_or_else(|| Error::InvalidArgument(format!("device {} is not in the device list", device.ordinal())))
+}
+
+/// Publishes `entry` for `device` (leaked: see [`Entry`]).
+fn install(slot: &AtomicPtr<Entry>, entry: Entry) -> &'static Entry {
+    let entry: &'static Entry = Box::leak(Box::new(entry));
+    slot.store(std::ptr::from_ref(entry).cast_mut(), Ordering::Release);
+    entry
+}
+
+/// The device's current entry, made as [`choose`] decides on first use.
+fn entry(device: &Device) -> Result<&'static Entry> {
+    let slot = slot(device)?;
+    let p = slot.load(Ordering::Acquire);
+    if !p.is_null() {
+        // SAFETY: non-null entries are leaked boxes, valid for the rest of the process.
+        return Ok(unsafe { &*p });
+    }
+    let _guard = INSTALL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let p = slot.load(Ordering::Acquire);
+    if !p.is_null() {
+        // SAFETY: as above.
+        return Ok(unsafe { &*p });
+    }
+    let choice = choose(device)?;
+    let resource = make(device, choice.kind)?;
+    Ok(install(slot, Entry { resource, choice }))
+}
+
+/// The device's resource, for buffers: no reference count is touched.
+#[inline]
+pub(crate) fn default_resource(device: &Device) -> Result<&'static dyn MemoryResource> {
+    Ok(&*entry(device)?.resource)
 }
 
 /// Makes the resource for a choice.
@@ -274,18 +328,13 @@ impl Device {
     /// # Errors
     /// As [`choose`].
     pub fn memory_resource_choice(&self) -> Result<(Arc<dyn MemoryResource>, Choice)> {
-        let mut map = registry().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some((r, c)) = map.get(&self.ordinal()) {
-            return Ok((r.clone(), c.clone()));
-        }
-        let choice = choose(self)?;
-        let resource = make(self, choice.kind)?;
-        map.insert(self.ordinal(), (resource.clone(), choice.clone()));
-        Ok((resource, choice))
+        let e = entry(self)?;
+        Ok((e.resource.clone(), e.choice.clone()))
     }
 
     /// Sets the resource that [`Device::memory_resource`] returns from now on. Buffers allocated
-    /// before keep the resource they came from.
+    /// before keep the resource they came from; the resource they came from gives back the memory
+    /// it caches (a `trim(0)`) and stays alive for them.
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`] when `resource` belongs to another device.
@@ -297,8 +346,15 @@ impl Device {
                 found: resource.device().ordinal_i32(),
             });
         }
+        let slot = slot(self)?;
         let choice = Choice { kind: resource.kind(), reason: reason.into() };
-        registry().lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(self.ordinal(), (resource, choice));
+        let _guard = INSTALL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let old = slot.load(Ordering::Acquire);
+        install(slot, Entry { resource, choice });
+        if !old.is_null() {
+            // SAFETY: as in `entry`.
+            let _ = unsafe { &*old }.resource.trim(0);
+        }
         Ok(())
     }
 }

@@ -1,39 +1,49 @@
 //! `StreamOrderedPool`: cudrv's stream-ordered caching pool over `cuMemAlloc`, for devices
-//! without memory pools. The decisions are made by the plain-Rust [`PoolCore`]; this file only
+//! without memory pools. The decisions are made by the plain-Rust bookkeeping in [`super::pool`];
+//! this file keeps its state (the arena behind a lock, each stream's cache on the stream) and
 //! performs the driver calls it asks for.
 
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use cudrv_sys::{CUevent, CUresult};
 
-use super::pool_core::{Backend, PoolConfig, PoolCore, PoolError, PoolStats};
+use super::pool::arena::Arena;
+use super::pool::backend::Backend;
+use super::pool::cache::Cache;
+use super::pool::config::PoolConfig;
+use super::pool::error::PoolError;
+use super::pool::stats::PoolStats;
+use super::pool::{self, Host};
 use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::host_fn::{self, SendHandle};
 use crate::result::{check, driver, drv};
-use crate::stream::{Stream, StreamKey};
+use crate::stream::{Attachment, Stream, StreamKey, attachment_owner_id};
 
 /// A stream-ordered caching pool written in plain Rust over `cuMemAlloc` / `cuMemFree`, with the
 /// semantics of `cuMemAllocAsync` / `cuMemFreeAsync`. It is what cudrv uses where the driver has
 /// no memory pools (Windows TCC), and anyone may choose it.
 ///
-/// * Free lists are kept per stream; a free files the block on the freeing stream's list and
-///   makes no driver call at all.
-/// * An allocation first reuses a block freed on its own stream: pure Rust, no driver call, no
-///   synchronisation.
-/// * Failing that, it takes blocks freed on another stream. One event, recorded lazily on that
-///   stream when first needed, covers every block freed there before it; the allocating stream
-///   waits on it on the GPU (`cuStreamWaitEvent`). The host never waits.
-/// * Only then does it grow with `cuMemAlloc`, in chunks (2 MiB for requests up to 1 MiB, 16 MiB
-///   up to 8 MiB, the request rounded to 2 MiB above), split and merged so that reserved memory
-///   stays close to live memory.
-/// * On out-of-memory it gives cached chunks back (waiting on their events) and retries once;
-///   then it returns [`Error::OutOfMemory`] with what was asked, reserved and in use.
+/// * **Per-stream caches.** A block freed on a stream is cached on that stream; the next request
+///   of the same rounded size there takes it with no shared lock, no driver call and no
+///   synchronisation. Threads that allocate on their own streams never contend.
+/// * **A shared arena** (one lock) serves the rest: the best fit across chunks, from blocks freed
+///   on the same stream, then from other streams' after one lazily recorded event and a GPU-side
+///   wait (`cuStreamWaitEvent`; the host never waits); then growth with `cuMemAlloc`: small
+///   requests share 2 MiB chunks, medium ones 32 MiB chunks, and a large request gets a chunk of
+///   exactly its size (rounded to 2 MiB).
+/// * **Memory stays close to live memory.** Before growing, the streams' caches go back to the
+///   arena to merge; past 10% above the most memory live at once, whole free chunks whose frees
+///   the GPU has completed are given back first ([`PoolConfig::headroom_percent`]).
+/// * **Out of memory**: everything free goes back to the driver (waiting for the frees with no
+///   lock held) and the request is retried at its exact size; then [`Error::OutOfMemory`] says
+///   what was asked, reserved and in use.
+/// * No lock is held across a blocking driver call (`cuEventSynchronize`, `cuMemFree`).
 ///
-/// The pool keeps a reference to each stream it has cached blocks for. When the last user's
-/// `Stream` is dropped, the pool records one last event on it (so other streams can still reuse
-/// those blocks after a GPU-side wait) and lets it go; the stream is then destroyed.
+/// When a stream's last user drops it, the pool records one last event on it (so other streams
+/// can still reuse its blocks after a GPU-side wait) and lets it go.
 ///
 /// ```no_run
 /// use cudrv::{Device, Stream, memory::{MemoryResource, StreamOrderedPool}};
@@ -43,110 +53,168 @@ use crate::stream::{Stream, StreamKey};
 /// let p = pool.allocate(1 << 20, &stream)?;
 /// // SAFETY: `p` came from this pool with this size and nothing uses it.
 /// unsafe { pool.deallocate(p, 1 << 20, &stream)? };
-/// let q = pool.allocate(1 << 20, &stream)?; // the same block, with no driver call
+/// let q = pool.allocate(1 << 20, &stream)?; // the same block, from the stream's cache
 /// assert_eq!(p, q);
 /// # unsafe { pool.deallocate(q, 1 << 20, &stream)? };
 /// # Ok::<(), cudrv::Error>(())
 /// ```
 #[derive(Debug)]
 pub struct StreamOrderedPool {
-    ctx: Arc<Context>,
-    core: Arc<Mutex<PoolCore<CudaBackend>>>,
+    shared: Arc<Shared>,
 }
 
-type SharedCore = Mutex<PoolCore<CudaBackend>>;
-
-/// Every live pool, so that a retired stream can be forgotten by each.
-fn pools() -> &'static Mutex<Vec<Weak<SharedCore>>> {
-    static POOLS: OnceLock<Mutex<Vec<Weak<SharedCore>>>> = OnceLock::new();
-    POOLS.get_or_init(Default::default)
+/// What the pool shares with the caches it attaches to streams.
+struct Shared {
+    /// This pool's number, which finds its cache among a stream's attachments.
+    id: u64,
+    me: Weak<Shared>,
+    backend: CudaBackend,
+    arena: Mutex<Arena<CudaBackend>>,
 }
 
-/// Called when the last user of a stream lets go of it: each pool that knows the stream records a
-/// last event on it and drops its reference.
-pub(crate) fn stream_retired(key: &StreamKey) {
-    let live: Vec<Arc<SharedCore>> = {
-        let mut list = pools().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        list.retain(|w| w.strong_count() > 0);
-        list.iter().filter_map(Weak::upgrade).collect()
-    };
-    for core in live {
-        let mut core = core.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Ok(ctx) = key.device().primary_context() else { continue };
-        let Ok(_b) = ctx.bind() else { continue };
-        if let Err(e) = core.forget_stream(&mut CudaBackend, key) {
-            report_drop_error(Some(&ctx), e);
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamOrderedPool").field("id", &self.id).field("device", &self.backend.ctx.device()).finish()
+    }
+}
+
+/// A pool's cache of one stream, kept on the stream.
+struct StreamCache {
+    cache: Cache,
+    pool: Weak<Shared>,
+}
+
+impl Attachment for StreamCache {
+    fn retire(self: Box<Self>, stream: &StreamKey) {
+        let Some(shared) = self.pool.upgrade() else { return };
+        if let Err(e) = pool::retire(&*shared, stream, self.cache) {
+            report_drop_error(Some(&shared.backend.ctx), e);
         }
     }
 }
 
-/// The driver calls the core asks for. The device's context is current while the core runs
-/// (`StreamOrderedPool::lock` binds it first).
-#[derive(Debug)]
-struct CudaBackend;
+impl Host for Shared {
+    type B = CudaBackend;
 
-/// An event owned by the pool (one per stream, reused).
+    #[inline]
+    fn backend(&self) -> &CudaBackend {
+        &self.backend
+    }
+
+    #[inline]
+    fn arena<R>(&self, f: impl FnOnce(&mut Arena<CudaBackend>) -> R) -> R {
+        // A panic while the arena is locked cannot leave it half-updated in a way that matters
+        // more than losing the pool: keep going with what is there.
+        f(&mut self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    #[inline]
+    fn cache<R>(&self, stream: &StreamKey, f: impl FnOnce(&mut Cache) -> R) -> R {
+        let make = || StreamCache { cache: Cache::new(self.arena(|a| a.register(stream))), pool: self.me.clone() };
+        stream.with_attachment(self.id, make, |sc: &mut StreamCache| f(&mut sc.cache))
+    }
+
+    fn existing_cache<R>(&self, stream: &StreamKey, f: impl FnOnce(&mut Cache) -> R) -> Option<R> {
+        stream.with_existing_attachment(self.id, |sc: &mut StreamCache| f(&mut sc.cache))
+    }
+}
+
+/// The driver calls the pool asks for. Each makes the device's context current first.
 #[derive(Debug)]
-struct PoolEvent(CUevent);
+struct CudaBackend {
+    ctx: Arc<Context>,
+}
+
+/// An event owned by the pool (one per stream, reused), destroyed with its last clone.
+#[derive(Debug)]
+struct PoolEvent {
+    raw: CUevent,
+    ctx: Arc<Context>,
+}
 
 // SAFETY: CUevent handles may be used from any thread.
 unsafe impl Send for PoolEvent {}
+// SAFETY: as above; the pool only records, waits on and queries it, which the driver allows from
+// any thread.
+unsafe impl Sync for PoolEvent {}
+
+impl Drop for PoolEvent {
+    fn drop(&mut self) {
+        let (raw, ctx) = (SendHandle(self.raw), self.ctx.clone());
+        let destroy = move || {
+            let Ok(d) = driver() else { return };
+            // SAFETY: the pool destroys each event it created once, when no clone is left.
+            if let Err(e) = check("cuEventDestroy", unsafe { d.cuEventDestroy_v2(raw.get()) }) {
+                report_drop_error(Some(&ctx), e);
+            }
+        };
+        if host_fn::in_host_fn() { host_fn::defer(destroy) } else { destroy() }
+    }
+}
 
 impl Backend for CudaBackend {
     type Stream = StreamKey;
-    type Event = PoolEvent;
+    type Event = Arc<PoolEvent>;
     type Error = Error;
 
-    fn alloc_chunk(&mut self, bytes: usize) -> Result<u64> {
+    fn alloc_chunk(&self, bytes: usize) -> Result<u64> {
+        let _b = self.ctx.bind()?;
         let mut ptr = 0;
         // SAFETY: valid out-pointer; the context is current.
         unsafe { drv!(cuMemAlloc_v2(&mut ptr, bytes)) }?;
         Ok(ptr)
     }
 
-    fn free_chunk(&mut self, ptr: u64, _bytes: usize) -> Result<()> {
-        // SAFETY: the core frees a chunk once, after the host saw every use of it complete.
+    fn free_chunk(&self, ptr: u64, _bytes: usize) -> Result<()> {
+        let _b = self.ctx.bind()?;
+        // SAFETY: the pool frees a chunk once, after the host saw every use of it complete.
         unsafe { drv!(cuMemFree_v2(ptr)) }
+    }
+
+    fn free_memory(&self) -> Option<usize> {
+        let _b = self.ctx.bind().ok()?;
+        let (mut free, mut total) = (0, 0);
+        let d = driver().ok()?;
+        // SAFETY: valid out-pointers; the context is current.
+        check("cuMemGetInfo", unsafe { d.cuMemGetInfo_v2(&mut free, &mut total) }).ok()?;
+        Some(free)
     }
 
     fn is_out_of_memory(&self, err: &Error) -> bool {
         err.code() == Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY)
     }
 
-    fn create_event(&mut self) -> Result<PoolEvent> {
-        let mut ev = std::ptr::null_mut();
+    fn create_event(&self) -> Result<Arc<PoolEvent>> {
+        let _b = self.ctx.bind()?;
+        let mut raw = std::ptr::null_mut();
         let flags = cudrv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
         // SAFETY: valid out-pointer; the context is current.
-        unsafe { drv!(cuEventCreate(&mut ev, flags)) }?;
-        Ok(PoolEvent(ev))
+        unsafe { drv!(cuEventCreate(&mut raw, flags)) }?;
+        Ok(Arc::new(PoolEvent { raw, ctx: self.ctx.clone() }))
     }
 
-    fn destroy_event(&mut self, event: PoolEvent) {
-        let Ok(d) = driver() else { return };
-        // SAFETY: the core destroys each event it created once.
-        if let Err(e) = check("cuEventDestroy", unsafe { d.cuEventDestroy_v2(event.0) }) {
-            report_drop_error(None, e);
-        }
+    fn record(&self, event: &Arc<PoolEvent>, stream: &StreamKey) -> Result<()> {
+        let _b = self.ctx.bind()?;
+        // SAFETY: valid event and stream (the pool holds a clone of the stream).
+        unsafe { drv!(cuEventRecord(event.raw, stream.as_raw())) }
     }
 
-    fn record(&mut self, event: &PoolEvent, stream: &StreamKey) -> Result<()> {
-        // SAFETY: valid event and stream (the core holds a clone of the stream).
-        unsafe { drv!(cuEventRecord(event.0, stream.as_raw())) }
-    }
-
-    fn wait(&mut self, waiter: &StreamKey, event: &PoolEvent) -> Result<()> {
+    fn wait(&self, waiter: &StreamKey, event: &Arc<PoolEvent>) -> Result<()> {
+        let _b = self.ctx.bind()?;
         // SAFETY: valid stream and event.
-        unsafe { drv!(cuStreamWaitEvent(waiter.as_raw(), event.0, 0)) }
+        unsafe { drv!(cuStreamWaitEvent(waiter.as_raw(), event.raw, 0)) }
     }
 
-    fn synchronize(&mut self, event: &PoolEvent) -> Result<()> {
+    fn synchronize(&self, event: &Arc<PoolEvent>) -> Result<()> {
+        let _b = self.ctx.bind()?;
         // SAFETY: valid event.
-        unsafe { drv!(cuEventSynchronize(event.0)) }
+        unsafe { drv!(cuEventSynchronize(event.raw)) }
     }
 
-    fn query(&mut self, event: &PoolEvent) -> Result<bool> {
+    fn query(&self, event: &Arc<PoolEvent>) -> Result<bool> {
+        let _b = self.ctx.bind()?;
         // SAFETY: valid event.
-        match unsafe { driver()?.cuEventQuery(event.0) } {
+        match unsafe { driver()?.cuEventQuery(event.raw) } {
             Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
             other => check("cuEventQuery", other).map(|()| true),
         }
@@ -162,47 +230,45 @@ impl StreamOrderedPool {
         Self::with_config(device, PoolConfig::default())
     }
 
-    /// A pool on `device` with `config` (chunk sizes, release threshold).
+    /// A pool on `device` with `config` (chunk sizes, headroom, release threshold).
     ///
     /// # Errors
     /// The driver's error when retaining the context.
     pub fn with_config(device: &Device, config: PoolConfig) -> Result<StreamOrderedPool> {
-        let core = Arc::new(Mutex::new(PoolCore::new(config)));
-        pools().lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Arc::downgrade(&core));
-        Ok(StreamOrderedPool { ctx: device.primary_context()?, core })
+        let ctx = device.primary_context()?;
+        let shared = Arc::new_cyclic(|me| Shared {
+            id: attachment_owner_id(),
+            me: me.clone(),
+            backend: CudaBackend { ctx },
+            arena: Mutex::new(Arena::new(config)),
+        });
+        Ok(StreamOrderedPool { shared })
     }
 
-    /// Whether `ptr` is a live allocation of this pool.
-    pub(crate) fn owns(&self, ptr: DevicePtr) -> bool {
-        self.lock().is_allocated(ptr)
-    }
-
-    fn lock(&self) -> MutexGuard<'_, PoolCore<CudaBackend>> {
-        // A panic while the core is locked cannot leave it half-updated in a way that matters
-        // more than losing the pool: keep going with what is there.
-        self.core.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// The pool's counters: reserved and in-use bytes with their peaks, driver allocations,
-    /// cache hits, cross-stream reuses, event records and waits.
+    /// The pool's counters: reserved and in-use bytes with their peaks, driver allocations, cache
+    /// hits, cross-stream reuses, event records and waits.
     pub fn pool_stats(&self) -> PoolStats {
-        self.lock().stats()
+        pool::stats(&*self.shared)
     }
 
-    /// Gives whole free chunks back to the driver until at most `keep_bytes` are reserved. Waits
-    /// on the host for the frees in those chunks to complete.
+    /// Gives free memory back to the driver until at most `keep_bytes` are reserved. Waits on the
+    /// host (with no lock held) for the frees in that memory to complete.
     ///
     /// # Errors
     /// The driver's error.
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
-        let _b = self.ctx.bind()?;
-        self.lock().trim_to(&mut CudaBackend, keep_bytes)
+        pool::trim_to(&*self.shared, keep_bytes)
     }
 
     /// Sets the release threshold: when growing would reserve more than this, chunks whose frees
     /// have completed (checked without waiting) are given back first.
     pub fn set_release_threshold(&self, bytes: usize) {
-        self.lock().set_release_threshold(bytes);
+        self.shared.arena(|a| a.config.release_threshold = bytes);
+    }
+
+    /// Whether `ptr` is a live allocation of this pool (`stream` is where to look first).
+    pub(crate) fn owns(&self, ptr: DevicePtr, stream: &Stream) -> bool {
+        pool::owns(&*self.shared, ptr, stream.key())
     }
 
     fn map_error(&self, e: PoolError<Error>) -> Error {
@@ -217,33 +283,33 @@ impl StreamOrderedPool {
             PoolError::TooLarge { requested } => {
                 Error::InvalidArgument(format!("an allocation of {requested} bytes is too large"))
             }
-            PoolError::InvalidFree { ptr } => Error::InvalidArgument(format!(
-                "{ptr:#x} is not a live allocation of this StreamOrderedPool with that size"
+            PoolError::InvalidFree { ptr, bytes } => Error::InvalidArgument(format!(
+                "{ptr:#x} with {bytes} bytes is not a live allocation of this StreamOrderedPool"
             )),
             PoolError::Backend(e) => e,
-            #[allow(unreachable_patterns)]
-            _ => Error::InvalidArgument("the pool refused the request".into()),
         }
     }
 }
 
-// SAFETY: PoolCore hands out blocks of its chunks (cuMemAlloc, 512-byte granules) only when they
-// are free and ordered after their last free: same stream, host-observed completion, or a GPU
-// wait on an event recorded after the free (its property tests check exactly this).
+// SAFETY: the pool hands out blocks of its chunks (cuMemAlloc, 512-byte granules) only when they
+// are free and ordered after their last free: from the same stream's cache or free list, after
+// the host saw the free complete, or after a GPU wait on an event recorded after the free (its
+// property tests check exactly this, also with threads).
 unsafe impl MemoryResource for StreamOrderedPool {
+    #[inline]
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         check_stream("StreamOrderedPool::allocate", self.device(), stream)?;
-        let _b = self.ctx.bind()?;
-        self.lock().allocate(&mut CudaBackend, bytes, stream.key()).map_err(|e| self.map_error(e))
+        pool::allocate(&*self.shared, bytes, stream.key()).map_err(|e| self.map_error(e))
     }
 
+    #[inline]
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         check_stream("StreamOrderedPool::deallocate", self.device(), stream)?;
-        self.lock().deallocate(ptr, bytes, stream.key()).map_err(|e| self.map_error(e))
+        pool::deallocate(&*self.shared, ptr, bytes, stream.key()).map_err(|e| self.map_error(e))
     }
 
     fn device(&self) -> Device {
-        self.ctx.device()
+        self.shared.backend.ctx.device()
     }
 
     fn kind(&self) -> ResourceKind {
@@ -255,7 +321,7 @@ unsafe impl MemoryResource for StreamOrderedPool {
     }
 
     fn reset_peaks(&self) -> Result<()> {
-        self.lock().reset_peaks();
+        pool::reset_peaks(&*self.shared);
         Ok(())
     }
 
@@ -273,27 +339,28 @@ unsafe impl MemoryResource for StreamOrderedPool {
 
 impl Drop for StreamOrderedPool {
     fn drop(&mut self) {
-        let (core, ctx) = (self.core.clone(), self.ctx.clone());
-        let release = move || release_pool(&core, &ctx);
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(release) } else { release() }
+        let shared = self.shared.clone();
+        let release = move || release_pool(&shared);
+        if host_fn::in_host_fn() { host_fn::defer(release) } else { release() }
     }
 }
 
-/// Gives everything a dropped pool holds back to the driver.
-fn release_pool(core: &SharedCore, ctx: &Context) {
-    {
-        let Ok(_b) = ctx.bind() else { return };
-        let mut core = core.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match core.release_all(&mut CudaBackend) {
-            Ok(leaked) if leaked.allocations > 0 => report_drop_error(
-                Some(ctx),
-                Error::InvalidArgument(format!(
-                    "StreamOrderedPool dropped with {} live allocations ({} bytes); their {} chunks are leaked",
-                    leaked.allocations, leaked.bytes, leaked.chunks
-                )),
-            ),
-            Ok(_) => {}
-            Err(e) => report_drop_error(Some(ctx), e),
-        }
+/// Gives everything a dropped pool holds back to the driver, and takes its caches off the streams.
+fn release_pool(shared: &Shared) {
+    let keys = shared.arena(|a| a.stream_keys());
+    let ctx = &shared.backend.ctx;
+    match pool::teardown(shared) {
+        Ok(leaked) if leaked.allocations > 0 => report_drop_error(
+            Some(ctx),
+            Error::InvalidArgument(format!(
+                "StreamOrderedPool dropped with {} live allocations ({} bytes); their {} chunks are leaked",
+                leaked.allocations, leaked.bytes, leaked.chunks
+            )),
+        ),
+        Ok(_) => {}
+        Err(e) => report_drop_error(Some(ctx), e),
+    }
+    for key in keys {
+        drop(key.remove_attachment(shared.id));
     }
 }

@@ -1,0 +1,360 @@
+//! The arena: the pool's shared layer. It holds every chunk and every free block that is not
+//! cached by a stream, finds the best fit across chunks and streams, orders reuse across streams
+//! with events, decides when to grow and by how much, and which chunks to give back.
+//!
+//! It is plain data behind one lock (`&mut self`), and never blocks: what needs a host wait or a
+//! `cuMemFree` is handed back to the caller to do with the lock released.
+
+use super::backend::Backend;
+use super::blocks::{Block, Chunk, Kind, NIL, State};
+use super::config::PoolConfig;
+use super::events::StreamState;
+use super::slots::Slots;
+use super::{FastMap, GRANULE, Handout, Live, round_up};
+
+/// The arena's counters (the per-stream ones live in the caches).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ArenaStats {
+    pub(crate) reserved: usize,
+    pub(crate) peak_reserved: usize,
+    /// Bytes of blocks outside the arena (live, or cached by a stream).
+    pub(crate) out_bytes: usize,
+    /// Highest `out_bytes`.
+    pub(crate) peak_out: usize,
+    /// The most block bytes live at once, as seen when growing (the streams' caches are given back
+    /// first, so that what is out then is live).
+    pub(crate) peak_live: usize,
+    /// The highest in-use sum seen when the caches were visited.
+    pub(crate) peak_in_use: usize,
+    pub(crate) chunks: usize,
+    pub(crate) driver_allocs: u64,
+    pub(crate) driver_alloc_bytes: u64,
+    pub(crate) driver_frees: u64,
+    pub(crate) cross_stream_reuses: u64,
+    pub(crate) cache_flushes: u64,
+    pub(crate) events_created: u64,
+    pub(crate) event_records: u64,
+    pub(crate) event_waits: u64,
+    pub(crate) event_syncs: u64,
+    pub(crate) event_queries: u64,
+    pub(crate) oom_recoveries: u64,
+    /// Growths made exactly because the device's memory ran short.
+    pub(crate) tight_growths: u64,
+    /// Allocations and cache hits of streams that were forgotten (their caches are gone).
+    pub(crate) retired_allocations: u64,
+    pub(crate) retired_hits: u64,
+}
+
+/// A chunk taken off the free lists, to be freed (`Backend::free_chunk`) with no lock held, then
+/// reported with [`Arena::finish_release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Detached {
+    pub(crate) chunk: u32,
+    pub(crate) ptr: u64,
+    pub(crate) size: usize,
+}
+
+/// What [`Arena::grow`] did.
+pub(crate) enum Grow {
+    /// A new chunk; its first block is handed out.
+    Block(Handout),
+    /// Chunks were taken out to stay within the headroom: free them, then call `grow` again.
+    Release(Vec<Detached>),
+    /// The driver is out of memory, even for exactly the request.
+    OutOfMemory,
+}
+
+/// The shared layer of a stream-ordered pool. See the module documentation.
+pub(crate) struct Arena<B: Backend> {
+    pub(crate) config: PoolConfig,
+    pub(crate) blocks: Slots<Block>,
+    pub(crate) chunks: Slots<Chunk>,
+    pub(crate) streams: Slots<StreamState<B>>,
+    /// Streams not forgotten, to their state's slot.
+    pub(crate) stream_slots: FastMap<B::Stream, u32>,
+    next_epoch: u64,
+    /// Live allocations whose stream was forgotten before they were freed.
+    pub(crate) orphans: FastMap<u64, Live>,
+    pub(crate) stats: ArenaStats,
+}
+
+impl<B: Backend> Arena<B> {
+    pub(crate) fn new(config: PoolConfig) -> Self {
+        Self {
+            config: config.normalized(),
+            blocks: Slots::default(),
+            chunks: Slots::default(),
+            streams: Slots::default(),
+            stream_slots: FastMap::default(),
+            next_epoch: 1,
+            orphans: FastMap::default(),
+            stats: ArenaStats::default(),
+        }
+    }
+
+    /// The slot of `stream`'s state, created if new.
+    pub(crate) fn register(&mut self, stream: &B::Stream) -> u32 {
+        if let Some(&s) = self.stream_slots.get(stream) {
+            return s;
+        }
+        self.next_epoch += 1;
+        let s = self.streams.insert(StreamState::new(stream.clone(), self.next_epoch));
+        self.stream_slots.insert(stream.clone(), s);
+        s
+    }
+
+    /// The streams the arena knows and has not forgotten.
+    pub(crate) fn stream_keys(&self) -> Vec<B::Stream> {
+        self.stream_slots.keys().cloned().collect()
+    }
+
+    pub(crate) fn kind_for(&self, size: usize) -> Kind {
+        if size <= self.config.small_limit {
+            Kind::Small
+        } else if size <= self.config.medium_limit {
+            Kind::Medium
+        } else {
+            Kind::Large
+        }
+    }
+
+    /// A free block of at least `size` bytes for stream `s`, out of the arena: the best fit among
+    /// the blocks freed on `s` (no backend call), else the best fit among the other streams' (a
+    /// GPU-side wait on their event, or none if the host saw their frees complete). `None` if no
+    /// free block is large enough.
+    pub(crate) fn take(&mut self, b: &B, s: u32, size: usize) -> Result<Option<Handout>, B::Error> {
+        let kind = self.kind_for(size);
+        if let Some(blk) = self.take_free(s, kind, size) {
+            return Ok(Some(self.handout(blk, size)));
+        }
+        let Some(blk) = self.borrow_from_others(b, s, kind, size)? else { return Ok(None) };
+        self.stats.cross_stream_reuses += 1;
+        Ok(Some(self.handout(blk, size)))
+    }
+
+    fn handout(&mut self, blk: u32, size: usize) -> Handout {
+        let (ptr, size) = self.hand_out(blk, size);
+        Handout { ptr, blk, size }
+    }
+
+    /// Finds the best-fitting free block among the other streams and makes it (and, after a wait,
+    /// every other block the wait covers) stream `a`'s. Returns the block, taken off `a`'s list.
+    fn borrow_from_others(&mut self, b: &B, a: u32, kind: Kind, size: usize) -> Result<Option<u32>, B::Error> {
+        let mut best: Option<((usize, u64), u32, u32)> = None;
+        for (i, st) in self.streams.iter() {
+            if i == a {
+                continue;
+            }
+            let list = &st.free[kind as usize];
+            if let Some(key) = self.best_fit(list, kind, size)
+                && best.is_none_or(|(k, _, _)| key < k)
+            {
+                best = Some((key, list[&key], i));
+            }
+        }
+        let Some((_, blk, src)) = best else { return Ok(None) };
+        let State::Free { seq, .. } = self.blocks[blk].state else { unreachable!("a free list holds a used block") };
+        if self.host_safe(src, seq) {
+            // Ordered before everything issued from now on: no wait needed; move just this block.
+            self.unlist(blk);
+            self.file_free(blk, a, 0);
+        } else {
+            if seq > self.streams[src].recorded {
+                self.record(b, src)?;
+            }
+            self.wait_on(b, a, src)?;
+            self.move_covered(src, a);
+        }
+        self.maybe_reap(src);
+        let taken = self.take_free(a, kind, size);
+        debug_assert!(taken.is_some(), "a borrowed block must fit");
+        Ok(taken)
+    }
+
+    /// Moves every free block of `src` covered by its last record to stream `a`, which has just
+    /// waited on that record. In `a`'s order the blocks become free now (after the wait).
+    fn move_covered(&mut self, src: u32, a: u32) {
+        let recorded = self.streams[src].recorded;
+        let moved: Vec<u32> = self.streams[src]
+            .free
+            .iter()
+            .flat_map(|list| list.values().copied())
+            .filter(|&blk| matches!(self.blocks[blk].state, State::Free { seq, .. } if seq <= recorded))
+            .collect();
+        self.streams[a].seq += 1;
+        let new_seq = self.streams[a].seq;
+        let mut chunks = Vec::with_capacity(moved.len());
+        for &blk in &moved {
+            let State::Free { stream, seq } = self.blocks[blk].state else { unreachable!() };
+            let seq = if self.host_safe(stream, seq) { 0 } else { new_seq };
+            self.unlist(blk);
+            self.blocks[blk].state = State::Free { stream: a, seq };
+            self.list(blk);
+            chunks.push(self.blocks[blk].chunk);
+        }
+        chunks.sort_unstable();
+        chunks.dedup();
+        for c in chunks {
+            self.coalesce_chunk(c);
+        }
+    }
+
+    /// Gives blocks cached by stream `s` (freed on it, in its order) back to the arena, where
+    /// they merge with their free neighbours.
+    pub(crate) fn give_back(&mut self, s: u32, blocks: &[(u64, u32)]) {
+        if blocks.is_empty() {
+            return;
+        }
+        self.streams[s].seq += 1;
+        let seq = self.streams[s].seq;
+        for &(ptr, blk) in blocks {
+            let block = &self.blocks[blk];
+            debug_assert!(block.ptr == ptr && block.state == State::Out, "giving back a block that is not out");
+            let (size, chunk) = (block.size, block.chunk);
+            self.chunks[chunk].out -= 1;
+            self.stats.out_bytes -= size;
+            self.file_free(blk, s, seq);
+        }
+    }
+
+    /// The chunk to allocate for a request of `size` rounded bytes, and the smallest that would do.
+    fn chunk_sizes(&self, kind: Kind, size: usize) -> Option<(usize, usize)> {
+        let c = &self.config;
+        Some(match kind {
+            Kind::Small => (c.small_chunk, c.small_chunk),
+            Kind::Medium => (c.medium_chunk, round_up(size, c.large_granule)?),
+            Kind::Large => {
+                let exact = round_up(size, c.large_granule)?;
+                (round_up(size_class(size, c.large_classes_per_octave), c.large_granule)?.max(exact), exact)
+            }
+        })
+    }
+
+    /// Grows the arena for a request of `size` rounded bytes on stream `s` and hands out the new
+    /// chunk's first block. The caller gives the streams' caches back first, so that what is out
+    /// of the arena is live. Growing past `(1 + headroom) × the most live at once` first takes
+    /// out whole free chunks whose frees the GPU has completed (asked without blocking), and
+    /// grows by exactly the request.
+    /// With `headroom` false the check is skipped (after rounds that could not take enough out).
+    pub(crate) fn grow(
+        &mut self,
+        b: &B,
+        s: u32,
+        size: usize,
+        headroom: bool,
+    ) -> Result<Grow, super::PoolError<B::Error>> {
+        let kind = self.kind_for(size);
+        let (mut chunk, exact) = self.chunk_sizes(kind, size).ok_or(super::PoolError::TooLarge { requested: size })?;
+        let live = self.stats.out_bytes.saturating_add(size);
+        self.stats.peak_live = self.stats.peak_live.max(live);
+        let peak = self.stats.peak_live;
+        // Memory runs short when the device would be left with less than a tenth of what the pool
+        // then holds: grow by exactly the request, and release whatever free chunk can go first.
+        let after = self.stats.reserved.saturating_add(chunk);
+        let tight = b.free_memory().is_some_and(|free| free < chunk.saturating_add(after / 10));
+        if tight {
+            chunk = exact;
+            self.stats.tight_growths += 1;
+        }
+        let mut limit = self.config.release_threshold;
+        if let Some(pct) = self.config.headroom_percent.filter(|_| headroom) {
+            let pct = if tight { 0 } else { pct as usize };
+            limit = limit.min(peak.saturating_add(peak / 100 * pct));
+        }
+        if self.stats.reserved.saturating_add(chunk) > limit {
+            chunk = exact;
+            if self.stats.reserved.saturating_add(chunk) > limit {
+                let target = limit.saturating_sub(chunk);
+                let detached = self.detach_free_chunks(b, target, super::release::Completion::Poll)?;
+                if !detached.is_empty() {
+                    return Ok(Grow::Release(detached));
+                }
+            }
+        }
+        for bytes in [chunk, exact] {
+            match b.alloc_chunk(bytes) {
+                Ok(ptr) => {
+                    let blk = self.add_chunk(s, kind, ptr, bytes);
+                    return Ok(Grow::Block(self.handout(blk, size)));
+                }
+                Err(e) if b.is_out_of_memory(&e) => {
+                    if bytes == exact {
+                        break;
+                    }
+                }
+                Err(e) => return Err(super::PoolError::Backend(e)),
+            }
+        }
+        Ok(Grow::OutOfMemory)
+    }
+
+    /// Records a new chunk; returns its single block (free, host-safe, owned by `s`, unlisted).
+    fn add_chunk(&mut self, s: u32, kind: Kind, ptr: u64, size: usize) -> u32 {
+        debug_assert!(ptr.is_multiple_of(256), "the driver aligns chunks to 256 bytes");
+        // The chunk's slot is taken first so that the block can name it.
+        let c = self.chunks.insert(Chunk { ptr, size, first: NIL, out: 0, releasing: false });
+        let blk = self.blocks.insert(Block {
+            ptr,
+            size,
+            chunk: c,
+            kind,
+            prev: NIL,
+            next: NIL,
+            state: State::Free { stream: s, seq: 0 },
+        });
+        self.chunks[c].first = blk;
+        let stats = &mut self.stats;
+        stats.driver_allocs += 1;
+        stats.driver_alloc_bytes += size as u64;
+        stats.chunks += 1;
+        stats.reserved += size;
+        stats.peak_reserved = stats.peak_reserved.max(stats.reserved);
+        blk
+    }
+
+    /// Notes the in-use total seen when visiting the caches, for the peak.
+    pub(crate) fn note_in_use(&mut self, in_use: usize) {
+        self.stats.peak_in_use = self.stats.peak_in_use.max(in_use);
+    }
+
+    /// `GRANULE`-rounded size of a request, or `None` above the largest request.
+    pub(crate) fn rounded(bytes: usize) -> Option<usize> {
+        if bytes > super::MAX_REQUEST { None } else { round_up(bytes.max(1), GRANULE) }
+    }
+}
+
+/// The smallest size class at or above `size`: classes are `2^(k / per_octave)` scaled to whole
+/// numbers of 64 KiB, `per_octave` to a doubling (`size` itself when 0).
+pub(crate) fn size_class(size: usize, per_octave: u32) -> usize {
+    if per_octave == 0 || size == 0 {
+        return size;
+    }
+    let octave = usize::BITS - 1 - size.leading_zeros(); // 2^octave <= size
+    let base = 1usize << octave;
+    if base == size {
+        return size;
+    }
+    let step = (base / per_octave as usize).max(1 << 16);
+    round_up(size, step).unwrap_or(size)
+}
+
+#[cfg(test)]
+impl<B: Backend> Arena<B> {
+    /// Every chunk with its blocks (`+size` out, `-size` free), for tests that explain a decision.
+    pub(crate) fn describe(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        for (c, chunk) in self.chunks.iter() {
+            let _ = write!(out, "chunk {c} {:>6.1} MiB:", chunk.size as f64 / (1 << 20) as f64);
+            let mut cur = chunk.first;
+            while cur != NIL {
+                let b = &self.blocks[cur];
+                let sign = if matches!(b.state, State::Out) { '+' } else { '-' };
+                let _ = write!(out, " {sign}{:.2}", b.size as f64 / (1 << 20) as f64);
+                cur = b.next;
+            }
+            out.push('\n');
+        }
+        out
+    }
+}

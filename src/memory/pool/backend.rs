@@ -1,0 +1,43 @@
+//! [`Backend`]: the few driver calls the pool's bookkeeping asks for.
+
+use std::hash::Hash;
+
+/// The driver work the pool's bookkeeping asks for. The real implementation calls the CUDA
+/// driver; the simulator emulates a device; tests use a mock that checks stream ordering.
+///
+/// Every method takes `&self`: the pool calls the blocking ones ([`synchronize`](Self::synchronize)
+/// and [`free_chunk`](Self::free_chunk), which may wait for the device) only while it holds no lock.
+pub(crate) trait Backend {
+    /// Identity of a stream. `Clone` must be cheap (an `Arc` in the real backend); `Eq` and `Hash`
+    /// go by identity. The pool keeps a clone of every stream it knows until it forgets it.
+    type Stream: Clone + Eq + Hash;
+    /// A reusable event (`CUevent`, created without timing). Clones share one event, which is
+    /// destroyed when the last clone is dropped, so that a clone taken under a lock can be waited
+    /// on after the lock is released.
+    type Event: Clone;
+    /// The backend's error.
+    type Error;
+
+    /// Allocates a chunk of `bytes` device bytes (`cuMemAlloc`), aligned to at least 256 bytes.
+    fn alloc_chunk(&self, bytes: usize) -> Result<u64, Self::Error>;
+    /// Frees a chunk from [`alloc_chunk`](Self::alloc_chunk) (`cuMemFree`, which may wait for the
+    /// device). Called only once the host has seen every use of the chunk complete, and never
+    /// with a lock held.
+    fn free_chunk(&self, ptr: u64, bytes: usize) -> Result<(), Self::Error>;
+    /// The device's free memory (`cuMemGetInfo`), if the backend can tell. Asked only when the
+    /// pool grows, to grow exactly when memory runs short.
+    fn free_memory(&self) -> Option<usize>;
+    /// Whether `err` means that the device is out of memory.
+    fn is_out_of_memory(&self, err: &Self::Error) -> bool;
+    /// Creates an event (`cuEventCreate` with `CU_EVENT_DISABLE_TIMING`).
+    fn create_event(&self) -> Result<Self::Event, Self::Error>;
+    /// Records `event` on `stream` (`cuEventRecord`), replacing its previous recording.
+    fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<(), Self::Error>;
+    /// Makes `waiter` wait on the GPU for `event` (`cuStreamWaitEvent`); the host does not wait.
+    fn wait(&self, waiter: &Self::Stream, event: &Self::Event) -> Result<(), Self::Error>;
+    /// Blocks the host until `event` completes (`cuEventSynchronize`). Called only to release
+    /// memory (trim, out of memory, teardown), and never with a lock held.
+    fn synchronize(&self, event: &Self::Event) -> Result<(), Self::Error>;
+    /// Whether `event` has completed (`cuEventQuery`), without blocking.
+    fn query(&self, event: &Self::Event) -> Result<bool, Self::Error>;
+}

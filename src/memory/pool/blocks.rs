@@ -1,0 +1,220 @@
+//! Chunks and blocks: the memory the arena holds, cut into address-ordered blocks, and the free
+//! lists that find, split and merge them.
+
+use std::collections::BTreeMap;
+
+use super::arena::Arena;
+use super::backend::Backend;
+
+/// Index of "no block" in the block links.
+pub(crate) const NIL: u32 = u32::MAX;
+
+/// The class of a request, and of the chunks that serve it: each class has chunks and free
+/// lists of its own, so that a long-lived block of one class never pins a chunk of another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Up to `small_limit`: shared small chunks.
+    Small = 0,
+    /// Up to `medium_limit`: shared medium chunks.
+    Medium = 1,
+    /// Above: a chunk per request, reused only by requests of nearly its size.
+    Large = 2,
+}
+
+/// The number of kinds.
+pub(crate) const KINDS: usize = 3;
+
+/// The state of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum State {
+    /// Free in the arena, filed in the list of stream state `stream`, having become free at
+    /// `seq` in that stream's order.
+    Free { stream: u32, seq: u64 },
+    /// Outside the arena: handed out to a user, or cached by a stream for reuse there.
+    Out,
+}
+
+/// A contiguous piece of a chunk.
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    pub(crate) ptr: u64,
+    pub(crate) size: usize,
+    pub(crate) chunk: u32,
+    pub(crate) kind: Kind,
+    /// Neighbours in the same chunk, in address order (`NIL` at the ends).
+    pub(crate) prev: u32,
+    pub(crate) next: u32,
+    pub(crate) state: State,
+}
+
+/// Memory from one `alloc_chunk` call.
+#[derive(Debug, Clone)]
+pub(crate) struct Chunk {
+    pub(crate) ptr: u64,
+    pub(crate) size: usize,
+    /// The block at the chunk's start; merges always keep the lower block, so it never changes.
+    pub(crate) first: u32,
+    /// Blocks outside the arena; a chunk with none is entirely free and may be released.
+    pub(crate) out: u32,
+    /// Being freed by a caller with no lock held: its blocks are off the free lists.
+    pub(crate) releasing: bool,
+}
+
+/// Free blocks of one kind and one stream, best fit first: key `(size, ptr)`, value block index.
+pub(crate) type FreeList = BTreeMap<(usize, u64), u32>;
+
+impl<B: Backend> Arena<B> {
+    /// Removes and returns the best-fitting free block of at least `size` bytes of stream `s`.
+    pub(crate) fn take_free(&mut self, s: u32, kind: Kind, size: usize) -> Option<u32> {
+        let key = self.best_fit(&self.streams[s].free[kind as usize], kind, size)?;
+        self.streams[s].free[kind as usize].remove(&key)
+    }
+
+    /// The key of the best-fitting block of `list` for `size` bytes: the smallest that is large
+    /// enough, and for a large request not so much larger that splitting it would leave a large
+    /// chunk pinned by a smaller block ([`PoolConfig::large_fit_percent`]).
+    pub(crate) fn best_fit(&self, list: &FreeList, kind: Kind, size: usize) -> Option<(usize, u64)> {
+        let (&key, _) = list.range((size, 0)..).next()?;
+        let fits = kind != Kind::Large
+            || (size as u128) * 100 >= (key.0 as u128) * u128::from(self.config.large_fit_percent.min(100));
+        fits.then_some(key)
+    }
+
+    /// Marks `blk` (free, unlisted, owned by stream `s`) out for a request of `size` rounded
+    /// bytes, splitting off the rest when worth it: the rest stays free with the same stream and
+    /// sequence number. Returns the block's pointer and size.
+    pub(crate) fn hand_out(&mut self, blk: u32, size: usize) -> (u64, usize) {
+        let block = &self.blocks[blk];
+        let State::Free { stream, seq } = block.state else { unreachable!("handing out a block that is not free") };
+        let rest = block.size - size;
+        let min_split = match block.kind {
+            Kind::Small => super::GRANULE,
+            Kind::Medium => self.config.min_large_split,
+            // A large chunk holds one block at a time: a remainder taken by another block would pin
+            // the chunk (the fit rule bounds what this leaves unused).
+            Kind::Large => usize::MAX,
+        };
+        if rest >= min_split {
+            let rest_block = Block {
+                ptr: block.ptr + size as u64,
+                size: rest,
+                chunk: block.chunk,
+                kind: block.kind,
+                prev: blk,
+                next: block.next,
+                state: State::Free { stream, seq },
+            };
+            let rest_blk = self.blocks.insert(rest_block);
+            let next = self.blocks[blk].next;
+            if next != NIL {
+                self.blocks[next].prev = rest_blk;
+            }
+            let block = &mut self.blocks[blk];
+            block.next = rest_blk;
+            block.size = size;
+            // The rest keeps the neighbours the whole block had, so it needs no merge.
+            self.list(rest_blk);
+        }
+        let block = &mut self.blocks[blk];
+        block.state = State::Out;
+        let (ptr, size, chunk) = (block.ptr, block.size, block.chunk);
+        self.chunks[chunk].out += 1;
+        self.stats.out_bytes += size;
+        self.stats.peak_out = self.stats.peak_out.max(self.stats.out_bytes);
+        (ptr, size)
+    }
+
+    /// Files `blk` (just given back or moved, unlisted) as free on stream `s` at `seq`, merging it
+    /// with its neighbours where allowed. (Merging a host-safe neighbour of another stream hands
+    /// it to `s`, and the block beyond may then be `s`'s too: hence the loops.)
+    pub(crate) fn file_free(&mut self, mut blk: u32, s: u32, mut seq: u64) {
+        loop {
+            let prev = self.blocks[blk].prev;
+            if prev == NIL {
+                break;
+            }
+            let Some(q) = self.merge_target(prev, s, seq) else { break };
+            self.unlist(prev);
+            self.absorb(prev, blk);
+            (blk, seq) = (prev, q);
+        }
+        loop {
+            let next = self.blocks[blk].next;
+            if next == NIL {
+                break;
+            }
+            let Some(q) = self.merge_target(next, s, seq) else { break };
+            self.unlist(next);
+            self.absorb(blk, next);
+            seq = q;
+        }
+        self.blocks[blk].state = State::Free { stream: s, seq };
+        self.list(blk);
+    }
+
+    /// Whether a block free on stream `s` at `seq` may merge with neighbour `nb`, and if so the
+    /// sequence number of the merged block, which `s` owns. Allowed when `nb` is free on the same
+    /// stream, or when both are host-safe (then the result is host-safe too).
+    fn merge_target(&self, nb: u32, s: u32, seq: u64) -> Option<u64> {
+        let State::Free { stream: nb_stream, seq: nb_seq } = self.blocks[nb].state else { return None };
+        if nb_stream == s {
+            Some(seq.max(nb_seq))
+        } else if self.host_safe(s, seq) && self.host_safe(nb_stream, nb_seq) {
+            Some(0)
+        } else {
+            None
+        }
+    }
+
+    /// Merges every pair of adjacent free blocks of chunk `c` that may merge.
+    pub(crate) fn coalesce_chunk(&mut self, c: u32) {
+        let mut cur = self.chunks[c].first;
+        while cur != NIL {
+            let next = self.blocks[cur].next;
+            if next == NIL {
+                break;
+            }
+            if let State::Free { stream, seq } = self.blocks[cur].state
+                && let Some(q) = self.merge_target(next, stream, seq)
+            {
+                self.unlist(cur);
+                self.unlist(next);
+                self.absorb(cur, next);
+                self.blocks[cur].state = State::Free { stream, seq: q };
+                self.list(cur);
+                continue;
+            }
+            cur = next;
+        }
+    }
+
+    /// Grows `lo` over its upper neighbour `hi` (both unlisted) and frees `hi`'s slot.
+    fn absorb(&mut self, lo: u32, hi: u32) {
+        let hi_block = self.blocks.remove(hi).expect("a merged block exists");
+        let l = &mut self.blocks[lo];
+        debug_assert_eq!(l.next, hi);
+        l.size += hi_block.size;
+        l.next = hi_block.next;
+        if hi_block.next != NIL {
+            self.blocks[hi_block.next].prev = lo;
+        }
+    }
+
+    /// Adds free block `blk` to its owner's list.
+    pub(crate) fn list(&mut self, blk: u32) {
+        let block = &self.blocks[blk];
+        let State::Free { stream, .. } = block.state else { unreachable!("listing a block that is not free") };
+        let (key, kind) = ((block.size, block.ptr), block.kind);
+        let old = self.streams[stream].free[kind as usize].insert(key, blk);
+        debug_assert!(old.is_none());
+    }
+
+    /// Removes free block `blk` from its owner's list.
+    pub(crate) fn unlist(&mut self, blk: u32) {
+        let block = &self.blocks[blk];
+        let State::Free { stream, .. } = block.state else { unreachable!("unlisting a block that is not free") };
+        let (key, kind) = ((block.size, block.ptr), block.kind);
+        let old = self.streams[stream].free[kind as usize].remove(&key);
+        debug_assert_eq!(old, Some(blk));
+    }
+}

@@ -1,0 +1,139 @@
+//! A stream's own cache: the fast path. Blocks freed on a stream wait here for the next request
+//! of the same size on that stream, which takes one with no shared lock, no driver call and no
+//! synchronisation (stream order alone makes it safe). The cache also knows the stream's live
+//! allocations, so that a free on the same stream needs nothing shared either.
+
+use super::{FastMap, Handout, Live};
+
+/// Per-stream figures, summed by the pool's statistics.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CacheStats {
+    /// Requested bytes of the live allocations held here.
+    pub(crate) live_bytes: usize,
+    /// Their block bytes.
+    pub(crate) live_block_bytes: usize,
+    /// Their number.
+    pub(crate) live: usize,
+    /// Highest `live_bytes`.
+    pub(crate) peak_live_bytes: usize,
+    /// Bytes of free blocks cached.
+    pub(crate) free_bytes: usize,
+    pub(crate) allocations: u64,
+    pub(crate) hits: u64,
+}
+
+/// (pointer, arena block) pairs.
+#[cfg(test)]
+pub(crate) type BlockList = Vec<(u64, u32)>;
+
+/// What a free found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// A live allocation of this cache, with that size.
+    Here(Live),
+    /// A live allocation of this cache, with another size (nothing changed).
+    WrongSize,
+    /// Not a live allocation of this cache.
+    Missing,
+}
+
+/// One stream's cache of one pool.
+#[derive(Debug)]
+pub(crate) struct Cache {
+    /// The stream's slot in the arena.
+    pub(crate) slot: u32,
+    /// Free blocks by size, most recently freed last: (pointer, arena block).
+    free: FastMap<usize, Vec<(u64, u32)>>,
+    /// Live allocations made on, or moved to, this stream.
+    live: FastMap<u64, Live>,
+    pub(crate) stats: CacheStats,
+}
+
+impl Cache {
+    pub(crate) fn new(slot: u32) -> Self {
+        Cache { slot, free: FastMap::default(), live: FastMap::default(), stats: CacheStats::default() }
+    }
+
+    /// A cached block of exactly `size` rounded bytes, for a request of `requested` bytes.
+    #[inline]
+    pub(crate) fn take(&mut self, size: usize, requested: usize) -> Option<u64> {
+        let (ptr, blk) = self.free.get_mut(&size)?.pop()?;
+        self.stats.free_bytes -= size;
+        self.stats.hits += 1;
+        self.adopt_block(ptr, Live { blk, size, requested });
+        Some(ptr)
+    }
+
+    /// Takes a block handed out by the arena as a live allocation of `requested` bytes.
+    pub(crate) fn adopt(&mut self, h: Handout, requested: usize) -> u64 {
+        self.adopt_block(h.ptr, Live { blk: h.blk, size: h.size, requested });
+        h.ptr
+    }
+
+    #[inline]
+    fn adopt_block(&mut self, ptr: u64, live: Live) {
+        let s = &mut self.stats;
+        s.allocations += 1;
+        s.live += 1;
+        s.live_bytes += live.requested;
+        s.live_block_bytes += live.size;
+        s.peak_live_bytes = s.peak_live_bytes.max(s.live_bytes);
+        let old = self.live.insert(ptr, live);
+        debug_assert!(old.is_none(), "a pointer handed out twice");
+    }
+
+    /// Removes the live allocation at `ptr` if it is this cache's and has `requested` bytes.
+    #[inline]
+    pub(crate) fn remove_live(&mut self, ptr: u64, requested: usize) -> Found {
+        match self.live.get(&ptr) {
+            None => Found::Missing,
+            Some(l) if l.requested != requested => Found::WrongSize,
+            Some(_) => {
+                let live = self.live.remove(&ptr).expect("found above");
+                let s = &mut self.stats;
+                s.live -= 1;
+                s.live_bytes -= live.requested;
+                s.live_block_bytes -= live.size;
+                Found::Here(live)
+            }
+        }
+    }
+
+    /// Whether `ptr` is a live allocation of this cache.
+    pub(crate) fn contains(&self, ptr: u64) -> bool {
+        self.live.contains_key(&ptr)
+    }
+
+    /// Caches the block of an allocation freed on this stream.
+    #[inline]
+    pub(crate) fn put_free(&mut self, ptr: u64, live: Live) {
+        self.stats.free_bytes += live.size;
+        self.free.entry(live.size).or_default().push((ptr, live.blk));
+    }
+
+    /// Takes every cached free block, to give back to the arena.
+    pub(crate) fn take_free(&mut self) -> Vec<(u64, u32)> {
+        let mut out = Vec::new();
+        for (_, list) in self.free.iter_mut() {
+            out.append(list);
+        }
+        self.free.clear();
+        self.stats.free_bytes = 0;
+        out
+    }
+
+    /// Takes every live allocation (the stream is going away; they become the arena's orphans).
+    pub(crate) fn take_live(&mut self) -> Vec<(u64, Live)> {
+        let s = &mut self.stats;
+        (s.live, s.live_bytes, s.live_block_bytes) = (0, 0, 0);
+        self.live.drain().collect()
+    }
+
+    /// The cached free blocks and the live allocations, as (pointer, block) pairs.
+    #[cfg(test)]
+    pub(crate) fn contents_for_tests(&self) -> (BlockList, BlockList) {
+        let free = self.free.values().flatten().copied().collect();
+        let live = self.live.iter().map(|(&p, l)| (p, l.blk)).collect();
+        (free, live)
+    }
+}

@@ -1,0 +1,93 @@
+//! [`PoolConfig`]: the tuning of a stream-ordered pool.
+
+use super::{GRANULE, MAX_REQUEST, round_up};
+
+const MIB: usize = 1 << 20;
+
+/// Tuning of a stream-ordered pool ([`StreamOrderedPool`](crate::memory::StreamOrderedPool), or
+/// [`SimulatedPool`](crate::memory::SimulatedPool)). Sizes are rounded up to 512 bytes.
+///
+/// The defaults keep reserved memory within about 10% of the most memory that was live at once,
+/// and make a driver call only when that memory has to grow.
+///
+/// ```
+/// use cudrv::memory::PoolConfig;
+/// // Keep at most 4 GiB cached, and grow in larger steps for mid-sized requests.
+/// let config = PoolConfig { release_threshold: 4 << 30, medium_chunk: 64 << 20, ..PoolConfig::default() };
+/// assert_eq!(config.small_limit, 1 << 20);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// The most bytes the pool keeps reserved before it gives free memory back when it grows:
+    /// growing past it first releases whole free chunks whose frees the GPU has completed (asked
+    /// with `cuEventQuery`; the host never waits for it). `usize::MAX` (the default) sets no bound
+    /// beyond [`headroom_percent`](Self::headroom_percent).
+    pub release_threshold: usize,
+    /// Requests up to this many bytes are *small*: they share small chunks, apart from larger
+    /// blocks. Default 1 MiB.
+    pub small_limit: usize,
+    /// The size of a small chunk. Default 2 MiB.
+    pub small_chunk: usize,
+    /// Requests above `small_limit` and up to this many bytes share medium chunks. Default 8 MiB.
+    pub medium_limit: usize,
+    /// The size of a medium chunk (at least `medium_limit`). Default 32 MiB.
+    pub medium_chunk: usize,
+    /// Requests above `medium_limit` get a chunk of their own, rounded up to a multiple of this
+    /// (the driver maps device memory in pages of 2 MiB anyway). Default 2 MiB.
+    pub large_granule: usize,
+    /// A large request gets a chunk rounded up to a size class: this many classes per doubling of
+    /// size (8: classes about 9% apart). A tensor that grows a little at each step (a KV cache
+    /// grown by concatenation) then reuses the chunk it freed two steps before, until it crosses
+    /// into the next class, instead of needing a new chunk every step. 0 rounds to
+    /// `large_granule` only. Near the headroom or out of memory the pool grows exactly instead.
+    /// Default 8.
+    pub large_classes_per_octave: u32,
+    /// A free block of a large chunk serves a request only if the request is at least this many
+    /// percent of it; otherwise the request gets a chunk of its own, and the free block stays
+    /// whole (to serve a request of its size, or to go back to the driver whole). Splitting a
+    /// large block for a much smaller request would leave most of its chunk pinned by that block.
+    /// Default 75.
+    pub large_fit_percent: u32,
+    /// A free block of a medium or large chunk is split only when what is left over would be at
+    /// least this many bytes; otherwise the whole block is handed out. Default 512 bytes (always
+    /// split).
+    pub min_large_split: usize,
+    /// How far reserved memory may grow above the most memory live at once, in percent, before
+    /// the pool releases free memory instead of caching more: when a new chunk would take it
+    /// past that, the pool first gives the free blocks cached per stream back to its shared
+    /// layer (where they merge), releases whole free chunks whose frees the GPU has completed,
+    /// and grows by exactly the request. `None` caches everything (up to `release_threshold`).
+    /// Default `Some(10)`.
+    pub headroom_percent: Option<u32>,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            release_threshold: usize::MAX,
+            small_limit: MIB,
+            small_chunk: 2 * MIB,
+            medium_limit: 8 * MIB,
+            medium_chunk: 32 * MIB,
+            large_granule: 2 * MIB,
+            min_large_split: GRANULE,
+            large_fit_percent: 75,
+            large_classes_per_octave: 8,
+            headroom_percent: Some(10),
+        }
+    }
+}
+
+impl PoolConfig {
+    /// Rounds every size to the granule and makes the limits consistent.
+    pub(crate) fn normalized(mut self) -> Self {
+        let up = |v: usize| round_up(v.max(GRANULE), GRANULE).unwrap_or(MAX_REQUEST).min(MAX_REQUEST);
+        self.small_limit = up(self.small_limit);
+        self.small_chunk = up(self.small_chunk).max(self.small_limit);
+        self.medium_limit = up(self.medium_limit).max(self.small_limit);
+        self.medium_chunk = up(self.medium_chunk).max(self.medium_limit);
+        self.large_granule = up(self.large_granule);
+        self.min_large_split = up(self.min_large_split);
+        self
+    }
+}

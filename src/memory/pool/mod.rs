@@ -1,0 +1,503 @@
+//! The bookkeeping of cudrv's stream-ordered pool ([`StreamOrderedPool`](crate::memory::StreamOrderedPool)).
+//!
+//! Plain Rust: no FFI, no `unsafe`, no dependencies. The pool decides what to do with device
+//! memory; a [`Backend`] performs the few driver calls it asks for (`cuMemAlloc`, `cuMemFree`, and
+//! events). The simulator ([`SimulatedPool`](crate::memory::SimulatedPool)), property tests and Miri
+//! run it against emulated devices.
+//!
+//! # Two layers
+//!
+//! * **Each stream's cache** ([`cache`]) holds the stream's live allocations and the blocks freed
+//!   on it. A request on a stream first takes a cached block of exactly its rounded size: one lock
+//!   of that stream's own, no shared state, no driver call, no synchronisation (stream order makes
+//!   the reuse safe). Threads that allocate on different streams never meet there.
+//! * **The arena** ([`arena`]), behind one shared lock, holds every chunk and every free block
+//!   that no stream caches. It finds the best fit across chunks (a stream's own blocks first, then
+//!   other streams', ordered by an event), splits and merges blocks, grows, and gives chunks back.
+//!
+//! Blocks move from a cache to the arena when the arena would otherwise grow (so that they merge,
+//! and the arena sees what is really live), on out of memory, on `trim`, and when a stream goes
+//! away. Locks are taken in one order only: a stream's cache, then the arena; a thread never takes
+//! a cache while holding the arena, and never holds a lock across a blocking driver call.
+//!
+//! # Model
+//!
+//! Device memory is obtained from the backend in *chunks*. Each chunk is cut into contiguous
+//! *blocks*, linked in address order. A block is *out* (a live allocation, or cached by a stream)
+//! or *free* in the arena. A free block belongs to exactly one *stream state*: the stream on which
+//! it was freed (or to which it was moved later), with a sequence number `seq` that says when, in
+//! that stream's order, it became free ([`events`]). It may be handed out on that stream at once;
+//! on another stream only when it is *host-safe* (the host saw its free complete), or after that
+//! stream waited on the GPU for the owner's event recorded after the free. When such a wait is
+//! paid, *every* block the event covers moves to the waiting stream, as RMM does, so that one wait
+//! pays for many blocks. Adjacent free blocks merge when they belong to the same stream, or when
+//! both are host-safe.
+//!
+//! Requests are rounded to [`GRANULE`] bytes. Small requests (up to 1 MiB) are served from small
+//! chunks only, so that small blocks never pin the large chunks.
+//!
+//! # Growth and release
+//!
+//! * Small requests (up to 1 MiB) share 2 MiB chunks, medium ones (up to 8 MiB) share 32 MiB
+//!   chunks: blocks there are split and merged. A large request gets a chunk of its own, rounded
+//!   up to a size class (8 to a doubling, about 9% apart), and a large chunk holds one block at a
+//!   time: when it is freed the whole chunk is free, to serve a later request of 75% of its size
+//!   or more, or to go back to the driver whole. A small block can then never pin a large chunk.
+//!   Each class has chunks of its own.
+//! * Before growing, the streams' caches are given back to the arena, which looks again.
+//! * *Headroom*: the arena grows freely while reserved memory stays within
+//!   [`PoolConfig::headroom_percent`] (10%) of the most memory live at once. Past it, the arena
+//!   first takes out whole free chunks whose frees the GPU has completed (asked with
+//!   `cuEventQuery`: the host does not wait), frees them, and grows by exactly the request.
+//! * *Near capacity* (`cuMemGetInfo` says the device would be left with less than a tenth of what
+//!   the pool holds), growth is exact and everything free that can go goes first. So memory is
+//!   cached while it is plentiful, and placed tightly as it runs out.
+//! * *Out of memory*: the pool gives back everything free (waiting on the host for the frees,
+//!   with no lock held), merges, looks again, and retries the driver at exactly the request, so
+//!   that what it can reach matches what `cuMemAlloc` can.
+#![forbid(unsafe_code)]
+
+pub(crate) mod arena;
+pub(crate) mod backend;
+pub(crate) mod blocks;
+pub(crate) mod cache;
+pub(crate) mod config;
+pub(crate) mod error;
+pub(crate) mod events;
+pub(crate) mod release;
+pub(crate) mod sim;
+pub(crate) mod slots;
+pub(crate) mod stats;
+#[cfg(test)]
+mod tests;
+pub(crate) mod trace;
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use arena::{Arena, Detached, Grow};
+use backend::Backend;
+use cache::{Cache, CacheStats, Found};
+use error::PoolError;
+use release::Completion;
+use stats::{Leaked, PoolStats};
+
+/// The alignment and rounding unit of every block, in bytes. Every block offset inside a chunk is
+/// a multiple of it, so a block is as aligned as its chunk up to this value (`cuMemAlloc` aligns
+/// to at least 256 bytes).
+pub(crate) const GRANULE: usize = 512;
+
+/// The largest request accepted; anything above is [`PoolError::TooLarge`].
+pub(crate) const MAX_REQUEST: usize = (isize::MAX as usize) / 2;
+
+pub(crate) fn round_up(v: usize, to: usize) -> Option<usize> {
+    Some(v.checked_add(to - 1)? / to * to)
+}
+
+/// A block the arena handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Handout {
+    pub(crate) ptr: u64,
+    pub(crate) blk: u32,
+    pub(crate) size: usize,
+}
+
+/// A live allocation: its arena block, the block's size, and the bytes asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Live {
+    pub(crate) blk: u32,
+    pub(crate) size: usize,
+    pub(crate) requested: usize,
+}
+
+/// A fast hasher for device pointers, sizes and stream identities (the keys are not
+/// attacker-controlled). It folds a 128-bit product, so both the low and the high bits of the hash
+/// depend on every bit of the key (pointers have their low bits all zero).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct FoldHasher {
+    state: u64,
+}
+
+impl FoldHasher {
+    #[inline]
+    fn mix(&mut self, v: u64) {
+        let p = u128::from(self.state ^ v) * 0x9E37_79B9_7F4A_7C15_u128;
+        self.state = (p as u64) ^ ((p >> 64) as u64);
+    }
+}
+
+impl Hasher for FoldHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.state
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for piece in bytes.chunks(8) {
+            let mut buf = [0u8; 8];
+            buf[..piece.len()].copy_from_slice(piece);
+            self.mix(u64::from_le_bytes(buf));
+        }
+    }
+    #[inline]
+    fn write_u32(&mut self, v: u32) {
+        self.mix(u64::from(v));
+    }
+    #[inline]
+    fn write_u64(&mut self, v: u64) {
+        self.mix(v);
+    }
+    #[inline]
+    fn write_usize(&mut self, v: usize) {
+        self.mix(v as u64);
+    }
+}
+
+pub(crate) type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
+
+/// Where a pool's state lives: behind locks in `StreamOrderedPool`, in cells in the simulator, in
+/// a test harness with threads. The pool's operations below are written once against it.
+///
+/// Lock order: [`cache`](Self::cache) may take the arena (to register a new stream, and to give
+/// blocks back); [`arena`](Self::arena) must never be held while a cache is taken.
+pub(crate) trait Host {
+    type B: Backend;
+
+    fn backend(&self) -> &Self::B;
+
+    /// Runs `f` with the arena locked.
+    fn arena<R>(&self, f: impl FnOnce(&mut Arena<Self::B>) -> R) -> R;
+
+    /// Runs `f` with `stream`'s cache locked, making it (and registering the stream with the
+    /// arena) if the stream has none.
+    fn cache<R>(&self, stream: &StreamOf<Self>, f: impl FnOnce(&mut Cache) -> R) -> R;
+
+    /// Runs `f` with `stream`'s cache locked, if it has one.
+    fn existing_cache<R>(&self, stream: &StreamOf<Self>, f: impl FnOnce(&mut Cache) -> R) -> Option<R>;
+}
+
+pub(crate) type StreamOf<H> = <<H as Host>::B as Backend>::Stream;
+pub(crate) type ErrorOf<H> = <<H as Host>::B as Backend>::Error;
+
+/// Allocates `bytes` for use on `stream`, in stream order: the memory may be used by work queued
+/// on `stream` after this call. `allocate(0)` hands out a distinct minimal block.
+#[inline]
+pub(crate) fn allocate<H: Host>(h: &H, bytes: usize, stream: &StreamOf<H>) -> Result<u64, PoolError<ErrorOf<H>>> {
+    let size = Arena::<H::B>::rounded(bytes).ok_or(PoolError::TooLarge { requested: bytes })?;
+    let (hit, slot) = h.cache(stream, |c| (c.take(size, bytes), c.slot));
+    match hit {
+        Some(ptr) => Ok(ptr),
+        None => allocate_slow(h, stream, slot, size, bytes),
+    }
+}
+
+/// The arena's path: its best fit (this stream's blocks, then other streams' after an event), then
+/// the same after the caches are given back, then growth, then out-of-memory recovery.
+#[inline(never)]
+fn allocate_slow<H: Host>(
+    h: &H,
+    stream: &StreamOf<H>,
+    slot: u32,
+    size: usize,
+    requested: usize,
+) -> Result<u64, PoolError<ErrorOf<H>>> {
+    let b = h.backend();
+    let adopt = |handout| h.cache(stream, |c| c.adopt(handout, requested));
+    if let Some(handout) = h.arena(|a| a.take(b, slot, size))? {
+        return Ok(adopt(handout));
+    }
+    if flush_caches(h) > 0
+        && let Some(handout) = h.arena(|a| a.take(b, slot, size))?
+    {
+        return Ok(adopt(handout));
+    }
+    if let Some(handout) = grow(h, slot, size)? {
+        return Ok(adopt(handout));
+    }
+    // Out of memory: wait for every free (with no lock held) so that all free blocks merge, look
+    // again; then give every whole free chunk back and retry the driver at exactly the request.
+    h.arena(|a| a.stats.oom_recoveries += 1);
+    settle(h)?;
+    if let Some(handout) = h.arena(|a| a.take(b, slot, size))? {
+        return Ok(adopt(handout));
+    }
+    release_settled(h, 0)?;
+    if let Some(handout) = grow(h, slot, size)? {
+        return Ok(adopt(handout));
+    }
+    let in_use = stats(h).in_use;
+    Err(h.arena(|a| PoolError::OutOfMemory { requested, reserved: a.stats.reserved, in_use }))
+}
+
+/// Grows the arena (freeing, with no lock held, the chunks it takes out to stay within its
+/// headroom). `None` when the driver is out of memory.
+fn grow<H: Host>(h: &H, slot: u32, size: usize) -> Result<Option<Handout>, PoolError<ErrorOf<H>>> {
+    let b = h.backend();
+    // Each round frees what the previous one took out; the headroom check then passes, or nothing
+    // more can be taken out. Past a few rounds the arena grows beyond its headroom.
+    for round in 0..5 {
+        match h.arena(|a| a.grow(b, slot, size, round < 4))? {
+            Grow::Block(handout) => return Ok(Some(handout)),
+            Grow::Release(chunks) => free_chunks(h, &chunks)?,
+            Grow::OutOfMemory => return Ok(None),
+        }
+    }
+    Ok(None)
+}
+
+/// Frees chunks taken off the arena's free lists, with no lock held, and reports them back. A
+/// chunk whose free fails goes back to the arena (a later release retries it); the first error is
+/// returned.
+fn free_chunks<H: Host>(h: &H, chunks: &[Detached]) -> Result<(), ErrorOf<H>> {
+    if chunks.is_empty() {
+        return Ok(());
+    }
+    let mut first = Ok(());
+    let mut done = Vec::with_capacity(chunks.len());
+    for &c in chunks {
+        let r = h.backend().free_chunk(c.ptr, c.size);
+        done.push((c, r.is_ok()));
+        if let Err(e) = r
+            && first.is_ok()
+        {
+            first = Err(e);
+        }
+    }
+    h.arena(|a| a.finish_release(&done));
+    first
+}
+
+/// Returns an allocation to the pool, in stream order: the memory becomes reusable by work queued
+/// on `stream` after this call, and by other streams only once they are ordered after it.
+/// `bytes` must be the size passed to `allocate`. Makes no backend call.
+#[inline]
+pub(crate) fn deallocate<H: Host>(
+    h: &H,
+    ptr: u64,
+    bytes: usize,
+    stream: &StreamOf<H>,
+) -> Result<(), PoolError<ErrorOf<H>>> {
+    let found = h.existing_cache(stream, |c| {
+        let found = c.remove_live(ptr, bytes);
+        if let Found::Here(live) = found {
+            c.put_free(ptr, live);
+        }
+        found
+    });
+    match found.unwrap_or(Found::Missing) {
+        Found::Here(_) => Ok(()),
+        Found::WrongSize => Err(PoolError::InvalidFree { ptr, bytes }),
+        Found::Missing => deallocate_elsewhere(h, ptr, bytes, stream),
+    }
+}
+
+/// A free on another stream than the allocation's: find it in the other caches, or among the
+/// orphans of forgotten streams, and cache its block on `stream`.
+#[inline(never)]
+fn deallocate_elsewhere<H: Host>(
+    h: &H,
+    ptr: u64,
+    bytes: usize,
+    stream: &StreamOf<H>,
+) -> Result<(), PoolError<ErrorOf<H>>> {
+    let invalid = PoolError::InvalidFree { ptr, bytes };
+    for key in h.arena(|a| a.stream_keys()) {
+        if key == *stream {
+            continue;
+        }
+        match h.existing_cache(&key, |c| c.remove_live(ptr, bytes)) {
+            Some(Found::Here(live)) => {
+                h.cache(stream, |c| c.put_free(ptr, live));
+                return Ok(());
+            }
+            Some(Found::WrongSize) => return Err(invalid),
+            _ => {}
+        }
+    }
+    let orphan = h.arena(|a| match a.orphans.get(&ptr) {
+        Some(l) if l.requested == bytes => a.orphans.remove(&ptr),
+        _ => None,
+    });
+    match orphan {
+        Some(live) => {
+            h.cache(stream, |c| c.put_free(ptr, live));
+            Ok(())
+        }
+        None => Err(invalid),
+    }
+}
+
+/// Gives every stream's cached free blocks back to the arena. Returns how many.
+pub(crate) fn flush_caches<H: Host>(h: &H) -> usize {
+    let mut flushed = 0;
+    let mut in_use = 0;
+    for key in h.arena(|a| a.stream_keys()) {
+        // The blocks go back with the cache still held, so that the stream cannot be forgotten in
+        // between (its retirement takes the cache first).
+        flushed += h
+            .existing_cache(&key, |c| {
+                in_use += c.stats.live_bytes;
+                let blocks = c.take_free();
+                h.arena(|a| a.give_back(c.slot, &blocks));
+                blocks.len()
+            })
+            .unwrap_or(0);
+    }
+    h.arena(|a| {
+        a.note_in_use(in_use);
+        if flushed > 0 {
+            a.stats.cache_flushes += 1;
+        }
+    });
+    flushed
+}
+
+/// Gives memory back to the driver until at most `keep_bytes` stay reserved: the caches are given
+/// back to the arena, the host waits (with no lock held) for every free to complete, blocks merge,
+/// and whole free chunks are freed, smallest sufficient first, then largest first.
+pub(crate) fn trim_to<H: Host>(h: &H, keep_bytes: usize) -> Result<(), ErrorOf<H>> {
+    let waited = settle(h);
+    release_settled(h, keep_bytes)?;
+    waited
+}
+
+/// Gives the caches back to the arena, waits on the host (with no lock held) for every free in
+/// the arena to complete, and merges the free blocks, which are all host-safe then. On a failed
+/// wait the others are still done, and the first error is returned.
+fn settle<H: Host>(h: &H) -> Result<(), ErrorOf<H>> {
+    let b = h.backend();
+    flush_caches(h);
+    let waits = h.arena(|a| a.waits_for_all_frees(b))?;
+    let mut done = Vec::with_capacity(waits.len());
+    let mut first = Ok(());
+    for w in waits {
+        match b.synchronize(&w.event) {
+            Ok(()) => done.push(w),
+            Err(e) if first.is_ok() => first = Err(e),
+            Err(_) => {}
+        }
+    }
+    h.arena(|a| {
+        a.complete(&done);
+        a.coalesce_all();
+    });
+    first
+}
+
+/// Frees whole free chunks whose frees the host has seen complete, until at most `keep_bytes`
+/// stay reserved.
+fn release_settled<H: Host>(h: &H, keep_bytes: usize) -> Result<(), ErrorOf<H>> {
+    let detached = h.arena(|a| a.detach_free_chunks(h.backend(), keep_bytes, Completion::Known))?;
+    free_chunks(h, &detached)
+}
+
+/// Forgets `stream`, whose last user let go of it; `cache` is its cache, already taken off the
+/// stream. Its free blocks go to the arena with a last event recorded on the stream, and its live
+/// allocations become orphans that any stream may free.
+pub(crate) fn retire<H: Host>(h: &H, stream: &StreamOf<H>, mut cache: Cache) -> Result<(), ErrorOf<H>> {
+    let blocks = cache.take_free();
+    let live = cache.take_live();
+    let stats = cache.stats;
+    h.arena(|a| {
+        a.give_back(cache.slot, &blocks);
+        a.orphans.extend(live);
+        a.stats.retired_allocations += stats.allocations;
+        a.stats.retired_hits += stats.hits;
+        a.forget_stream(h.backend(), stream)
+    })
+}
+
+/// Tears the pool down: gives everything free back to the driver and forgets every stream left
+/// with nothing cached. What is still live is reported, and its chunks are kept.
+pub(crate) fn teardown<H: Host>(h: &H) -> Result<Leaked, ErrorOf<H>> {
+    let mut allocations = 0;
+    let mut bytes = 0;
+    for key in h.arena(|a| a.stream_keys()) {
+        h.existing_cache(&key, |c| {
+            allocations += c.stats.live;
+            bytes += c.stats.live_bytes;
+        });
+    }
+    h.arena(|a| {
+        allocations += a.orphans.len();
+        bytes += a.orphans.values().map(|l| l.requested).sum::<usize>();
+    });
+    trim_to(h, 0)?;
+    Ok(h.arena(|a| {
+        a.forget_idle_streams();
+        a.leaked(allocations, bytes)
+    }))
+}
+
+/// Whether `ptr` is a live allocation of the pool (looking first in `stream`'s cache).
+pub(crate) fn owns<H: Host>(h: &H, ptr: u64, stream: &StreamOf<H>) -> bool {
+    let live = |c: &mut Cache| c.contains(ptr);
+    if h.existing_cache(stream, live) == Some(true) {
+        return true;
+    }
+    h.arena(|a| a.stream_keys()).iter().any(|k| h.existing_cache(k, live) == Some(true))
+        || h.arena(|a| a.orphans.contains_key(&ptr))
+}
+
+/// The pool's figures: the arena's, plus every stream's summed.
+pub(crate) fn stats<H: Host>(h: &H) -> PoolStats {
+    let mut sum = CacheStats::default();
+    let mut peak_one = 0;
+    for key in h.arena(|a| a.stream_keys()) {
+        h.existing_cache(&key, |c| {
+            let s = c.stats;
+            sum.live += s.live;
+            sum.live_bytes += s.live_bytes;
+            sum.live_block_bytes += s.live_block_bytes;
+            sum.free_bytes += s.free_bytes;
+            sum.allocations += s.allocations;
+            sum.hits += s.hits;
+            peak_one = peak_one.max(s.peak_live_bytes);
+        });
+    }
+    h.arena(|a| {
+        let orphan_bytes: usize = a.orphans.values().map(|l| l.requested).sum();
+        let orphan_blocks: usize = a.orphans.values().map(|l| l.size).sum();
+        let in_use = sum.live_bytes + orphan_bytes;
+        a.note_in_use(in_use);
+        let s = &a.stats;
+        PoolStats {
+            reserved: s.reserved,
+            peak_reserved: s.peak_reserved,
+            in_use,
+            peak_in_use: s.peak_in_use.max(peak_one),
+            in_use_blocks: sum.live_block_bytes + orphan_blocks,
+            live_allocations: sum.live + a.orphans.len(),
+            cached: sum.free_bytes,
+            chunks: s.chunks,
+            streams: a.streams.len(),
+            driver_allocs: s.driver_allocs,
+            driver_alloc_bytes: s.driver_alloc_bytes,
+            driver_frees: s.driver_frees,
+            allocations: sum.allocations + s.retired_allocations,
+            cache_hits: sum.hits + s.retired_hits,
+            cross_stream_reuses: s.cross_stream_reuses,
+            cache_flushes: s.cache_flushes,
+            events_created: s.events_created,
+            event_records: s.event_records,
+            event_waits: s.event_waits,
+            event_syncs: s.event_syncs,
+            event_queries: s.event_queries,
+            oom_recoveries: s.oom_recoveries,
+        }
+    })
+}
+
+/// Resets the high-water marks to the current values.
+pub(crate) fn reset_peaks<H: Host>(h: &H) {
+    for key in h.arena(|a| a.stream_keys()) {
+        h.existing_cache(&key, |c| c.stats.peak_live_bytes = c.stats.live_bytes);
+    }
+    let in_use = stats(h).in_use;
+    h.arena(|a| {
+        let s = &mut a.stats;
+        s.peak_reserved = s.reserved;
+        s.peak_in_use = in_use;
+        s.peak_live = s.out_bytes;
+        s.peak_out = s.out_bytes;
+    });
+}

@@ -1,0 +1,221 @@
+//! Giving memory back: whole free chunks leave the arena (to be freed with no lock held), streams
+//! are forgotten, and free blocks merge once the host has seen their frees complete.
+
+use super::arena::{Arena, Detached};
+use super::backend::Backend;
+use super::blocks::{NIL, State};
+use super::stats::Leaked;
+
+/// How to learn that frees completed when releasing memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Completion {
+    /// Use only what the host already saw complete (after the caller waited for the events).
+    Known,
+    /// Ask without blocking (`query`), recording where a record is missing; skip a chunk whose
+    /// frees are not complete yet.
+    Poll,
+}
+
+impl<B: Backend> Arena<B> {
+    /// Takes whole free chunks off the free lists until at most `target` bytes would stay
+    /// reserved (or no releasable chunk is left): first the smallest one that alone is enough,
+    /// then the largest first. A chunk is releasable when every block in it is free and host-safe.
+    /// The caller frees the returned chunks with no lock held, then reports them with
+    /// [`Arena::finish_release`].
+    pub(crate) fn detach_free_chunks(
+        &mut self,
+        b: &B,
+        target: usize,
+        how: Completion,
+    ) -> Result<Vec<Detached>, B::Error> {
+        let mut detached = Vec::new();
+        let mut reserved = self.stats.reserved - self.releasing_bytes();
+        if reserved <= target {
+            return Ok(detached);
+        }
+        let mut idle: Vec<(usize, u32)> =
+            self.chunks.iter().filter(|(_, c)| c.out == 0 && !c.releasing).map(|(i, c)| (c.size, i)).collect();
+        // Largest first (fewest driver calls), but a single chunk that is enough alone before them.
+        idle.sort_unstable_by(|x, y| y.cmp(x));
+        let need = reserved - target;
+        let enough = idle.partition_point(|&(size, _)| size >= need);
+        if enough > 0 {
+            idle[..enough].rotate_right(1);
+        }
+        for (size, c) in idle {
+            if reserved <= target {
+                break;
+            }
+            match self.chunk_is_host_safe(b, c, how) {
+                Ok(true) => {
+                    detached.push(self.detach_chunk(c));
+                    reserved -= size;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    // Put back what was taken off, so that nothing is lost.
+                    let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
+                    self.finish_release(&undo);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(detached)
+    }
+
+    /// Bytes of the chunks being freed.
+    fn releasing_bytes(&self) -> usize {
+        self.chunks.iter().filter(|(_, c)| c.releasing).map(|(_, c)| c.size).sum()
+    }
+
+    /// Whether every block of free chunk `c` is host-safe (polling its streams' events in `Poll`
+    /// mode).
+    fn chunk_is_host_safe(&mut self, b: &B, c: u32, how: Completion) -> Result<bool, B::Error> {
+        let mut cur = self.chunks[c].first;
+        while cur != NIL {
+            let block = &self.blocks[cur];
+            let State::Free { stream, seq } = block.state else {
+                unreachable!("a chunk with nothing out has only free blocks")
+            };
+            let next = block.next;
+            let safe = match how {
+                Completion::Known => self.host_safe(stream, seq),
+                Completion::Poll => self.poll_complete(b, stream, seq)?,
+            };
+            if !safe {
+                return Ok(false);
+            }
+            cur = next;
+        }
+        Ok(true)
+    }
+
+    /// Takes chunk `c` (all its blocks free and host-safe) off the free lists.
+    fn detach_chunk(&mut self, c: u32) -> Detached {
+        let chunk = &mut self.chunks[c];
+        chunk.releasing = true;
+        let (ptr, size, mut cur) = (chunk.ptr, chunk.size, chunk.first);
+        while cur != NIL {
+            self.unlist(cur);
+            cur = self.blocks[cur].next;
+        }
+        Detached { chunk: c, ptr, size }
+    }
+
+    /// Settles chunks taken off the free lists: a freed one (`true`) leaves the arena; one whose
+    /// free failed goes back on the free lists, to be released later.
+    pub(crate) fn finish_release(&mut self, done: &[(Detached, bool)]) {
+        let mut owners = Vec::new();
+        for &(d, freed) in done {
+            let first = self.chunks[d.chunk].first;
+            if !freed {
+                self.chunks[d.chunk].releasing = false;
+                let mut cur = first;
+                while cur != NIL {
+                    self.list(cur);
+                    cur = self.blocks[cur].next;
+                }
+                continue;
+            }
+            let chunk = self.chunks.remove(d.chunk).expect("a released chunk exists");
+            let mut cur = chunk.first;
+            while cur != NIL {
+                let block = self.blocks.remove(cur).expect("a block of the chunk exists");
+                if let State::Free { stream, .. } = block.state {
+                    owners.push(stream);
+                }
+                cur = block.next;
+            }
+            self.stats.reserved -= chunk.size;
+            self.stats.chunks -= 1;
+            self.stats.driver_frees += 1;
+        }
+        owners.sort_unstable();
+        owners.dedup();
+        for s in owners {
+            self.maybe_reap(s);
+        }
+    }
+
+    /// Merges every pair of adjacent free blocks that may merge, in every chunk (after the host
+    /// saw frees complete, blocks of different streams merge too).
+    pub(crate) fn coalesce_all(&mut self) {
+        for c in self.chunks.indices() {
+            self.coalesce_chunk(c);
+        }
+        self.reap_forgotten();
+    }
+
+    /// Forgets `stream`, which its owner is about to destroy: call it while the stream is still
+    /// valid. Its free blocks stay in the arena: one last event is recorded on the stream to cover
+    /// them, and other streams reuse them after waiting on it. Later calls with an equal stream
+    /// value start afresh, so a recycled handle is safe. Unknown streams are ignored. On error
+    /// nothing changes.
+    pub(crate) fn forget_stream(&mut self, b: &B, stream: &B::Stream) -> Result<(), B::Error> {
+        let Some(&s) = self.stream_slots.get(stream) else { return Ok(()) };
+        let st = &self.streams[s];
+        if st.has_free_blocks() && st.seq > st.recorded {
+            self.record(b, s)?;
+        }
+        // Frees filed on the stream after this point would be covered by no record; nothing files
+        // any: its cache was given back before this call.
+        self.stream_slots.remove(stream);
+        self.streams[s].key = None;
+        self.maybe_reap(s);
+        Ok(())
+    }
+
+    /// Drops the state of every forgotten stream that holds no free block any more.
+    pub(crate) fn reap_forgotten(&mut self) {
+        for s in self.streams.indices() {
+            self.maybe_reap(s);
+        }
+    }
+
+    /// Drops the state of forgotten stream `s` once it holds no free block, listed or in a chunk
+    /// being released (its event goes with it, destroyed when no wait holds it any more).
+    pub(crate) fn maybe_reap(&mut self, s: u32) {
+        if self.streams.get(s).is_some_and(|st| st.key.is_none() && !st.has_free_blocks())
+            && !self.owns_releasing_block(s)
+        {
+            self.streams.remove(s);
+        }
+    }
+
+    /// Whether a chunk being released holds a free block of stream `s`.
+    fn owns_releasing_block(&self, s: u32) -> bool {
+        self.chunks.iter().filter(|(_, c)| c.releasing).any(|(_, c)| {
+            let mut cur = c.first;
+            while cur != NIL {
+                if matches!(self.blocks[cur].state, State::Free { stream, .. } if stream == s) {
+                    return true;
+                }
+                cur = self.blocks[cur].next;
+            }
+            false
+        })
+    }
+
+    /// What is still out of the arena at teardown, and the chunks that hold it.
+    pub(crate) fn leaked(&self, allocations: usize, bytes: usize) -> Leaked {
+        let mut leaked = Leaked { allocations, bytes, ..Leaked::default() };
+        for (_, c) in self.chunks.iter() {
+            leaked.chunks += 1;
+            leaked.chunk_bytes += c.size;
+        }
+        leaked
+    }
+
+    /// Drops every stream state that holds no free block, forgotten or not (teardown: the events
+    /// go with them).
+    pub(crate) fn forget_idle_streams(&mut self) {
+        for s in self.streams.indices() {
+            if !self.streams[s].has_free_blocks() && !self.owns_releasing_block(s) {
+                let st = self.streams.remove(s).expect("listed above");
+                if let Some(key) = st.key {
+                    self.stream_slots.remove(&key);
+                }
+            }
+        }
+    }
+}

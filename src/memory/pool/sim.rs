@@ -1,0 +1,214 @@
+//! [`SimulatedPool`]: the pool's bookkeeping on an emulated device, with no GPU and no driver. It
+//! makes the same decisions as [`StreamOrderedPool`](crate::memory::StreamOrderedPool) (same code),
+//! so that allocation traces can be replayed anywhere: their memory use checked in CI, and
+//! configurations compared.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+use super::arena::Arena;
+use super::backend::Backend;
+use super::cache::Cache;
+use super::config::PoolConfig;
+use super::error::PoolError;
+use super::stats::PoolStats;
+use super::{Host, round_up};
+use crate::error::{Error, Result};
+
+/// The emulated device: memory up to a limit, and streams with no work queued, so that every event
+/// is complete as soon as it is recorded.
+#[derive(Debug)]
+pub(crate) struct SimDevice {
+    limit: usize,
+    reserved: Cell<usize>,
+    next: Cell<u64>,
+}
+
+/// Out of emulated memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SimOom;
+
+impl Backend for SimDevice {
+    type Stream = usize;
+    type Event = ();
+    type Error = SimOom;
+
+    fn alloc_chunk(&self, bytes: usize) -> Result<u64, SimOom> {
+        if self.limit - self.reserved.get() < bytes {
+            return Err(SimOom);
+        }
+        self.reserved.set(self.reserved.get() + bytes);
+        let ptr = self.next.get();
+        // Chunks are never adjacent, and aligned as the driver's are.
+        self.next.set(ptr + round_up(bytes, 1 << 21).unwrap_or(bytes) as u64 + (1 << 21));
+        Ok(ptr)
+    }
+
+    fn free_chunk(&self, _ptr: u64, bytes: usize) -> Result<(), SimOom> {
+        self.reserved.set(self.reserved.get() - bytes);
+        Ok(())
+    }
+
+    fn free_memory(&self) -> Option<usize> {
+        (self.limit != usize::MAX).then(|| self.limit - self.reserved.get())
+    }
+
+    fn is_out_of_memory(&self, _err: &SimOom) -> bool {
+        true
+    }
+
+    fn create_event(&self) -> Result<(), SimOom> {
+        Ok(())
+    }
+
+    fn record(&self, _event: &(), _stream: &usize) -> Result<(), SimOom> {
+        Ok(())
+    }
+
+    fn wait(&self, _waiter: &usize, _event: &()) -> Result<(), SimOom> {
+        Ok(())
+    }
+
+    fn synchronize(&self, _event: &()) -> Result<(), SimOom> {
+        Ok(())
+    }
+
+    fn query(&self, _event: &()) -> Result<bool, SimOom> {
+        Ok(true)
+    }
+}
+
+/// The pool's state on the emulated device.
+struct SimHost {
+    device: SimDevice,
+    arena: RefCell<Arena<SimDevice>>,
+    caches: RefCell<HashMap<usize, Cache>>,
+}
+
+impl Host for SimHost {
+    type B = SimDevice;
+
+    fn backend(&self) -> &SimDevice {
+        &self.device
+    }
+
+    fn arena<R>(&self, f: impl FnOnce(&mut Arena<SimDevice>) -> R) -> R {
+        f(&mut self.arena.borrow_mut())
+    }
+
+    fn cache<R>(&self, stream: &usize, f: impl FnOnce(&mut Cache) -> R) -> R {
+        let mut caches = self.caches.borrow_mut();
+        let cache = caches.entry(*stream).or_insert_with(|| Cache::new(self.arena(|a| a.register(stream))));
+        f(cache)
+    }
+
+    fn existing_cache<R>(&self, stream: &usize, f: impl FnOnce(&mut Cache) -> R) -> Option<R> {
+        self.caches.borrow_mut().get_mut(stream).map(f)
+    }
+}
+
+/// A stream-ordered pool on an emulated device: the bookkeeping of
+/// [`StreamOrderedPool`](crate::memory::StreamOrderedPool), with no GPU and no driver. Streams are
+/// numbers; the device's memory may be limited; the emulated GPU has no work queued, so frees
+/// complete at once.
+///
+/// It answers what the real pool would reserve for a sequence of allocations and frees (for
+/// example a trace recorded from a framework), and whether it fits in a given amount of memory.
+///
+/// ```
+/// use cudrv::memory::{PoolConfig, SimulatedPool};
+/// let pool = SimulatedPool::new(PoolConfig::default(), Some(1 << 30));
+/// let a = pool.allocate(300 << 20, 0)?;
+/// let b = pool.allocate(300 << 20, 1)?;
+/// pool.deallocate(a, 300 << 20, 0)?;
+/// let c = pool.allocate(200 << 20, 1)?; // reuses a's chunk, after an (emulated) event wait
+/// let stats = pool.stats();
+/// assert_eq!(stats.in_use, 500 << 20);
+/// assert!(stats.reserved <= 600 << 20);
+/// assert!(pool.allocate(800 << 20, 0).is_err()); // beyond the 1 GiB of the emulated device
+/// # let _ = (b, c);
+/// # Ok::<(), cudrv::Error>(())
+/// ```
+pub struct SimulatedPool {
+    host: SimHost,
+}
+
+impl std::fmt::Debug for SimulatedPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimulatedPool").field("stats", &self.stats()).finish()
+    }
+}
+
+impl SimulatedPool {
+    /// An empty pool with `config` on an emulated device with `memory_limit` bytes (`None`: no
+    /// limit).
+    pub fn new(config: PoolConfig, memory_limit: Option<usize>) -> SimulatedPool {
+        SimulatedPool {
+            host: SimHost {
+                device: SimDevice {
+                    limit: memory_limit.unwrap_or(usize::MAX),
+                    reserved: Cell::new(0),
+                    next: Cell::new(1 << 40),
+                },
+                arena: RefCell::new(Arena::new(config)),
+                caches: RefCell::new(HashMap::new()),
+            },
+        }
+    }
+
+    /// Allocates `bytes` on stream `stream`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the emulated device cannot hold it, also after the pool
+    /// released what it caches; [`Error::InvalidArgument`] for a request above the largest the
+    /// pool accepts.
+    pub fn allocate(&self, bytes: usize, stream: usize) -> Result<u64> {
+        super::allocate(&self.host, bytes, &stream).map_err(|e| self.error(e))
+    }
+
+    /// Frees `ptr` (of `bytes` bytes) on stream `stream`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a pointer that is not a live allocation of this size.
+    pub fn deallocate(&self, ptr: u64, bytes: usize, stream: usize) -> Result<()> {
+        super::deallocate(&self.host, ptr, bytes, &stream).map_err(|e| self.error(e))
+    }
+
+    /// Gives cached memory back until at most `keep_bytes` are reserved.
+    pub fn trim(&self, keep_bytes: usize) {
+        let _ = super::trim_to(&self.host, keep_bytes);
+    }
+
+    /// The pool's figures.
+    pub fn stats(&self) -> PoolStats {
+        super::stats(&self.host)
+    }
+
+    /// Resets the high-water marks to the current values.
+    pub fn reset_peaks(&self) {
+        super::reset_peaks(&self.host);
+    }
+
+    /// The chunks and their free blocks, for tests that explain a decision.
+    #[cfg(test)]
+    pub(crate) fn describe(&self) -> String {
+        self.host.arena(|a| a.describe())
+    }
+
+    fn error(&self, e: PoolError<SimOom>) -> Error {
+        match e {
+            PoolError::OutOfMemory { requested, reserved, in_use } => {
+                Error::OutOfMemory { requested, device: 0, resource: "SimulatedPool", reserved, in_use }
+            }
+            PoolError::TooLarge { requested } => {
+                Error::InvalidArgument(format!("an allocation of {requested} bytes is too large"))
+            }
+            PoolError::InvalidFree { ptr, bytes } => Error::InvalidArgument(format!(
+                "{ptr:#x} with {bytes} bytes is not a live allocation of this SimulatedPool"
+            )),
+            PoolError::Backend(SimOom) => {
+                Error::OutOfMemory { requested: 0, device: 0, resource: "SimulatedPool", reserved: 0, in_use: 0 }
+            }
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! A mock device in logical time. Every operation on a stream ticks its clock; events carry the
+//! clock of their record; GPU waits and host synchronisations join clocks. It checks that memory
+//! is reused only when ordered after its last free, freed to the driver only when the host has
+//! seen it free, and that no blocking call is made while the pool's arena is locked.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::super::backend::Backend;
+use super::IN_ARENA;
+
+/// A mock stream: an index into the mock's streams.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) struct S(pub(super) usize);
+
+/// Mock errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum MockErr {
+    Oom,
+    Injected,
+}
+
+impl fmt::Display for MockErr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// Which backend call to fail once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Call {
+    Alloc,
+    Free,
+    Create,
+    Record,
+    Wait,
+    Sync,
+    Query,
+}
+
+/// A vector clock: entry `i` is how far stream `i`'s work is known to be ordered before.
+type Clock = Vec<u64>;
+
+fn join(into: &mut Clock, from: &Clock) {
+    if into.len() < from.len() {
+        into.resize(from.len(), 0);
+    }
+    for (a, b) in into.iter_mut().zip(from) {
+        *a = (*a).max(*b);
+    }
+}
+
+fn at(c: &Clock, i: usize) -> u64 {
+    c.get(i).copied().unwrap_or(0)
+}
+
+/// The mock's state, shared with its events.
+pub(super) struct State {
+    pub(super) capacity: usize,
+    reserved: usize,
+    next_ptr: u64,
+    chunks: BTreeMap<u64, usize>,
+    pub(super) chunk_allocs: u64,
+    pub(super) chunk_frees: u64,
+    clocks: Vec<Clock>,
+    destroyed: Vec<bool>,
+    host: Clock,
+    /// Per event: `None` never recorded, else the clock and `now` at its record.
+    events: Vec<Option<(Clock, u64)>>,
+    pub(super) live_events: usize,
+    /// Host time, advanced by tests.
+    pub(super) now: u64,
+    /// An event completes (for `query`) this long after its record; `None`: never.
+    pub(super) query_lag: Option<u64>,
+    pub(super) calls: u64,
+    pub(super) records: u64,
+    pub(super) waits: u64,
+    pub(super) syncs: u64,
+    pub(super) queries: u64,
+    pub(super) fail: Option<Call>,
+    /// Whether to keep and check free records (off for trace replays, for speed).
+    pub(super) check: bool,
+    /// Live allocations: ptr -> (bytes, stream).
+    live: BTreeMap<u64, (usize, usize)>,
+    /// Past frees: (ptr, bytes, stream, time on that stream).
+    frees: Vec<(u64, usize, usize, u64)>,
+}
+
+/// The mock device (a handle to its shared state).
+#[derive(Clone)]
+pub(super) struct Mock(Arc<Mutex<State>>);
+
+/// An event of the mock; the last clone destroys it.
+pub(super) struct MockEvent {
+    id: usize,
+    st: Arc<Mutex<State>>,
+}
+
+impl Drop for MockEvent {
+    fn drop(&mut self) {
+        let mut st = self.st.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        st.events[self.id] = None;
+        st.live_events -= 1;
+    }
+}
+
+impl Mock {
+    pub(super) fn new(streams: usize) -> Mock {
+        Mock(Arc::new(Mutex::new(State {
+            capacity: usize::MAX,
+            reserved: 0,
+            next_ptr: 1 << 30,
+            chunks: BTreeMap::new(),
+            chunk_allocs: 0,
+            chunk_frees: 0,
+            clocks: vec![Clock::new(); streams],
+            destroyed: vec![false; streams],
+            host: Clock::new(),
+            events: Vec::new(),
+            live_events: 0,
+            now: 0,
+            query_lag: Some(0),
+            calls: 0,
+            records: 0,
+            waits: 0,
+            syncs: 0,
+            queries: 0,
+            fail: None,
+            check: true,
+            live: BTreeMap::new(),
+            frees: Vec::new(),
+        })))
+    }
+
+    pub(super) fn st(&self) -> MutexGuard<'_, State> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// (event records, GPU waits) so far.
+    pub(super) fn records_waits(&self) -> (u64, u64) {
+        let st = self.st();
+        (st.records, st.waits)
+    }
+
+    pub(super) fn new_stream(&self) -> usize {
+        let mut st = self.st();
+        st.clocks.push(Clock::new());
+        st.destroyed.push(false);
+        st.clocks.len() - 1
+    }
+
+    /// Checks an allocation the pool handed out on stream `s`, then queues its first use there.
+    pub(super) fn allocated(&self, p: u64, bytes: usize, s: usize) {
+        let mut st = self.st();
+        // The first use is queued now: it runs after whatever the host has seen complete.
+        st.tick(s);
+        assert_eq!(p % 256, 0, "misaligned");
+        let end = p + bytes.max(1) as u64;
+        let (&cp, &clen) = st.chunks.range(..=p).next_back().expect("in no chunk");
+        assert!(end <= cp + clen as u64, "allocation beyond its chunk");
+        if let Some((&q, &(n, _))) = st.live.range(..=p).next_back() {
+            assert!(q + n.max(1) as u64 <= p, "overlaps a live allocation");
+        }
+        if let Some((&q, _)) = st.live.range(p..).next() {
+            assert!(end <= q, "overlaps a live allocation");
+        }
+        for &(fp, fl, fs, ft) in &st.frees {
+            if fp < end && p < fp + fl as u64 {
+                assert!(
+                    at(&st.clocks[s], fs) >= ft,
+                    "block {p:#x} reused on stream {s} before its free on stream {fs} (time {ft}) is ordered before it"
+                );
+            }
+        }
+        st.live.insert(p, (bytes, s));
+    }
+
+    /// Issues the free of `p` on stream `s` (after every use); returns its size. A correct user
+    /// orders the freeing stream after every use on the allocating stream: modelled here.
+    pub(super) fn freeing(&self, p: u64, s: usize) -> usize {
+        let mut st = self.st();
+        let (bytes, a) = st.live.remove(&p).expect("freeing a live allocation");
+        if a != s {
+            let c = st.clocks[a].clone();
+            join(&mut st.clocks[s], &c);
+        }
+        let t = st.tick(s);
+        if st.check {
+            st.frees.push((p, bytes.max(1), s, t));
+        }
+        bytes
+    }
+
+    pub(super) fn destroy_stream(&self, s: usize) {
+        self.st().destroyed[s] = true;
+    }
+
+    pub(super) fn is_destroyed(&self, s: usize) -> bool {
+        self.st().destroyed[s]
+    }
+
+    pub(super) fn any_live_stream(&self) -> usize {
+        self.st().destroyed.iter().rposition(|d| !d).expect("a live stream")
+    }
+
+    /// Live allocations: (pointer, bytes, stream).
+    pub(super) fn live(&self) -> Vec<(u64, usize, usize)> {
+        self.st().live.iter().map(|(&p, &(n, s))| (p, n, s)).collect()
+    }
+
+    /// (bytes reserved, chunks held, chunk allocations, chunk frees).
+    pub(super) fn chunk_figures(&self) -> (usize, usize, u64, u64) {
+        let st = self.st();
+        (st.reserved, st.chunks.len(), st.chunk_allocs, st.chunk_frees)
+    }
+
+    pub(super) fn live_allocations(&self) -> Vec<(u64, usize)> {
+        self.st().live.iter().map(|(&p, &(_, s))| (p, s)).collect()
+    }
+
+    /// Everything given back: no chunk, no event.
+    pub(super) fn assert_clean(&self) {
+        let st = self.st();
+        assert!(st.chunks.is_empty(), "chunks left: {:?}", st.chunks);
+        assert_eq!(st.reserved, 0);
+        assert_eq!(st.live_events, 0, "events left");
+    }
+
+    fn call(&self, which: Call) -> Result<MutexGuard<'_, State>, MockErr> {
+        let mut st = self.st();
+        st.calls += 1;
+        if st.fail == Some(which) {
+            st.fail = None;
+            return Err(MockErr::Injected);
+        }
+        Ok(st)
+    }
+}
+
+impl State {
+    /// Enqueues one operation on stream `s`; returns its time there.
+    fn tick(&mut self, s: usize) -> u64 {
+        assert!(!self.destroyed[s], "operation on destroyed stream {s}");
+        let host = self.host.clone();
+        let c = &mut self.clocks[s];
+        join(c, &host);
+        if c.len() <= s {
+            c.resize(s + 1, 0);
+        }
+        c[s] += 1;
+        c[s]
+    }
+
+    fn event_clock(&self, ev: &MockEvent) -> &(Clock, u64) {
+        self.events[ev.id].as_ref().expect("use of a never-recorded event")
+    }
+}
+
+fn assert_no_lock(what: &str) {
+    assert!(!IN_ARENA.with(|f| f.get()), "{what} called while the arena is locked");
+}
+
+impl Backend for Mock {
+    type Stream = S;
+    type Event = Arc<MockEvent>;
+    type Error = MockErr;
+
+    fn alloc_chunk(&self, bytes: usize) -> Result<u64, MockErr> {
+        let mut st = self.call(Call::Alloc)?;
+        assert!(bytes > 0);
+        if st.capacity - st.reserved < bytes {
+            return Err(MockErr::Oom);
+        }
+        let p = st.next_ptr;
+        // Leave a gap, so that chunks are never adjacent.
+        st.next_ptr += bytes.next_multiple_of(1 << 21) as u64 + (1 << 21);
+        st.chunks.insert(p, bytes);
+        st.reserved += bytes;
+        st.chunk_allocs += 1;
+        Ok(p)
+    }
+
+    fn free_chunk(&self, ptr: u64, bytes: usize) -> Result<(), MockErr> {
+        assert_no_lock("free_chunk");
+        let mut st = self.call(Call::Free)?;
+        assert_eq!(st.chunks.remove(&ptr), Some(bytes), "bad or double chunk free");
+        let end = ptr + bytes as u64;
+        assert!(st.live.range(ptr..end).next().is_none(), "chunk freed with a live allocation");
+        for &(fp, _, fs, ft) in &st.frees {
+            if (ptr..end).contains(&fp) {
+                assert!(at(&st.host, fs) >= ft, "chunk freed before the host saw its frees");
+            }
+        }
+        st.frees.retain(|&(fp, ..)| !(ptr..end).contains(&fp));
+        st.reserved -= bytes;
+        st.chunk_frees += 1;
+        Ok(())
+    }
+
+    fn free_memory(&self) -> Option<usize> {
+        let st = self.st();
+        (st.capacity != usize::MAX).then(|| st.capacity - st.reserved)
+    }
+
+    fn is_out_of_memory(&self, err: &MockErr) -> bool {
+        *err == MockErr::Oom
+    }
+
+    fn create_event(&self) -> Result<Arc<MockEvent>, MockErr> {
+        let mut st = self.call(Call::Create)?;
+        st.events.push(None);
+        st.live_events += 1;
+        let id = st.events.len() - 1;
+        Ok(Arc::new(MockEvent { id, st: self.0.clone() }))
+    }
+
+    fn record(&self, ev: &Arc<MockEvent>, on: &S) -> Result<(), MockErr> {
+        let mut st = self.call(Call::Record)?;
+        st.tick(on.0);
+        let c = st.clocks[on.0].clone();
+        let now = st.now;
+        st.events[ev.id] = Some((c, now));
+        st.records += 1;
+        Ok(())
+    }
+
+    fn wait(&self, waiter: &S, ev: &Arc<MockEvent>) -> Result<(), MockErr> {
+        let mut st = self.call(Call::Wait)?;
+        let c = st.event_clock(ev).0.clone();
+        st.tick(waiter.0);
+        join(&mut st.clocks[waiter.0], &c);
+        st.waits += 1;
+        Ok(())
+    }
+
+    fn synchronize(&self, ev: &Arc<MockEvent>) -> Result<(), MockErr> {
+        assert_no_lock("synchronize");
+        let mut st = self.call(Call::Sync)?;
+        let c = st.event_clock(ev).0.clone();
+        join(&mut st.host, &c);
+        st.syncs += 1;
+        Ok(())
+    }
+
+    fn query(&self, ev: &Arc<MockEvent>) -> Result<bool, MockErr> {
+        let mut st = self.call(Call::Query)?;
+        let (c, at) = st.event_clock(ev).clone();
+        st.queries += 1;
+        let done = st.query_lag.is_some_and(|lag| st.now >= at + lag);
+        if done {
+            join(&mut st.host, &c);
+        }
+        Ok(done)
+    }
+}

@@ -1,0 +1,228 @@
+//! Tests of the pool's bookkeeping: a mock device that checks stream ordering in logical time, a
+//! harness that runs the pool on it (with threads where a test wants them), unit tests, property
+//! tests, and trace replays.
+
+mod mock;
+mod props;
+mod traces;
+mod unit;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use super::arena::Arena;
+use super::blocks::{NIL, State};
+use super::cache::Cache;
+use super::config::PoolConfig;
+use super::error::PoolError;
+use super::stats::PoolStats;
+use super::{Host, allocate, deallocate, retire, stats};
+use mock::{Mock, MockErr, S};
+
+const MIB: usize = 1 << 20;
+
+thread_local! {
+    /// Whether this thread holds the harness's arena lock: the mock's blocking calls assert not.
+    static IN_ARENA: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The pool on the mock device, with per-stream caches behind their own locks as in
+/// `StreamOrderedPool`.
+struct Harness {
+    mock: Mock,
+    /// Whether threads share the harness (then figures move under a thread's feet).
+    concurrent: bool,
+    arena: Mutex<Arena<Mock>>,
+    caches: Mutex<HashMap<S, Arc<Mutex<Cache>>>>,
+}
+
+impl Host for Harness {
+    type B = Mock;
+
+    fn backend(&self) -> &Mock {
+        &self.mock
+    }
+
+    fn arena<R>(&self, f: impl FnOnce(&mut Arena<Mock>) -> R) -> R {
+        let mut a = self.arena.lock().unwrap();
+        assert!(!IN_ARENA.with(|f| f.replace(true)), "the arena lock taken twice");
+        let r = f(&mut a);
+        IN_ARENA.with(|f| f.set(false));
+        r
+    }
+
+    fn cache<R>(&self, stream: &S, f: impl FnOnce(&mut Cache) -> R) -> R {
+        assert!(!IN_ARENA.with(|f| f.get()), "a cache taken while holding the arena");
+        let cache = {
+            let mut map = self.caches.lock().unwrap();
+            match map.get(stream) {
+                Some(c) => c.clone(),
+                None => {
+                    let c = Arc::new(Mutex::new(Cache::new(self.arena(|a| a.register(stream)))));
+                    map.insert(stream.clone(), c.clone());
+                    c
+                }
+            }
+        };
+        let mut c = cache.lock().unwrap();
+        f(&mut c)
+    }
+
+    fn existing_cache<R>(&self, stream: &S, f: impl FnOnce(&mut Cache) -> R) -> Option<R> {
+        assert!(!IN_ARENA.with(|f| f.get()), "a cache taken while holding the arena");
+        let cache = self.caches.lock().unwrap().get(stream).cloned()?;
+        let mut c = cache.lock().unwrap();
+        Some(f(&mut c))
+    }
+}
+
+impl Harness {
+    fn new(config: PoolConfig, mock: Mock) -> Self {
+        Harness { mock, concurrent: false, arena: Mutex::new(Arena::new(config)), caches: Mutex::new(HashMap::new()) }
+    }
+
+    /// Allocates on stream `s` and checks the block against every earlier free of its memory.
+    fn alloc(&self, bytes: usize, s: usize) -> Result<u64, PoolError<MockErr>> {
+        let before = self.stats();
+        let r = allocate(self, bytes, &S(s));
+        match &r {
+            Ok(p) => self.mock.allocated(*p, bytes, s),
+            Err(_) if self.concurrent => {}
+            Err(_) => {
+                let after = self.stats();
+                assert_eq!((after.in_use, after.live_allocations), (before.in_use, before.live_allocations));
+            }
+        }
+        r
+    }
+
+    /// Frees `p` on stream `s`: the free is issued (in the mock's time) before the pool learns of
+    /// it, as a real `cuMemFreeAsync` would be.
+    fn free(&self, p: u64, s: usize) {
+        let bytes = self.mock.freeing(p, s);
+        deallocate(self, p, bytes, &S(s)).expect("a valid free");
+    }
+
+    /// The stream's last user lets go of it: its cache goes back to the pool, then the stream is
+    /// destroyed (in the mock).
+    fn retire(&self, s: usize) {
+        if let Some(cache) = self.caches.lock().unwrap().remove(&S(s)) {
+            let cache = Arc::try_unwrap(cache).expect("no other user").into_inner().unwrap();
+            if retire(self, &S(s), cache).is_err() {
+                // The pool could not forget it and still holds it: the stream lives on.
+                return;
+            }
+        }
+        self.mock.destroy_stream(s);
+    }
+
+    fn stats(&self) -> PoolStats {
+        stats(self)
+    }
+
+    /// Frees everything left, tears the pool down and checks that nothing leaked.
+    fn teardown(&self) {
+        let live = self.mock.live_allocations();
+        let alive = self.mock.any_live_stream();
+        for (p, s) in live {
+            let s = if self.mock.is_destroyed(s) { alive } else { s };
+            self.free(p, s);
+        }
+        self.check();
+        let leaked = super::teardown(self).expect("teardown");
+        assert_eq!(leaked.allocations, 0);
+        assert_eq!(leaked.chunks, 0);
+        let st = self.stats();
+        assert_eq!((st.reserved, st.chunks, st.in_use), (0, 0, 0));
+        self.caches.lock().unwrap().clear();
+        self.arena(|a| a.forget_idle_streams());
+        assert_eq!(self.arena(|a| a.streams.len()), 0);
+        self.mock.assert_clean();
+    }
+
+    /// Checks every structural invariant of the arena and the caches.
+    fn check(&self) {
+        let caches: Vec<(S, Arc<Mutex<Cache>>)> =
+            self.caches.lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut cached: BTreeMap<u64, u32> = BTreeMap::new();
+        let mut live: BTreeMap<u64, u32> = BTreeMap::new();
+        for (_, c) in &caches {
+            let c = c.lock().unwrap();
+            let (free, l) = c.contents_for_tests();
+            for (p, blk) in free {
+                assert!(cached.insert(p, blk).is_none(), "a block cached twice");
+            }
+            for (p, blk) in l {
+                assert!(live.insert(p, blk).is_none(), "a block live twice");
+            }
+        }
+        self.arena(|a| {
+            for (&p, l) in &a.orphans {
+                assert!(live.insert(p, l.blk).is_none(), "an orphan also live in a cache");
+            }
+            let (mut reserved, mut out_bytes, mut free_blocks) = (0, 0, 0);
+            for (c, chunk) in a.chunks.iter() {
+                reserved += chunk.size;
+                let (mut cur, mut prev, mut addr, mut out) = (chunk.first, NIL, chunk.ptr, 0);
+                while cur != NIL {
+                    let bl = &a.blocks[cur];
+                    assert_eq!(bl.chunk, c);
+                    assert_eq!(bl.prev, prev);
+                    assert_eq!(bl.ptr, addr);
+                    assert!(bl.size > 0 && bl.size.is_multiple_of(super::GRANULE));
+                    match bl.state {
+                        State::Free { stream, seq } => {
+                            free_blocks += usize::from(!chunk.releasing);
+                            let st = &a.streams[stream];
+                            assert!(seq <= st.seq);
+                            let listed = st.free[bl.kind as usize].get(&(bl.size, bl.ptr));
+                            assert_eq!(listed, if chunk.releasing { None } else { Some(&cur) });
+                            if bl.next != NIL
+                                && let State::Free { stream: s2, .. } = a.blocks[bl.next].state
+                            {
+                                assert_ne!(s2, stream, "adjacent free blocks of one stream");
+                            }
+                        }
+                        State::Out => {
+                            out += 1;
+                            out_bytes += bl.size;
+                            let here = cached.get(&bl.ptr).or(live.get(&bl.ptr));
+                            assert_eq!(here, Some(&cur), "an out block neither cached nor live");
+                        }
+                    }
+                    addr += bl.size as u64;
+                    prev = cur;
+                    cur = bl.next;
+                }
+                assert_eq!(addr, chunk.ptr + chunk.size as u64);
+                assert_eq!(out, chunk.out);
+            }
+            assert_eq!(cached.len() + live.len(), a.chunks.iter().map(|(_, c)| c.out as usize).sum::<usize>());
+            let listed: usize = a.streams.iter().map(|(_, st)| st.free.iter().map(BTreeMap::len).sum::<usize>()).sum();
+            assert_eq!(listed, free_blocks);
+            for (_, st) in a.streams.iter() {
+                assert!(st.completed <= st.recorded && st.recorded <= st.seq);
+                if st.key.is_none() {
+                    assert_eq!(st.recorded, st.seq, "a forgotten stream with uncovered frees");
+                }
+            }
+            for (stream, &s) in &a.stream_slots {
+                assert!(a.streams[s].key.as_ref() == Some(stream));
+            }
+            assert_eq!(a.stats.reserved, reserved);
+            assert_eq!(a.stats.out_bytes, out_bytes);
+            assert_eq!(a.stats.chunks, a.chunks.len());
+            assert!(a.stats.peak_reserved >= a.stats.reserved);
+        });
+        let st = self.stats();
+        assert_eq!(st.live_allocations, live.len());
+        assert_eq!(st.live_allocations, self.mock.live_allocations().len());
+    }
+}
+
+
+/// The default configuration without headroom and size classes, so that unit tests can predict
+/// chunk sizes.
+fn plain() -> PoolConfig {
+    PoolConfig { headroom_percent: None, large_classes_per_octave: 0, ..PoolConfig::default() }
+}

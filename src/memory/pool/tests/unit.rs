@@ -1,0 +1,349 @@
+//! Unit tests of the pool's decisions, on the mock device.
+
+use super::mock::{Call, Mock, MockErr, S};
+use super::*;
+use crate::memory::pool::{GRANULE, MAX_REQUEST, trim_to};
+
+const KIB: usize = 1 << 10;
+
+fn harness(streams: usize) -> Harness {
+    Harness::new(plain(), Mock::new(streams))
+}
+
+#[test]
+fn same_stream_reuse_makes_no_backend_call() {
+    let h = harness(1);
+    let p = h.alloc(1000, 0).unwrap();
+    h.free(p, 0);
+    let calls = h.mock.st().calls;
+    for _ in 0..10 {
+        let q = h.alloc(1000, 0).unwrap();
+        assert_eq!(q, p);
+        h.free(q, 0);
+    }
+    assert_eq!(h.mock.st().calls, calls, "the hot path called the backend");
+    let st = h.stats();
+    assert_eq!((st.cache_hits, st.allocations, st.driver_allocs, st.event_records), (10, 11, 1, 0));
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn deallocate_makes_no_backend_call() {
+    let h = harness(2);
+    let ps: Vec<u64> = (0..8).map(|_| h.alloc(5000, 0).unwrap()).collect();
+    let calls = h.mock.st().calls;
+    for (i, p) in ps.into_iter().enumerate() {
+        h.free(p, i % 2);
+    }
+    assert_eq!(h.mock.st().calls, calls);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn cross_stream_reuse_records_once_and_waits_on_the_gpu() {
+    let h = harness(2);
+    // Fill one small chunk exactly, so that stream 1 cannot grow into its tail.
+    let ps: Vec<u64> = (0..4).map(|_| h.alloc(512 * KIB, 0).unwrap()).collect();
+    for &p in &ps {
+        h.free(p, 0);
+    }
+    let calls = h.mock.st().calls;
+    let q = h.alloc(512 * KIB, 1).unwrap();
+    assert!(ps.contains(&q));
+    {
+        let m = h.mock.st();
+        assert_eq!((m.records, m.waits, m.syncs), (1, 1, 0));
+        assert_eq!(m.calls - calls, 3, "create + record + wait");
+    }
+    let st = h.stats();
+    assert_eq!((st.cross_stream_reuses, st.event_records, st.event_waits, st.driver_allocs), (1, 1, 1, 1));
+    // The one wait covered the whole chunk: the rest comes from the arena with no new event.
+    for _ in 0..3 {
+        h.alloc(512 * KIB, 1).unwrap();
+    }
+    assert_eq!(h.mock.records_waits(), (1, 1));
+    assert_eq!(h.stats().driver_allocs, 1);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn blocks_freed_after_the_record_need_a_new_record() {
+    let h = harness(2);
+    let ps: Vec<u64> = (0..4).map(|_| h.alloc(512 * KIB, 0).unwrap()).collect();
+    h.free(ps[0], 0);
+    h.alloc(512 * KIB, 1).unwrap();
+    assert_eq!(h.mock.records_waits(), (1, 1));
+    // Freed after that record: not covered.
+    h.free(ps[1], 0);
+    h.alloc(512 * KIB, 1).unwrap();
+    assert_eq!(h.mock.records_waits(), (2, 2));
+    assert_eq!(h.stats().events_created, 1, "one reusable event per stream");
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn frees_on_another_stream_are_cached_there() {
+    let h = harness(2);
+    let p = h.alloc(64 * KIB, 0).unwrap();
+    h.free(p, 1); // the user ordered stream 1 after stream 0's uses
+    let calls = h.mock.st().calls;
+    assert_eq!(h.alloc(64 * KIB, 1).unwrap(), p, "stream 1 reuses it from its own cache");
+    assert_eq!(h.mock.st().calls, calls);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn caches_go_back_to_the_arena_before_it_grows() {
+    let h = harness(1);
+    // A medium chunk filled with 4 MiB blocks, freed: cached on stream 0 by size.
+    let ps: Vec<u64> = (0..8).map(|_| h.alloc(4 * MIB, 0).unwrap()).collect();
+    for &p in &ps {
+        h.free(p, 0);
+    }
+    assert_eq!(h.stats().cached, 32 * MIB);
+    // 8 MiB is no cached size: the cache goes back, the blocks merge, and the request fits
+    // without growing.
+    let c = h.alloc(8 * MIB, 0).unwrap();
+    let st = h.stats();
+    assert_eq!((st.driver_allocs, st.cached, st.cache_flushes), (1, 0, 1));
+    assert_eq!(c, ps[0]);
+    h.free(c, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn large_requests_get_chunks_of_their_own() {
+    let h = harness(1);
+    let a = h.alloc(100 * MIB + 1, 0).unwrap();
+    let st = h.stats();
+    assert_eq!((st.reserved, st.chunks), (102 * MIB, 1), "rounded to 2 MiB");
+    let b = h.alloc(17 * MIB, 0).unwrap();
+    assert_eq!(h.stats().reserved, 120 * MIB);
+    let small = h.alloc(100, 0).unwrap();
+    assert_eq!(h.stats().reserved, 122 * MIB, "small requests use small chunks only");
+    for p in [a, b, small] {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn headroom_releases_completed_chunks_and_grows_exactly() {
+    let h = Harness::new(PoolConfig { headroom_percent: Some(10), ..plain() }, Mock::new(1));
+    // A growing tensor, as a KV cache that grows by concatenation: 100, 102, 104 ... MiB.
+    let mut prev = h.alloc(100 * MIB, 0).unwrap();
+    let mut size = 100 * MIB;
+    for _ in 0..20 {
+        let next = h.alloc(size + 2 * MIB, 0).unwrap();
+        h.free(prev, 0);
+        size += 2 * MIB;
+        prev = next;
+        let st = h.stats();
+        let limit = (size + (size - 2 * MIB)) * 11 / 10;
+        assert!(st.reserved <= limit + 2 * MIB, "reserved {} for live {}", st.reserved, size);
+    }
+    assert_eq!(h.mock.st().syncs, 0, "the host never waited");
+    assert!(h.stats().driver_frees > 0);
+    h.free(prev, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn headroom_never_blocks_when_frees_are_not_complete() {
+    let h = Harness::new(PoolConfig { headroom_percent: Some(0), ..plain() }, Mock::new(1));
+    let a = h.alloc(30 * MIB, 0).unwrap();
+    h.free(a, 0);
+    h.mock.st().query_lag = None; // the GPU is busy: nothing completes
+    let b = h.alloc(32 * MIB, 0).unwrap();
+    assert_eq!(h.stats().reserved, 62 * MIB, "it grew rather than wait");
+    assert_eq!(h.mock.st().syncs, 0);
+    h.mock.st().query_lag = Some(0);
+    h.free(b, 0);
+    let c = h.alloc(36 * MIB, 0).unwrap();
+    assert_eq!(h.mock.st().syncs, 0);
+    assert!(h.stats().driver_frees >= 1);
+    assert!(h.stats().reserved <= 36 * MIB + 32 * MIB);
+    h.free(c, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn oom_releases_everything_free_and_retries_exactly() {
+    let h = harness(2);
+    h.mock.st().capacity = 64 * MIB;
+    let a = h.alloc(40 * MIB, 0).unwrap();
+    h.free(a, 1); // cached on stream 1, not covered by any event
+    let b = h.alloc(50 * MIB, 0).unwrap();
+    let st = h.stats();
+    assert_eq!((st.oom_recoveries, st.driver_frees, st.reserved), (1, 1, 50 * MIB));
+    assert!(h.mock.st().syncs > 0, "the host waited (with no lock held) before freeing");
+    h.free(b, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn oom_merges_host_safe_blocks_of_different_streams() {
+    let h = harness(2);
+    h.mock.st().capacity = 36 * MIB;
+    // Two neighbours in a full medium chunk, freed on different streams.
+    let a = h.alloc(4 * MIB, 0).unwrap();
+    let b = h.alloc(4 * MIB, 0).unwrap();
+    let rest: Vec<u64> = (0..3).map(|_| h.alloc(8 * MIB, 0).unwrap()).collect();
+    assert_eq!(h.stats().chunks, 1);
+    h.free(a, 0);
+    h.free(b, 1);
+    let c = h.alloc(8 * MIB, 0).unwrap();
+    assert_eq!(c, a, "the neighbours merged once the host saw both frees complete");
+    for p in rest.into_iter().chain([c]) {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn oom_error_reports_the_figures() {
+    let h = harness(1);
+    h.mock.st().capacity = 10 * MIB;
+    let _a = h.alloc(3 * MIB, 0).unwrap();
+    let reserved = h.stats().reserved;
+    assert_eq!(reserved, 4 * MIB, "the 32 MiB medium chunk did not fit: exactly the request");
+    let e = h.alloc(100 * MIB, 0).unwrap_err();
+    assert_eq!(e, PoolError::OutOfMemory { requested: 100 * MIB, reserved, in_use: 3 * MIB });
+    assert!(e.to_string().contains("104857600 bytes requested"));
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn invalid_frees_change_nothing() {
+    let h = harness(2);
+    let p = h.alloc(1000, 0).unwrap();
+    let before = h.stats();
+    for (ptr, bytes, s) in [(p + 512, 1000, 0), (p, 999, 0), (p, 1024, 1), (12345, 1, 1)] {
+        assert_eq!(deallocate(&h, ptr, bytes, &S(s)), Err(PoolError::InvalidFree { ptr, bytes }));
+    }
+    assert_eq!(h.stats(), before);
+    h.check();
+    h.free(p, 0);
+    let before = h.stats();
+    assert_eq!(deallocate(&h, p, 1000, &S(0)), Err(PoolError::InvalidFree { ptr: p, bytes: 1000 }), "double free");
+    assert_eq!(h.stats(), before);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn zero_sized_allocations_are_distinct_blocks() {
+    let h = harness(1);
+    let a = h.alloc(0, 0).unwrap();
+    let b = h.alloc(0, 0).unwrap();
+    assert_ne!(a, b);
+    assert_eq!((h.stats().in_use, h.stats().in_use_blocks), (0, 2 * GRANULE));
+    assert_eq!(deallocate(&h, a, 1, &S(0)), Err(PoolError::InvalidFree { ptr: a, bytes: 1 }));
+    h.free(a, 0);
+    h.free(b, 0);
+    h.teardown();
+}
+
+#[test]
+fn too_large_requests_are_refused() {
+    let h = harness(1);
+    for n in [usize::MAX, usize::MAX - 10, MAX_REQUEST + 1] {
+        assert_eq!(h.alloc(n, 0), Err(PoolError::TooLarge { requested: n }));
+    }
+    assert_eq!(h.mock.st().calls, 0);
+    h.mock.st().capacity = 1 << 30;
+    assert!(matches!(h.alloc(MAX_REQUEST, 0), Err(PoolError::OutOfMemory { .. })));
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn trim_releases_whole_free_chunks_waiting_with_no_lock_held() {
+    let h = harness(2);
+    let a = h.alloc(30 * MIB, 0).unwrap();
+    let b = h.alloc(20 * MIB, 1).unwrap();
+    let c = h.alloc(10 * MIB, 0).unwrap();
+    h.free(a, 0);
+    h.free(b, 1);
+    assert_eq!(h.stats().reserved, 60 * MIB, "large requests: chunks of their own");
+    trim_to(&h, 40 * MIB).unwrap();
+    // The smallest free chunk that is enough alone goes: the 20 MiB one.
+    assert_eq!(h.stats().reserved, 40 * MIB);
+    trim_to(&h, 0).unwrap();
+    assert_eq!(h.stats().reserved, 10 * MIB, "the chunk in use stays");
+    assert!(h.mock.st().syncs >= 1);
+    h.check();
+    h.free(c, 0);
+    h.teardown();
+}
+
+#[test]
+fn retired_streams_blocks_are_reused_after_their_event() {
+    let h = harness(3);
+    let ps: Vec<u64> = (0..4).map(|_| h.alloc(512 * KIB, 0).unwrap()).collect();
+    let orphan = h.alloc(4 * MIB, 0).unwrap(); // in a chunk of its own kind
+    for &p in &ps {
+        h.free(p, 0);
+    }
+    h.retire(0);
+    assert_eq!(h.mock.st().records, 1, "one last event covers the retired stream's frees");
+    let q = h.alloc(512 * KIB, 1).unwrap();
+    assert!(ps.contains(&q));
+    assert_eq!(h.mock.st().waits, 1);
+    // A live allocation of the retired stream can still be freed, on another stream.
+    h.free(orphan, 2);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn teardown_reports_live_allocations() {
+    let h = harness(1);
+    let p = h.alloc(3 * MIB, 0).unwrap();
+    let leaked = super::super::teardown(&h).unwrap();
+    assert_eq!((leaked.allocations, leaked.bytes, leaked.chunks), (1, 3 * MIB, 1));
+    h.free(p, 0);
+    h.teardown();
+}
+
+#[test]
+fn backend_errors_leave_the_pool_consistent() {
+    for call in [Call::Alloc, Call::Create, Call::Record, Call::Wait, Call::Sync, Call::Free] {
+        let h = harness(2);
+        h.mock.st().capacity = 8 * MIB;
+        let ps: Vec<u64> = (0..4).map(|_| h.alloc(512 * KIB, 0).unwrap()).collect();
+        for &p in &ps {
+            h.free(p, 0);
+        }
+        h.mock.st().fail = Some(call);
+        // Cross-stream reuse (create, record, wait), growth (alloc), then trim (sync, free).
+        let r = h.alloc(512 * KIB, 1);
+        let big = h.alloc(6 * MIB, 1);
+        let mut failed = r.is_err() || big.is_err();
+        h.check();
+        for x in [r, big].into_iter().flatten() {
+            h.free(x, 1);
+        }
+        failed |= trim_to(&h, 0).is_err();
+        assert!(failed, "{call:?} was injected but nothing failed");
+        assert!(h.mock.st().fail.is_none(), "{call:?} was never called");
+        h.check();
+        // Whatever failed, a second trim gives everything back.
+        trim_to(&h, 0).unwrap();
+        assert_eq!(h.stats().reserved, 0, "{call:?}");
+        h.teardown();
+        let _ = MockErr::Injected;
+    }
+}

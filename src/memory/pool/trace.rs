@@ -1,0 +1,234 @@
+//! [`Trace`]: allocation traces (`op,id,size,stream`), as recorded from frameworks, and their
+//! replay on a [`SimulatedPool`].
+
+use std::collections::HashMap;
+use std::fmt;
+
+use super::config::PoolConfig;
+use super::sim::SimulatedPool;
+
+/// One event of a [`Trace`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceEvent {
+    /// Allocation number `id` of `size` bytes on stream index `stream`.
+    Alloc {
+        /// The allocation's number, unique among live allocations.
+        id: u64,
+        /// Bytes.
+        size: usize,
+        /// Stream index, from 0.
+        stream: usize,
+    },
+    /// Free of allocation `id` on stream index `stream`.
+    Free {
+        /// The allocation's number.
+        id: u64,
+        /// Its bytes, as allocated.
+        size: usize,
+        /// Stream index, from 0.
+        stream: usize,
+    },
+}
+
+/// An allocation trace: the events, in order, of a program's allocations and frees.
+///
+/// The text format is CSV with one event a line, `op,id,size,stream`: `a` allocates `size` bytes
+/// as allocation `id` on stream index `stream`, `f` frees allocation `id`. Lines starting with
+/// `#` are comments; one header line (`op,id,size,stream`) is allowed; empty lines are skipped.
+///
+/// ```
+/// use cudrv::memory::Trace;
+/// let trace = Trace::parse("op,id,size,stream\na,0,1024,0\na,1,4096,1\nf,0,1024,0\n")?;
+/// assert_eq!((trace.events().len(), trace.streams(), trace.peak_live()), (3, 2, 5120));
+/// let err = Trace::parse("a,0,1024,0\nf,7,1024,0\n").unwrap_err();
+/// assert_eq!(err.to_string(), "line 2: free of allocation 7, which is not live");
+/// # Ok::<(), cudrv::memory::TraceError>(())
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Trace {
+    events: Vec<TraceEvent>,
+    streams: usize,
+    peak_live: usize,
+}
+
+/// A line of a trace that cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceError {
+    /// The line's number, from 1.
+    pub line: usize,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}: {}", self.line, self.reason)
+    }
+}
+
+impl std::error::Error for TraceError {}
+
+/// What a replay on a [`SimulatedPool`] measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReplayReport {
+    /// Events replayed (all of them, unless it ran out of memory).
+    pub events: usize,
+    /// The index of the event that ran out of memory, if one did.
+    pub out_of_memory_at: Option<usize>,
+    /// The trace's peak of live bytes.
+    pub peak_live: usize,
+    /// The pool's peak of reserved bytes.
+    pub peak_reserved: usize,
+    /// Chunks allocated from the (emulated) driver.
+    pub driver_allocs: u64,
+    /// Their bytes, summed.
+    pub driver_alloc_bytes: u64,
+    /// Chunks given back to it.
+    pub driver_frees: u64,
+}
+
+impl ReplayReport {
+    /// Peak reserved bytes over the trace's peak live bytes.
+    pub fn ratio(&self) -> f64 {
+        self.peak_reserved as f64 / self.peak_live.max(1) as f64
+    }
+
+    /// An estimate of the time the driver calls of this replay would take on an H200, in
+    /// nanoseconds: each `cuMemAlloc` + `cuMemFree` pair costs about 60 µs plus about 1 µs per MiB
+    /// (measured there; see BENCHMARKS.md).
+    pub fn estimated_driver_ns(&self) -> f64 {
+        self.driver_allocs as f64 * 60_000.0 + self.driver_alloc_bytes as f64 / (1 << 20) as f64 * 1_000.0
+    }
+}
+
+impl Trace {
+    /// Reads a trace from its text.
+    ///
+    /// # Errors
+    /// [`TraceError`] naming the first line that is malformed, allocates an id that is live, or
+    /// frees an id that is not live (or with another size).
+    pub fn parse(text: &str) -> Result<Trace, TraceError> {
+        let mut trace = Trace::default();
+        let mut live: HashMap<u64, usize> = HashMap::new();
+        let (mut now, mut header_seen, mut data_seen) = (0usize, false, false);
+        for (i, raw) in text.lines().enumerate() {
+            let line = raw.trim();
+            let n = i + 1;
+            let bad = |reason: String| TraceError { line: n, reason };
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            if line.replace(' ', "") == "op,id,size,stream" {
+                if header_seen || data_seen {
+                    return Err(bad("a header after the start of the trace".into()));
+                }
+                header_seen = true;
+                continue;
+            }
+            data_seen = true;
+            let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+            let [op, id, size, stream] = fields[..] else {
+                return Err(bad(format!("expected 4 fields `op,id,size,stream`, found {}: {line:?}", fields.len())));
+            };
+            let number = |what: &str, v: &str| {
+                v.parse::<u64>().map_err(|_| bad(format!("{what} {v:?} is not a non-negative integer")))
+            };
+            let id = number("id", id)?;
+            let size = usize::try_from(number("size", size)?).map_err(|_| bad("size too large".into()))?;
+            let stream = usize::try_from(number("stream", stream)?).map_err(|_| bad("stream too large".into()))?;
+            if stream >= 1 << 16 {
+                return Err(bad(format!("stream index {stream} is too large (at most 65535)")));
+            }
+            trace.streams = trace.streams.max(stream + 1);
+            match op {
+                "a" => {
+                    if live.insert(id, size).is_some() {
+                        return Err(bad(format!("allocation {id} is allocated again while live")));
+                    }
+                    now = now.checked_add(size).ok_or_else(|| bad("live bytes overflow".into()))?;
+                    trace.peak_live = trace.peak_live.max(now);
+                    trace.events.push(TraceEvent::Alloc { id, size, stream });
+                }
+                "f" => {
+                    match live.remove(&id) {
+                        None => return Err(bad(format!("free of allocation {id}, which is not live"))),
+                        Some(s) if s != size => {
+                            return Err(bad(format!("free of allocation {id} with {size} bytes; it has {s}")));
+                        }
+                        Some(_) => {}
+                    }
+                    now -= size;
+                    trace.events.push(TraceEvent::Free { id, size, stream });
+                }
+                other => return Err(bad(format!("unknown op {other:?} (expected `a` or `f`)"))),
+            }
+        }
+        Ok(trace)
+    }
+
+    /// The events, in order.
+    pub fn events(&self) -> &[TraceEvent] {
+        &self.events
+    }
+
+    /// The number of streams (the largest stream index plus one).
+    pub fn streams(&self) -> usize {
+        self.streams
+    }
+
+    /// The most bytes live at once.
+    pub fn peak_live(&self) -> usize {
+        self.peak_live
+    }
+
+    /// Replays the trace on a new [`SimulatedPool`] with `config` on an emulated device of
+    /// `memory_limit` bytes (`None`: no limit): see [`Trace::replay_on`].
+    pub fn replay_simulated(&self, config: PoolConfig, memory_limit: Option<usize>) -> ReplayReport {
+        self.replay_on(&SimulatedPool::new(config, memory_limit))
+    }
+
+    /// Replays the trace on `pool` (again, for a warm replay), and frees what the trace leaves
+    /// live. The report's driver figures count this replay only; its peak reserved is the pool's
+    /// since it was made or its peaks were reset.
+    pub fn replay_on(&self, pool: &SimulatedPool) -> ReplayReport {
+        let before = pool.stats();
+        let mut ptrs: HashMap<u64, (u64, usize, usize)> = HashMap::with_capacity(1024);
+        let mut report = ReplayReport {
+            events: 0,
+            out_of_memory_at: None,
+            peak_live: self.peak_live,
+            peak_reserved: 0,
+            driver_allocs: 0,
+            driver_alloc_bytes: 0,
+            driver_frees: 0,
+        };
+        for (i, ev) in self.events.iter().enumerate() {
+            match *ev {
+                TraceEvent::Alloc { id, size, stream } => match pool.allocate(size, stream) {
+                    Ok(p) => {
+                        ptrs.insert(id, (p, size, stream));
+                    }
+                    Err(_) => {
+                        report.out_of_memory_at = Some(i);
+                        break;
+                    }
+                },
+                TraceEvent::Free { id, size, stream } => {
+                    let (p, _, _) = ptrs.remove(&id).expect("a parsed trace frees only live allocations");
+                    pool.deallocate(p, size, stream).expect("a live allocation of the pool");
+                }
+            }
+            report.events = i + 1;
+        }
+        let st = pool.stats();
+        for (_, (p, size, stream)) in ptrs {
+            pool.deallocate(p, size, stream).expect("a live allocation of the pool");
+        }
+        report.peak_reserved = st.peak_reserved;
+        report.driver_allocs = st.driver_allocs - before.driver_allocs;
+        report.driver_alloc_bytes = st.driver_alloc_bytes - before.driver_alloc_bytes;
+        report.driver_frees = st.driver_frees - before.driver_frees;
+        report
+    }
+}
