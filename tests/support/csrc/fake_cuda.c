@@ -9,22 +9,42 @@
  * CONFIGURATION (environment variables, read once, at the first driver call)
  * ==================================================================================================
  *  CUDRV_FAKE_MODE=linux|wddm|tcc      driver model of every device (default linux)
- *  CUDRV_FAKE_DEVICES=wddm,tcc,...     one device per entry, each with its own mode (overrides MODE);
- *                                      a plain number N means N devices of CUDRV_FAKE_MODE (0: cuInit
- *                                      returns CUDA_ERROR_NO_DEVICE). Default: one device. At most 16.
- *  CUDRV_FAKE_MEMORY=<bytes>           device memory per device (default 16 GiB). Reserved bytes
- *                                      (cuMemAlloc, managed memory, pool reservations) count against
- *                                      it; beyond it: CUDA_ERROR_OUT_OF_MEMORY. Backing host memory is
- *                                      allocated lazily (at the first access), so huge sizes are cheap.
- *  CUDRV_FAKE_DELAY_US=<us>            each stream worker sleeps this long before every operation.
- *  CUDRV_FAKE_DRIVER_VERSION=<v>       cuDriverGetVersion (default 13000; 11010 for the legacy build).
+ *  CUDRV_FAKE_DEVICES=<entry>[,<entry>...] | <N>
+ *                                      one device per entry, each with its own mode (overrides MODE).
+ *                                      An entry is <mode>, <mode>-novmm (that device has no virtual
+ *                                      memory management, whatever CUDRV_FAKE_VMM says) or <mode>-vmm
+ *                                      (it has VMM, whatever CUDRV_FAKE_VMM says); spaces around an
+ *                                      entry are ignored. E.g. "linux,tcc-novmm". A plain number N
+ *                                      (0 to 16) means N devices of CUDRV_FAKE_MODE (0: cuInit returns
+ *                                      CUDA_ERROR_NO_DEVICE). Default: one device. At most 16.
+ *  CUDRV_FAKE_VMM=0|1                  virtual memory management on every device (default 1, in every
+ *                                      mode). 0: attribute 102 (VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
+ *                                      reads 0 and the cuMemCreate family returns
+ *                                      CUDA_ERROR_NOT_SUPPORTED (801). See "Virtual memory" below.
+ *  CUDRV_FAKE_MEMORY=<bytes>           device memory per device (default 16 GiB): a decimal, 0x-hex or
+ *                                      0-octal integer. Reserved bytes (cuMemAlloc, managed memory,
+ *                                      pool reservations, cuMemCreate) count against it; beyond it:
+ *                                      CUDA_ERROR_OUT_OF_MEMORY. Backing host memory is allocated
+ *                                      lazily (at the first access), so huge sizes are cheap.
+ *  CUDRV_FAKE_DELAY_US=<us>            each stream worker sleeps this long before every operation
+ *                                      (an integer, as for MEMORY).
+ *  CUDRV_FAKE_DRIVER_VERSION=<v>       cuDriverGetVersion (default 13000; 11010 for the legacy build):
+ *                                      a decimal integer 1000 * major + 10 * minor, 1000 to 999999.
  *                                      cuGetProcAddress serves no function introduced after it.
  *  CUDRV_FAKE_FAIL=<fn>:<n>:<code>[,...]  inject CUresult <code> at the n-th call (1-based) of <fn>;
  *                                      "<n>+" means the n-th and every later call. <fn> matches the
- *                                      exported name (cuMemAlloc_v2) or its base name (cuMemAlloc).
+ *                                      exported name (cuMemAlloc_v2) or its base name (cuMemAlloc), and
+ *                                      must be a function that this library exports. <code> is a
+ *                                      non-zero integer (decimal or 0x-hex). At most 32 entries.
  *                                      Calls are counted per entry, thread-safely; the injected error
  *                                      is returned before any other check, with no side effect.
- *  CUDRV_FAKE_REPORT_ON_EXIT=1         print the leak/violation report to stderr at unload.
+ *  CUDRV_FAKE_REPORT_ON_EXIT=0|1       1: print the leak/violation report to stderr at unload.
+ *
+ *  Strict: an empty variable is the same as an unset one, but any other invalid value, and any
+ *  CUDRV_FAKE_* variable that is not one of the above (or CUDRV_FAKE_CHILD, which cudrv-test-support
+ *  sets in its child processes, or CUDRV_FAKE_CFLAGS, which its build script reads), prints one line
+ *  to stderr naming the variable, its value and what is accepted, and makes cuInit return
+ *  CUDA_ERROR_INVALID_VALUE (1). The rest of the driver then behaves as before cuInit.
  *
  * ==================================================================================================
  * BEHAVIOUR
@@ -39,20 +59,36 @@
  *    managed access 1, pool handle type POSIX_FD); wddm (pools supported, TCC_DRIVER 0, concurrent
  *    managed access 0, pool handle types WIN32|WIN32_KMT, kernel exec timeout 1); tcc
  *    (MEMORY_POOLS_SUPPORTED 0, TCC_DRIVER 1, no pool handle types, concurrent managed access 0,
- *    and every pool entry point returns CUDA_ERROR_NOT_SUPPORTED (801)). Valid attributes that are
- *    not modelled return 0; attribute ids outside [1, CU_DEVICE_ATTRIBUTE_MAX) are INVALID_VALUE.
+ *    and every pool entry point returns CUDA_ERROR_NOT_SUPPORTED (801)). Every mode has virtual memory
+ *    management (attribute 102 reads 1) unless CUDRV_FAKE_VMM=0 or a "-novmm" device entry turns it
+ *    off (102 reads 0, and 110, GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, too). Valid attributes that
+ *    are not modelled return 0; attribute ids outside [1, CU_DEVICE_ATTRIBUTE_MAX) are INVALID_VALUE.
  *  - Device memory lives in host memory at device addresses 0x7f0000000000 + device * 2^40
  *    (512-byte aligned, 2 MiB aligned for >= 2 MiB). Addresses are handed out next-fit (a freed
  *    range is reused as late as possible); a range held by a pool (cached or in use) is never reused.
  *  - Primary contexts are reference counted; the current context is per thread. When the last
  *    reference is released, the context's work is drained and it becomes inactive (its memory is
  *    NOT freed, so leaks stay visible).
- *  - Streams are asynchronous: each stream (and the legacy stream 0x0/0x1 and the per-thread stream
- *    0x2 of each context -- the fake has one "per-thread" stream per context, shared by all threads)
- *    has a worker thread that runs its operations in order. The legacy stream synchronises with
- *    blocking streams as in the real driver. Synchronous APIs (cuMemcpyHtoD_v2, cuMemcpyDtoH_v2,
- *    cuMemcpyDtoD_v2, cuMemsetD8_v2, cuMemsetD32_v2, cuMemcpyPeer) run on the legacy stream and wait
- *    for their own completion. cuMemcpyHtoDAsync from pageable memory snapshots the source at the
+ *  - Streams are asynchronous: each stream (and the legacy stream 0x0/0x1 of each context, and each
+ *    per-thread default stream) has a worker thread that runs its operations in order.
+ *  - Per-thread default streams (CU_STREAM_PER_THREAD, 0x2): as in the real driver, every host thread
+ *    has its own in each context, created at its first use (by any call that takes the handle 0x2
+ *    on that thread), with its own worker: work on different threads' per-thread streams runs
+ *    concurrently and unordered. An event recorded on 0x2, cuStreamWaitEvent(0x2, ...),
+ *    cuStreamSynchronize(0x2) and cuStreamQuery(0x2) mean the calling thread's stream only.
+ *    Per-thread streams are blocking streams (flags 0). When a thread exits, its per-thread streams
+ *    are released as cuStreamDestroy releases a stream: work already queued still runs (later work
+ *    on the legacy stream still waits for it), then the stream is freed (POSIX: a pthread key
+ *    destructor; Windows: DllMain's DLL_THREAD_DETACH). A thread that calls the driver again after
+ *    that (from a later thread-exit destructor) gets a new per-thread stream, which is not reclaimed.
+ *    Per-thread streams are never "live streams" in the report; cudrvFakePerThreadStreams() counts
+ *    those whose thread has not exited.
+ *  - The legacy stream synchronises with blocking streams as in the real driver: an operation on
+ *    the legacy stream waits for all earlier work on every blocking stream of its context (user
+ *    streams created without CU_STREAM_NON_BLOCKING, and every thread's per-thread stream), and an
+ *    operation on any blocking stream waits for all earlier work on the legacy stream.
+ *  - Synchronous APIs (cuMemcpyHtoD_v2, cuMemcpyDtoH_v2, cuMemcpyDtoD_v2, cuMemsetD8_v2,
+ *    cuMemsetD32_v2, cuMemcpyPeer) run on the legacy stream and wait for their own completion. cuMemcpyHtoDAsync from pageable memory snapshots the source at the
  *    call (as the real driver stages it); cuMemcpyDtoHAsync to pageable memory is synchronous (as in
  *    the real driver); pinned memory (cuMemHostAlloc / cuMemHostRegister) is accessed when the copy runs.
  *    cuStreamDestroy lets queued work finish, then releases the stream.
@@ -68,10 +104,35 @@
  *    stream once its free has run (smallest block that fits). On OUT_OF_MEMORY the pool releases its
  *    cached blocks and retries once. Reservations are rounded to 512 bytes (the real driver reserves
  *    2 MiB chunks).
+ *  - Virtual memory management (VMM; where the device has it, see CUDRV_FAKE_VMM): the granularity
+ *    (minimum and recommended) is 2 MiB. cuMemAddressReserve reserves a range of virtual addresses
+ *    in [0x600000000000, 0x700000000000), shared by all devices (size: a non-zero multiple of 2 MiB;
+ *    alignment 0 or a power of two; a free, aligned `addr` hint is honoured; flags 0); it holds no
+ *    memory. cuMemCreate makes a physical allocation on prop->location (type PINNED, location type
+ *    DEVICE, size a non-zero multiple of 2 MiB, requestedHandleTypes within the device's handle
+ *    types: POSIX_FD in linux mode, WIN32|WIN32_KMT otherwise; flags 0): it counts against
+ *    CUDRV_FAKE_MEMORY until it is freed, which happens when its handle has been released (once for
+ *    cuMemCreate, once more for each cuMemRetainAllocationHandle / cuMemImportFromShareableHandle)
+ *    and it is mapped nowhere. cuMemMap (offset 0, flags 0, size a multiple of 2 MiB and at most the
+ *    allocation's size, [ptr, ptr + size) inside one reservation and not mapped yet) maps it; a
+ *    mapping starts with no access for any device, and cuMemSetAccess gives access (PROT_NONE, READ
+ *    or READWRITE, per device, to whole mappings: [ptr, ptr + size) must start at a mapping and be
+ *    fully mapped by mappings that lie inside it; cuMemUnmap takes the same kind of range).
+ *    cuMemAddressFree needs the exact reserved range, with nothing mapped in it. Export/import: the
+ *    shareable handle is a number, not an OS handle (do not close it), that only this process can
+ *    import, while the allocation lives. Without VMM: when no device has it, every function of the
+ *    family returns 801 whatever its arguments; otherwise cuMemCreate and
+ *    cuMemGetAllocationGranularity for a device without it, and cuMemSetAccess naming one, return 801
+ *    (virtual addresses are shared by all devices, as in the real driver). The family: cuMemCreate,
+ *    cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess, cuMemGetAccess, cuMemAddressReserve,
+ *    cuMemAddressFree, cuMemGetAllocationGranularity, cuMemGetAllocationPropertiesFromHandle,
+ *    cuMemExportToShareableHandle, cuMemImportFromShareableHandle, cuMemRetainAllocationHandle.
  *  - Access checking: every memset, memcpy and kernel pointer range is checked against the live
  *    allocations AT THE MOMENT THE OP RUNS on its worker. A range not fully inside one live
- *    allocation (device, pool, managed, cuMemHostAlloc or registered memory) is a violation: it is
- *    recorded (op, address, size, stream) and the op is skipped. The host side of HtoD/DtoH copies
+ *    allocation (device, pool, managed, cuMemHostAlloc or registered memory), or not fully inside
+ *    contiguous VMM mappings that give the op's device the access it needs (read for sources, read
+ *    and write for destinations), is a violation: it is recorded (op, address, size, stream) and the
+ *    op is skipped. So are unmapped and released VMM memory. The host side of HtoD/DtoH copies
  *    is a plain host pointer and is not checked. cuMemFree_v2 frees at once (it does not wait for
  *    queued work), so a queued op that touches the memory is caught as a use after free.
  *  - Modules: cuModuleLoadData(Ex) takes NUL-terminated PTX(-like) text and collects every
@@ -108,7 +169,11 @@
  *    return early for device memory).
  *  - Only the variants listed in PROC_TABLE exist: no 32-bit-size v1 ABIs (cuMemAlloc@2000, ...)
  *    and no _ptds/_ptsz variants (per-thread flags of cuGetProcAddress are accepted and ignored).
- *  - One "per-thread" default stream (0x2) per context, shared by all threads.
+ *  - VMM: cuMemUnmap does not wait for queued work (as cuMemFree_v2 here), so queued work on unmapped
+ *    memory is caught; cuMemAddressFree refuses a range that still has mappings
+ *    (CUDA_ERROR_INVALID_VALUE; the real driver does not document this case); shareable handles are
+ *    numbers that only this process can import, not OS handles; cuMemMap takes only offset 0 (as the
+ *    real driver documents) and no partial cuMemSetAccess / cuMemUnmap of a mapping.
  *  - cuMemFreeAsync also accepts cuMemAlloc memory (freed when the op runs). cuMemFree_v2 of a pool
  *    allocation returns it to its pool at once. Pool reuse is opportunistic across streams once the
  *    free has run; reservations are 512-byte granular.
@@ -116,13 +181,16 @@
  *    visible in the report).
  *  - Kernel launch dimensions are validated but do not change the result (grid-stride semantics).
  *
- * Fake-only exports: cudrvFakeReport, cudrvFakeViolation, cudrvFakeResetViolations, cudrvFakeShutdown.
- * cudrvFakeReport first waits until every stream is idle.
+ * Fake-only exports: cudrvFakeReport, cudrvFakeViolation, cudrvFakeResetViolations, cudrvFakeShutdown,
+ * cudrvFakePerThreadStreams. cudrvFakeReport first waits until every stream is idle. Its
+ * live_allocations also counts VMM physical allocations (until freed, see above, with their bytes)
+ * and address reservations (until cuMemAddressFree; they add no bytes).
  */
 
 #if !defined(_WIN32) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE
 #endif
+#include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -202,6 +270,11 @@ static double fk_now_ms(void) {
 #endif
 #define FK_API FK_EXPORT CUresult CUDAAPI
 #define FK_HIDDEN static FK_UNUSED CUresult CUDAAPI
+#if FK_EXPORT_LIMIT >= 11000
+#define API_11000 FK_API
+#else
+#define API_11000 FK_HIDDEN
+#endif
 #if FK_EXPORT_LIMIT >= 11020
 #define API_11020 FK_API
 #else
@@ -242,7 +315,7 @@ static double fk_now_ms(void) {
 #else
 #define API_13000 FK_HIDDEN
 #endif
-/* Everything else used here predates CUDA 11.0. */
+/* Everything else used here predates CUDA 11.0 (the VMM functions are from 10.2). */
 #define API_OLD FK_API
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -469,7 +542,7 @@ static int vec_remove(fk_vec *a, const void *p) {
 /* ------------------------------------------------------------------------------------------------ */
 /* State                                                                                             */
 /* ------------------------------------------------------------------------------------------------ */
-enum { AK_DEVICE, AK_POOL, AK_MANAGED, AK_HOSTALLOC, AK_REGISTERED };
+enum { AK_DEVICE, AK_POOL, AK_MANAGED, AK_HOSTALLOC, AK_REGISTERED, AK_MAPPED };
 
 /* An address range with its backing host memory. */
 typedef struct fk_block {
@@ -482,15 +555,37 @@ typedef struct fk_block {
 } fk_block;
 
 struct fk_pool;
-/* A live allocation, as the user sees it. */
+struct fk_phys;
+/* A live allocation, as the user sees it; or (AK_MAPPED, in G.mtab) one cuMemMap mapping. */
 typedef struct fk_alloc {
     uint64_t base, size;
     int kind;
     int dev;
     fk_block *blk;
+    uint64_t boff; /* offset of `base` in blk's backing (non-zero only for mappings) */
     struct fk_pool *pool;
     int free_pending;
+    struct fk_phys *phys;                 /* AK_MAPPED: the physical allocation mapped */
+    unsigned char access[FK_MAX_DEVICES]; /* AK_MAPPED: CU_MEM_ACCESS_FLAGS_PROT_* per device */
 } fk_alloc;
+
+/* A VMM physical allocation (cuMemCreate). Its backing is `blk` (dev -1: no device range). */
+typedef struct fk_phys {
+    uint64_t handle; /* the CUmemGenericAllocationHandle, never reused */
+    int dev;
+    uint64_t size;
+    int handle_types;
+    unsigned char alloc_flags[8]; /* CUmemAllocationProp.allocFlags, as given */
+    fk_block *blk;
+    int handle_refs; /* unreleased handles: cuMemCreate, Retain, Import */
+    int maps;        /* mappings */
+    uint64_t shared; /* the shareable handle handed out by cuMemExportToShareableHandle, or 0 */
+} fk_phys;
+
+/* A cuMemAddressReserve range. */
+typedef struct fk_vres {
+    uint64_t base, size;
+} fk_vres;
 
 typedef struct fk_pool {
     uint32_t magic;
@@ -550,6 +645,7 @@ typedef struct fk_stream {
     int destroyed;
     int started;
     int refs;
+    uint64_t thread_no; /* SK_PTDS: which thread's (1, 2, ... in order of first use) */
 } fk_stream;
 
 typedef struct fk_event {
@@ -590,11 +686,12 @@ typedef struct fk_ctx {
     int active;
     unsigned flags;
     unsigned peers; /* bitmask of devices with peer access enabled */
-    fk_stream *legacy, *ptds;
+    fk_stream *legacy;
 } fk_ctx;
 
 typedef struct {
     int mode;
+    int vmm; /* virtual memory management supported */
     uint64_t limit, reserved;
     uint64_t cursor;
     fk_vec ranges; /* fk_block*, sorted by base */
@@ -628,6 +725,13 @@ static struct {
     fk_vec streams;     /* user streams with a live handle */
     fk_vec all_streams; /* every stream struct still alive (for draining) */
     fk_vec events, modules, pools;
+    fk_vec mtab;  /* fk_alloc* (AK_MAPPED), VMM mappings, sorted */
+    fk_vec vres;  /* fk_vres*, address reservations, sorted */
+    fk_vec phys;  /* fk_phys*, live physical allocations */
+    uint64_t vcursor, next_handle, next_shared;
+    uint64_t ptds_threads; /* per-thread streams made so far */
+    uint64_t ptds_live;    /* per-thread streams whose thread has not exited */
+    int config_error;
     char *violations[FK_MAX_VIOLATIONS];
     uint64_t nviolations;
 } G = {.lock = FK_MUTEX_INIT, .cv = FK_COND_INIT};
@@ -637,38 +741,227 @@ static _Thread_local fk_ctx *tl_ctx;
 /* ------------------------------------------------------------------------------------------------ */
 /* Initialisation, entry checks, fault injection                                                     */
 /* ------------------------------------------------------------------------------------------------ */
+static int known_function_name(const char *name);
+
+/* Every CUDRV_FAKE_* variable that may be set. */
+static const char *const KNOWN_VARS[] = {
+    "CUDRV_FAKE_MODE", "CUDRV_FAKE_DEVICES", "CUDRV_FAKE_VMM", "CUDRV_FAKE_MEMORY", "CUDRV_FAKE_DELAY_US",
+    "CUDRV_FAKE_DRIVER_VERSION", "CUDRV_FAKE_FAIL", "CUDRV_FAKE_REPORT_ON_EXIT",
+    /* not read here: cudrv-test-support sets the first in its child processes, and its build
+       script reads the second */
+    "CUDRV_FAKE_CHILD", "CUDRV_FAKE_CFLAGS",
+};
+#define FK_VAR_PREFIX "CUDRV_FAKE_"
+
+/* Reports an invalid configuration variable (lock held): one line on stderr, and cuInit fails. */
+static void config_error(const char *var, const char *value, const char *accepted) {
+    fprintf(stderr,
+            "cudrv fake driver: invalid %s=\"%s\": expected %s (cuInit returns CUDA_ERROR_INVALID_VALUE)\n",
+            var, value, accepted);
+    G.config_error = 1;
+}
+
+/* Exact mode names; -1 if `s` (of `len` bytes) is none. */
 static int parse_mode(const char *s, size_t len) {
-    if (len == 4 && !strncmp(s, "wddm", 4)) return MODE_WDDM;
-    if (len == 3 && !strncmp(s, "tcc", 3)) return MODE_TCC;
-    return MODE_LINUX;
+    int m;
+    for (m = 0; m < (int)(sizeof MODE_NAMES / sizeof MODE_NAMES[0]); m++)
+        if (strlen(MODE_NAMES[m]) == len && !strncmp(s, MODE_NAMES[m], len)) return m;
+    return -1;
+}
+
+/* A whole unsigned integer (decimal, 0x-hex or 0-octal, as strtoull with base 0), no sign, no
+   spaces, no overflow. */
+static int parse_u64(const char *s, uint64_t *out) {
+    char *end;
+    unsigned long long v;
+    if (!(*s >= '0' && *s <= '9')) return 0;
+    errno = 0;
+    v = strtoull(s, &end, 0);
+    if (errno || *end) return 0;
+    *out = (uint64_t)v;
+    return 1;
+}
+
+/* One CUDRV_FAKE_DEVICES entry: <mode>[-novmm|-vmm], spaces around it ignored. vmm: -1 when the
+   entry does not say. */
+static int parse_device_entry(const char *s, size_t len, int *mode, int *vmm) {
+    const char *dash;
+    while (len && *s == ' ') s++, len--;
+    while (len && s[len - 1] == ' ') len--;
+    dash = (const char *)memchr(s, '-', len);
+    *vmm = -1;
+    if (dash) {
+        size_t rest = len - (size_t)(dash - s);
+        if (rest == 6 && !strncmp(dash, "-novmm", 6)) *vmm = 0;
+        else if (rest == 4 && !strncmp(dash, "-vmm", 4)) *vmm = 1;
+        else return 0;
+        len = (size_t)(dash - s);
+    }
+    *mode = parse_mode(s, len);
+    return *mode >= 0;
+}
+
+/* CUDRV_FAKE_FAIL (lock held). Returns 0 if it is invalid (no fault is then injected). */
+static int parse_faults(const char *s) {
+    const char *p = s;
+    for (;;) {
+        fk_fault *f = &G.faults[G.nfaults];
+        size_t len = strcspn(p, ":,");
+        char *end;
+        long code;
+        if (G.nfaults == 32 || len == 0 || len >= sizeof f->name || p[len] != ':') return 0;
+        memcpy(f->name, p, len);
+        f->name[len] = 0;
+        if (!known_function_name(f->name)) return 0;
+        p += len + 1;
+        if (!(*p >= '0' && *p <= '9')) return 0;
+        errno = 0;
+        f->n = strtoull(p, &end, 10);
+        if (errno || f->n < 1) return 0;
+        p = end;
+        f->plus = 0;
+        if (*p == '+') f->plus = 1, p++;
+        if (*p != ':') return 0;
+        p++;
+        if (!((*p >= '0' && *p <= '9') || (*p == '-' && p[1] >= '0' && p[1] <= '9'))) return 0;
+        errno = 0;
+        code = strtol(p, &end, 0);
+        if (errno || code == 0 || code < -2147483647L - 1 || code > 2147483647L) return 0;
+        f->code = (int)code;
+        f->calls = 0;
+        G.nfaults++;
+        p = end;
+        if (*p == 0) return 1;
+        if (*p != ',') return 0;
+        p++;
+    }
+}
+
+static int var_name_is(const char *entry, size_t len, const char *name) {
+#ifdef _WIN32
+    return strlen(name) == len && !_strnicmp(entry, name, len); /* names are case-insensitive */
+#else
+    return strlen(name) == len && !strncmp(entry, name, len);
+#endif
+}
+
+/* Reports every CUDRV_FAKE_* variable of the environment `entry` ("NAME=value") that is not known. */
+static void check_var_name(const char *entry) {
+    size_t len = strcspn(entry, "="), i;
+    if (len < sizeof FK_VAR_PREFIX - 1) return;
+#ifdef _WIN32
+    if (_strnicmp(entry, FK_VAR_PREFIX, sizeof FK_VAR_PREFIX - 1)) return;
+#else
+    if (strncmp(entry, FK_VAR_PREFIX, sizeof FK_VAR_PREFIX - 1)) return;
+#endif
+    for (i = 0; i < sizeof KNOWN_VARS / sizeof KNOWN_VARS[0]; i++)
+        if (var_name_is(entry, len, KNOWN_VARS[i])) return;
+    fprintf(stderr,
+            "cudrv fake driver: unknown variable %.*s=\"%s\": the fake driver reads CUDRV_FAKE_MODE, "
+            "CUDRV_FAKE_DEVICES, CUDRV_FAKE_VMM, CUDRV_FAKE_MEMORY, CUDRV_FAKE_DELAY_US, "
+            "CUDRV_FAKE_DRIVER_VERSION, CUDRV_FAKE_FAIL and CUDRV_FAKE_REPORT_ON_EXIT "
+            "(cuInit returns CUDA_ERROR_INVALID_VALUE)\n",
+            (int)len, entry, entry[len] ? entry + len + 1 : "");
+    G.config_error = 1;
+}
+
+#ifndef _WIN32
+extern char **environ;
+#endif
+static void check_var_names(void) {
+#ifdef _WIN32
+    char *block = GetEnvironmentStringsA(), *e;
+    if (!block) return;
+    for (e = block; *e; e += strlen(e) + 1) check_var_name(e);
+    FreeEnvironmentStringsA(block);
+#else
+    char **e;
+    for (e = environ; e && *e; e++) check_var_name(*e);
+#endif
+}
+
+/* A variable's value; NULL when unset or empty. */
+static const char *env_value(const char *name) {
+    const char *s = getenv(name);
+    return s && *s ? s : NULL;
 }
 
 static void read_env_locked(void) {
     const char *s;
-    int mode = MODE_LINUX, i;
-    uint64_t mem = 16ULL << 30;
+    int mode = MODE_LINUX, vmm = 1, i;
+    uint64_t mem = 16ULL << 30, v;
     if (G.envread) return;
     G.envread = 1;
     G.driver_version = FK_DEFAULT_DRIVER_VERSION;
-    if ((s = getenv("CUDRV_FAKE_MODE")) && *s) mode = parse_mode(s, strlen(s));
-    if ((s = getenv("CUDRV_FAKE_MEMORY")) && *s) mem = strtoull(s, NULL, 0);
-    if ((s = getenv("CUDRV_FAKE_DELAY_US")) && *s) G.delay_us = strtoull(s, NULL, 0);
-    if ((s = getenv("CUDRV_FAKE_DRIVER_VERSION")) && *s) G.driver_version = atoi(s);
-    if ((s = getenv("CUDRV_FAKE_REPORT_ON_EXIT")) && *s == '1') G.report_on_exit = 1;
+    if ((s = env_value("CUDRV_FAKE_MODE"))) {
+        mode = parse_mode(s, strlen(s));
+        if (mode < 0) {
+            config_error("CUDRV_FAKE_MODE", s, "linux, wddm or tcc");
+            mode = MODE_LINUX;
+        }
+    }
+    if ((s = env_value("CUDRV_FAKE_VMM"))) {
+        if (!strcmp(s, "0") || !strcmp(s, "1")) vmm = *s == '1';
+        else config_error("CUDRV_FAKE_VMM", s, "0 (no virtual memory management) or 1 (the default)");
+    }
+    if ((s = env_value("CUDRV_FAKE_MEMORY"))) {
+        if (parse_u64(s, &v)) mem = v;
+        else config_error("CUDRV_FAKE_MEMORY", s, "a number of bytes (decimal, 0x-hex or 0-octal integer)");
+    }
+    if ((s = env_value("CUDRV_FAKE_DELAY_US"))) {
+        if (parse_u64(s, &v)) G.delay_us = v;
+        else config_error("CUDRV_FAKE_DELAY_US", s, "a number of microseconds (decimal, 0x-hex or 0-octal integer)");
+    }
+    if ((s = env_value("CUDRV_FAKE_DRIVER_VERSION"))) {
+        char *end;
+        long ver;
+        errno = 0;
+        ver = (*s >= '0' && *s <= '9') ? strtol(s, &end, 10) : 0;
+        if (ver >= 1000 && ver <= 999999 && !errno && !*end) G.driver_version = (int)ver;
+        else
+            config_error("CUDRV_FAKE_DRIVER_VERSION", s,
+                         "a decimal version 1000 * major + 10 * minor (such as 12080), from 1000 to 999999");
+    }
+    if ((s = env_value("CUDRV_FAKE_REPORT_ON_EXIT"))) {
+        if (!strcmp(s, "0") || !strcmp(s, "1")) G.report_on_exit = *s == '1';
+        else config_error("CUDRV_FAKE_REPORT_ON_EXIT", s, "0 or 1");
+    }
     G.ndev = 1;
-    for (i = 0; i < FK_MAX_DEVICES; i++) G.dev[i].mode = mode;
-    if ((s = getenv("CUDRV_FAKE_DEVICES")) && *s) {
+    for (i = 0; i < FK_MAX_DEVICES; i++) {
+        G.dev[i].mode = mode;
+        G.dev[i].vmm = vmm;
+    }
+    if ((s = env_value("CUDRV_FAKE_DEVICES"))) {
+        static const char accepted[] =
+            "a device count from 0 to 16, or 1 to 16 comma-separated entries <mode>[-novmm|-vmm] with "
+            "<mode> linux, wddm or tcc (such as \"linux,tcc-novmm\")";
         if (*s >= '0' && *s <= '9') {
-            G.ndev = atoi(s);
-            if (G.ndev > FK_MAX_DEVICES) G.ndev = FK_MAX_DEVICES;
+            if (parse_u64(s, &v) && v <= FK_MAX_DEVICES) G.ndev = (int)v;
+            else config_error("CUDRV_FAKE_DEVICES", s, accepted);
         } else {
-            G.ndev = 0;
-            while (*s && G.ndev < FK_MAX_DEVICES) {
-                size_t len = strcspn(s, ",");
-                while (len && (*s == ' ')) s++, len--;
-                G.dev[G.ndev++].mode = parse_mode(s, len);
-                s += len;
-                if (*s == ',') s++;
+            const char *p = s;
+            int n = 0, ok = 1;
+            for (;;) {
+                size_t len = strcspn(p, ",");
+                int m, dv;
+                if (n == FK_MAX_DEVICES || !parse_device_entry(p, len, &m, &dv)) {
+                    ok = 0;
+                    break;
+                }
+                G.dev[n].mode = m;
+                if (dv >= 0) G.dev[n].vmm = dv;
+                n++;
+                p += len;
+                if (!*p) break;
+                p++;
+            }
+            if (ok) G.ndev = n;
+            else {
+                config_error("CUDRV_FAKE_DEVICES", s, accepted);
+                for (i = 0; i < FK_MAX_DEVICES; i++) {
+                    G.dev[i].mode = mode;
+                    G.dev[i].vmm = vmm;
+                }
             }
         }
     }
@@ -676,28 +969,14 @@ static void read_env_locked(void) {
         G.dev[i].limit = mem;
         G.dev[i].cursor = FK_DEV_BASE + (uint64_t)i * FK_DEV_SPAN;
     }
-    if ((s = getenv("CUDRV_FAKE_FAIL")) && *s) {
-        while (*s && G.nfaults < 32) {
-            fk_fault *f = &G.faults[G.nfaults];
-            size_t len = strcspn(s, ":,");
-            char *end;
-            if (len >= sizeof f->name) len = sizeof f->name - 1;
-            memcpy(f->name, s, len);
-            f->name[len] = 0;
-            s += strcspn(s, ":,");
-            if (*s != ':') goto skip;
-            f->n = strtoull(s + 1, &end, 10);
-            s = end;
-            if (*s == '+') f->plus = 1, s++;
-            if (*s != ':') goto skip;
-            f->code = (int)strtol(s + 1, &end, 0);
-            s = end;
-            if (f->n >= 1) G.nfaults++;
-        skip:
-            s += strcspn(s, ",");
-            if (*s == ',') s++;
-        }
+    if ((s = env_value("CUDRV_FAKE_FAIL")) && !parse_faults(s)) {
+        G.nfaults = 0;
+        config_error("CUDRV_FAKE_FAIL", s,
+                     "at most 32 comma-separated entries <function>:<n>[+]:<code>, with <function> an "
+                     "exported driver function (such as cuMemAlloc or cuMemAlloc_v2), <n> >= 1 and <code> "
+                     "a non-zero CUresult");
     }
+    check_var_names();
 }
 
 /* Base name of an exported name: strips a trailing _v<digits>. */
@@ -982,51 +1261,226 @@ static void trim_after_sync_locked(int dev) {
     }
 }
 
-/* Access check + pin of a device-side range at op run time (lock held). Returns the host address. */
-static unsigned char *pin_range_locked(const char *api, const char *what, uint64_t addr, uint64_t len,
-                                       fk_stream *s, fk_block **pinned) {
-    fk_alloc *a = NULL;
-    fk_block *b;
-    char where[64];
-    *pinned = NULL;
-    if (len == 0) return (unsigned char *)(uintptr_t)1; /* nothing accessed */
-    if (s->kind == SK_LEGACY) snprintf(where, sizeof where, "the legacy stream of device %d", s->ctx->dev);
-    else if (s->kind == SK_PTDS) snprintf(where, sizeof where, "the per-thread stream of device %d", s->ctx->dev);
-    else snprintf(where, sizeof where, "stream %p", (void *)s);
-    if (addr + len >= addr) {
-        a = tab_containing(&G.dtab, addr);
-        if (!a || addr + len > a->base + a->size) a = tab_containing(&G.htab, addr);
-        if (a && addr + len > a->base + a->size) a = NULL;
-    }
-    if (!a) {
-        fk_alloc *nearby = tab_containing(&G.dtab, addr);
-        if (!nearby) nearby = tab_containing(&G.htab, addr);
-        if (nearby)
-            add_violation_locked("%s: %s of %" PRIu64  " bytes at 0x%" PRIx64 " on %s overruns the "
-                                 "allocation 0x%" PRIx64 " of %" PRIu64 " bytes",
-                                 api, what, len, addr, where, nearby->base, nearby->size);
-        else
-            add_violation_locked("%s: %s of %" PRIu64  " bytes at 0x%" PRIx64 " on %s is not inside a "
-                                 "live allocation (freed, or never allocated)",
-                                 api, what, len, addr, where);
-        return NULL;
-    }
-    b = a->blk;
-    if (!b->backing) {
-        b->backing = (unsigned char *)calloc(1, (size_t)b->size);
-        if (!b->backing) {
-            add_violation_locked("%s: fake driver could not back %" PRIu64 " bytes with host memory", api,
-                                 b->size);
-            return NULL;
-        }
-    }
-    b->pins++;
-    *pinned = b;
-    return b->backing + (addr - b->base);
+/* The host memory behind a device-side range, as one or more pinned segments (more than one when
+   the range spans several VMM mappings, whose backings are separate). */
+typedef struct {
+    unsigned char *p;
+    uint64_t len;
+    fk_block *blk; /* pinned; NULL for plain host memory */
+} fk_seg;
+typedef struct {
+    fk_seg one;
+    fk_seg *segs; /* &one, or a malloc'd array */
+    size_t n;
+    uint64_t len;
+} fk_view;
+
+static void view_host(fk_view *v, void *p, uint64_t len) {
+    v->one.p = (unsigned char *)p;
+    v->one.len = len;
+    v->one.blk = NULL;
+    v->segs = &v->one;
+    v->n = len ? 1 : 0;
+    v->len = len;
 }
+
+static int back_block_locked(const char *api, fk_block *b) {
+    if (b->backing) return 1;
+    b->backing = (unsigned char *)calloc(1, (size_t)b->size);
+    if (!b->backing)
+        add_violation_locked("%s: fake driver could not back %" PRIu64 " bytes with host memory", api, b->size);
+    return b->backing != NULL;
+}
+
+static void view_push(fk_view *v, unsigned char *p, uint64_t len, fk_block *b) {
+    if (v->n == 1) {
+        fk_seg *a = (fk_seg *)malloc(4 * sizeof *a);
+        if (!a) abort();
+        a[0] = v->one;
+        v->segs = a;
+    } else if (v->n > 1 && (v->n & (v->n - 1)) == 0 && v->n >= 4) {
+        fk_seg *a = (fk_seg *)realloc(v->segs, 2 * v->n * sizeof *a);
+        if (!a) abort();
+        v->segs = a;
+    }
+    v->segs[v->n].p = p;
+    v->segs[v->n].len = len;
+    v->segs[v->n].blk = b;
+    v->n++;
+    v->len += len;
+}
+
 static void unpin_locked(fk_block *b) {
     if (!b) return;
     if (--b->pins == 0 && b->dead) block_free_backing(b);
+}
+static void unpin_view_locked(fk_view *v) {
+    size_t i;
+    for (i = 0; i < v->n; i++) unpin_locked(v->segs[i].blk);
+    if (v->segs != &v->one) free(v->segs);
+    v->segs = &v->one;
+    v->n = 0;
+}
+
+/* Whether mapping `m` gives device `dev` the access `what` needs. */
+static int mapping_allows(const fk_alloc *m, int dev, int write) {
+    int f = m->access[dev];
+    return write ? f == CU_MEM_ACCESS_FLAGS_PROT_READWRITE : (f & CU_MEM_ACCESS_FLAGS_PROT_READ) != 0;
+}
+
+/* Access check + pin of a device-side range at op run time (lock held). Fills *v (empty for len 0)
+   and returns 1, or records a violation and returns 0. */
+static int pin_range_locked(const char *api, const char *what, uint64_t addr, uint64_t len, fk_stream *s,
+                            fk_view *v) {
+    fk_alloc *a = NULL;
+    char where[96];
+    int write = strstr(what, "write") != NULL;
+    view_host(v, NULL, 0);
+    if (len == 0) return 1; /* nothing accessed */
+    if (s->kind == SK_LEGACY) snprintf(where, sizeof where, "the legacy stream of device %d", s->ctx->dev);
+    else if (s->kind == SK_PTDS)
+        snprintf(where, sizeof where, "the per-thread stream of thread #%" PRIu64 " on device %d", s->thread_no,
+                 s->ctx->dev);
+    else snprintf(where, sizeof where, "stream %p", (void *)s);
+    if (addr + len < addr) {
+        add_violation_locked("%s: %s of %" PRIu64 " bytes at 0x%" PRIx64 " on %s wraps around the address space",
+                             api, what, len, addr, where);
+        return 0;
+    }
+    if (tab_containing(&G.mtab, addr)) {
+        /* VMM: contiguous mappings, each giving this device the access needed */
+        uint64_t cur = addr, end = addr + len;
+        while (cur < end) {
+            fk_alloc *m = tab_containing(&G.mtab, cur);
+            uint64_t take;
+            if (!m) {
+                add_violation_locked("%s: %s of %" PRIu64 " bytes at 0x%" PRIx64 " on %s reaches unmapped "
+                                     "virtual memory at 0x%" PRIx64 " (never mapped, or unmapped with cuMemUnmap)",
+                                     api, what, len, addr, where, cur);
+                unpin_view_locked(v);
+                return 0;
+            }
+            if (!mapping_allows(m, s->ctx->dev, write)) {
+                add_violation_locked("%s: %s of %" PRIu64 " bytes at 0x%" PRIx64 " on %s touches the mapping "
+                                     "0x%" PRIx64 " of %" PRIu64 " bytes, to which device %d has no %s access "
+                                     "(cuMemSetAccess)",
+                                     api, what, len, addr, where, m->base, m->size, s->ctx->dev,
+                                     write ? "read-write" : "read");
+                unpin_view_locked(v);
+                return 0;
+            }
+            if (!back_block_locked(api, m->blk)) {
+                unpin_view_locked(v);
+                return 0;
+            }
+            take = (end < m->base + m->size ? end : m->base + m->size) - cur;
+            m->blk->pins++;
+            view_push(v, m->blk->backing + m->boff + (cur - m->base), take, m->blk);
+            cur += take;
+        }
+        return 1;
+    }
+    a = tab_containing(&G.dtab, addr);
+    if (!a || addr + len > a->base + a->size) a = tab_containing(&G.htab, addr);
+    if (a && addr + len > a->base + a->size) a = NULL;
+    if (!a) {
+        fk_alloc *nearby = tab_containing(&G.dtab, addr);
+        size_t i;
+        if (!nearby) nearby = tab_containing(&G.htab, addr);
+        for (i = 0; !nearby && i < G.vres.n; i++) {
+            const fk_vres *r = (const fk_vres *)G.vres.v[i];
+            if (addr >= r->base && addr < r->base + r->size) {
+                add_violation_locked("%s: %s of %" PRIu64 " bytes at 0x%" PRIx64 " on %s is in reserved "
+                                     "virtual memory that is not mapped (never mapped, or unmapped with "
+                                     "cuMemUnmap)",
+                                     api, what, len, addr, where);
+                return 0;
+            }
+        }
+        if (nearby)
+            add_violation_locked("%s: %s of %" PRIu64 " bytes at 0x%" PRIx64 " on %s overruns the "
+                                 "allocation 0x%" PRIx64 " of %" PRIu64 " bytes",
+                                 api, what, len, addr, where, nearby->base, nearby->size);
+        else
+            add_violation_locked("%s: %s of %" PRIu64 " bytes at 0x%" PRIx64 " on %s is not inside a "
+                                 "live allocation (freed, or never allocated)",
+                                 api, what, len, addr, where);
+        return 0;
+    }
+    if (!back_block_locked(api, a->blk)) return 0;
+    a->blk->pins++;
+    view_push(v, a->blk->backing + a->boff + (addr - a->base), len, a->blk);
+    return 1;
+}
+
+/* Copies between a view and a plain buffer: `len` bytes at offset `off` of the view. */
+static void view_read(const fk_view *v, uint64_t off, unsigned char *buf, uint64_t len) {
+    size_t i;
+    for (i = 0; i < v->n && len; i++) {
+        const fk_seg *g = &v->segs[i];
+        uint64_t take;
+        if (off >= g->len) {
+            off -= g->len;
+            continue;
+        }
+        take = g->len - off < len ? g->len - off : len;
+        memmove(buf, g->p + off, (size_t)take);
+        buf += take;
+        len -= take;
+        off = 0;
+    }
+}
+static void view_write(const fk_view *v, uint64_t off, const unsigned char *buf, uint64_t len) {
+    size_t i;
+    for (i = 0; i < v->n && len; i++) {
+        const fk_seg *g = &v->segs[i];
+        uint64_t take;
+        if (off >= g->len) {
+            off -= g->len;
+            continue;
+        }
+        take = g->len - off < len ? g->len - off : len;
+        memmove(g->p + off, buf, (size_t)take);
+        buf += take;
+        len -= take;
+        off = 0;
+    }
+}
+
+/* Copies the whole of `src` into `dst` (same length). */
+static void view_copy(const fk_view *dst, const fk_view *src) {
+    size_t i = 0, j = 0;
+    uint64_t oi = 0, oj = 0;
+    if (dst->n == 1 && src->n == 1) {
+        memmove(dst->segs[0].p, src->segs[0].p, (size_t)dst->len);
+        return;
+    }
+    while (i < dst->n && j < src->n) {
+        const fk_seg *d = &dst->segs[i], *g = &src->segs[j];
+        uint64_t take = d->len - oi < g->len - oj ? d->len - oi : g->len - oj;
+        memmove(d->p + oi, g->p + oj, (size_t)take);
+        oi += take;
+        oj += take;
+        if (oi == d->len) i++, oi = 0;
+        if (oj == g->len) j++, oj = 0;
+    }
+}
+
+/* Fills the view with the repeated `elem`-byte pattern `pat` (byte k of the range is pat[k % elem]). */
+static void view_fill(const fk_view *v, const unsigned char *pat, int elem) {
+    size_t i;
+    uint64_t off = 0;
+    for (i = 0; i < v->n; i++) {
+        const fk_seg *g = &v->segs[i];
+        uint64_t k = 0;
+        if (elem == 1) memset(g->p, pat[0], (size_t)g->len);
+        else {
+            for (; k < g->len && (off + k) % (uint64_t)elem; k++) g->p[k] = pat[(off + k) % (uint64_t)elem];
+            for (; k + (uint64_t)elem <= g->len; k += (uint64_t)elem) memcpy(g->p + k, pat, (size_t)elem);
+            for (; k < g->len; k++) g->p[k] = pat[(off + k) % (uint64_t)elem];
+        }
+        off += g->len;
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -1187,6 +1641,99 @@ static void wait_seq_locked(fk_stream *s, uint64_t seq) {
     while (s->completed < seq) fk_wait(&G.cv, &G.lock);
 }
 
+/* ---- per-thread default streams ---- */
+
+/* The calling thread's per-thread streams, one slot per device (context). Kept in a platform TLS
+   slot (not _Thread_local), whose value the thread-exit hook can clear. */
+typedef struct fk_thread {
+    fk_stream *ptds[FK_MAX_DEVICES];
+} fk_thread;
+
+/* Releases a thread's per-thread streams: queued work still runs, then each is freed. */
+static void thread_exit_hook(void *arg) {
+    fk_thread *t = (fk_thread *)arg;
+    int i;
+    if (!t) return;
+    fk_lock(&G.lock);
+    for (i = 0; i < FK_MAX_DEVICES; i++) {
+        fk_stream *s = t->ptds[i];
+        if (!s) continue;
+        s->destroyed = 1;
+        G.ptds_live--;
+        stream_unref_locked(s);
+    }
+    fk_broadcast(&G.cv);
+    fk_unlock(&G.lock);
+    free(t);
+}
+
+#ifdef _WIN32
+static DWORD g_tls = TLS_OUT_OF_INDEXES;
+static int tls_available(void) { return g_tls != TLS_OUT_OF_INDEXES; }
+static fk_thread *thread_slot(void) { return tls_available() ? (fk_thread *)TlsGetValue(g_tls) : NULL; }
+static void set_thread_slot(fk_thread *t) {
+    if (g_tls != TLS_OUT_OF_INDEXES) TlsSetValue(g_tls, t);
+}
+/* DLL_THREAD_DETACH runs in each exiting thread (not at process exit, where it would race with
+   threads killed while holding G.lock); ExitProcess gives DLL_PROCESS_DETACH instead. */
+BOOL WINAPI DllMain(HINSTANCE inst, DWORD reason, LPVOID reserved);
+BOOL WINAPI DllMain(HINSTANCE inst, DWORD reason, LPVOID reserved) {
+    (void)inst;
+    (void)reserved;
+    if (reason == DLL_PROCESS_ATTACH) g_tls = TlsAlloc();
+    if (reason == DLL_THREAD_DETACH && g_tls != TLS_OUT_OF_INDEXES) {
+        fk_thread *t = (fk_thread *)TlsGetValue(g_tls);
+        if (t) {
+            TlsSetValue(g_tls, NULL);
+            thread_exit_hook(t);
+        }
+    }
+    return TRUE;
+}
+#else
+static pthread_key_t g_tls;
+static int g_tls_ok;
+static pthread_once_t g_tls_once = PTHREAD_ONCE_INIT;
+/* glibc sets the key's value to NULL before it calls the destructor. */
+static void make_tls_key(void) { g_tls_ok = pthread_key_create(&g_tls, thread_exit_hook) == 0; }
+static int tls_available(void) {
+    pthread_once(&g_tls_once, make_tls_key);
+    return g_tls_ok;
+}
+static fk_thread *thread_slot(void) { return tls_available() ? (fk_thread *)pthread_getspecific(g_tls) : NULL; }
+static void set_thread_slot(fk_thread *t) {
+    if (g_tls_ok) pthread_setspecific(g_tls, t);
+}
+/* Exiting threads must not call into an unloaded library. */
+__attribute__((destructor)) static void fk_delete_tls_key(void) {
+    if (g_tls_ok) {
+        g_tls_ok = 0;
+        pthread_key_delete(g_tls);
+    }
+}
+#endif
+
+/* The calling thread's per-thread stream of context `c`, made at its first use (lock held). */
+static fk_stream *per_thread_stream_locked(fk_ctx *c) {
+    fk_thread *t = thread_slot();
+    if (!t && tls_available()) {
+        t = (fk_thread *)calloc(1, sizeof *t);
+        if (!t) abort();
+        set_thread_slot(t);
+    } else if (!t) {
+        /* no TLS slot could be made: one table per thread, never reclaimed */
+        static _Thread_local fk_thread fallback;
+        t = &fallback;
+    }
+    if (!t->ptds[c->dev]) {
+        fk_stream *s = new_stream_locked(c, 0, 0, SK_PTDS);
+        s->thread_no = ++G.ptds_threads;
+        G.ptds_live++;
+        t->ptds[c->dev] = s;
+    }
+    return t->ptds[c->dev];
+}
+
 /* Resolves a stream handle (lock held). */
 static CUresult get_stream_locked(CUstream h, fk_stream **out) {
     uintptr_t v = (uintptr_t)h;
@@ -1194,7 +1741,7 @@ static CUresult get_stream_locked(CUstream h, fk_stream **out) {
         fk_ctx *c;
         CUresult r = cur_ctx_locked(&c);
         if (r) return r;
-        *out = v == 2 ? c->ptds : c->legacy;
+        *out = v == 2 ? per_thread_stream_locked(c) : c->legacy;
         return CUDA_SUCCESS;
     }
     if (vec_find(&G.streams, h) < 0) return CUDA_ERROR_INVALID_HANDLE;
@@ -1238,39 +1785,39 @@ static void drain_all_locked(void) {
 /* Op execution                                                                                       */
 /* ------------------------------------------------------------------------------------------------ */
 static void run_data_op(fk_op *op, fk_stream *s) {
-    fk_block *b1 = NULL, *b2 = NULL;
-    unsigned char *d = NULL;
-    const unsigned char *src = NULL;
+    fk_view d, src;
     uint64_t bytes = (uint64_t)op->count * (uint64_t)op->elem;
     int ok = 1;
+    view_host(&d, NULL, 0);
+    view_host(&src, NULL, 0);
     fk_lock(&G.lock);
     if (op->kind == OP_MEMSET) {
-        d = pin_range_locked(op->api, "write", op->dst, bytes, s, &b1);
-        ok = d != NULL;
+        ok = pin_range_locked(op->api, "write", op->dst, bytes, s, &d);
     } else {
-        if (op->cpkind == CP_DTOH) d = (unsigned char *)(uintptr_t)op->dst;
-        else d = pin_range_locked(op->api, "write", op->dst, bytes, s, &b1);
-        if (op->cpkind == CP_HTOD) src = (const unsigned char *)(uintptr_t)op->src;
-        else src = pin_range_locked(op->api, "read", op->src, bytes, s, &b2);
-        ok = d && src;
+        if (op->cpkind == CP_DTOH) view_host(&d, (void *)(uintptr_t)op->dst, bytes);
+        else ok = pin_range_locked(op->api, "write", op->dst, bytes, s, &d);
+        if (!ok) {
+        } else if (op->cpkind == CP_HTOD) view_host(&src, (void *)(uintptr_t)op->src, bytes);
+        else ok = pin_range_locked(op->api, "read", op->src, bytes, s, &src);
     }
     fk_unlock(&G.lock);
     if (ok && bytes) {
         if (op->kind == OP_MEMSET) {
-            size_t i;
-            if (op->elem == 1) memset(d, (int)(op->value & 0xff), (size_t)bytes);
-            else if (op->elem == 2) {
+            unsigned char pat[4];
+            if (op->elem == 2) {
                 uint16_t v16 = (uint16_t)op->value;
-                for (i = 0; i < op->count; i++) memcpy(d + i * 2, &v16, 2);
-            } else
-                for (i = 0; i < op->count; i++) memcpy(d + i * 4, &op->value, 4);
+                memcpy(pat, &v16, 2);
+            } else {
+                memcpy(pat, &op->value, 4);
+            }
+            view_fill(&d, pat, op->elem);
         } else {
-            memmove(d, src, (size_t)bytes);
+            view_copy(&d, &src);
         }
     }
     fk_lock(&G.lock);
-    unpin_locked(b1);
-    unpin_locked(b2);
+    unpin_view_locked(&d);
+    unpin_view_locked(&src);
     fk_unlock(&G.lock);
 }
 
@@ -1289,11 +1836,11 @@ static const struct {
 };
 
 static void run_kernel(fk_op *op, fk_stream *s) {
-    fk_block *b[3] = {NULL, NULL, NULL};
-    unsigned char *p[3] = {NULL, NULL, NULL};
+    fk_view v[3];
     const char *api = op->api;
     uint64_t n, i;
     int ok = 1, k;
+    for (k = 0; k < 3; k++) view_host(&v[k], NULL, 0);
     switch (op->kernel) {
     case K_EMPTY:
         return;
@@ -1303,43 +1850,53 @@ static void run_kernel(fk_op *op, fk_stream *s) {
     case K_FILL_U32:
         n = op->kp[2];
         fk_lock(&G.lock);
-        p[0] = pin_range_locked(api, "kernel write", op->kp[0], n * 4, s, &b[0]);
-        ok = p[0] != NULL;
+        ok = pin_range_locked(api, "kernel write", op->kp[0], n * 4, s, &v[0]);
         fk_unlock(&G.lock);
-        if (ok)
-            for (i = 0; i < n; i++) memcpy(p[0] + i * 4, &op->kval, 4);
+        if (ok) {
+            unsigned char pat[4];
+            memcpy(pat, &op->kval, 4);
+            view_fill(&v[0], pat, 4);
+        }
         break;
     case K_ADD_F32:
         n = op->kp[3];
         fk_lock(&G.lock);
-        for (k = 0; k < 3 && ok; k++) {
-            p[k] = pin_range_locked(api, k < 2 ? "kernel read" : "kernel write", op->kp[k], n * 4, s, &b[k]);
-            ok = p[k] != NULL;
-        }
+        for (k = 0; k < 3 && ok; k++)
+            ok = pin_range_locked(api, k < 2 ? "kernel read" : "kernel write", op->kp[k], n * 4, s, &v[k]);
         fk_unlock(&G.lock);
-        if (ok)
-            for (i = 0; i < n; i++) {
-                float x, y, z;
-                memcpy(&x, p[0] + i * 4, 4);
-                memcpy(&y, p[1] + i * 4, 4);
-                z = x + y;
-                memcpy(p[2] + i * 4, &z, 4);
+        if (ok) {
+            /* in chunks, through a buffer, so that ranges split across VMM mappings work too */
+            enum { CHUNK = 1024 };
+            float x[CHUNK], y[CHUNK];
+            for (i = 0; i < n; i += CHUNK) {
+                uint64_t m = n - i < CHUNK ? n - i : CHUNK, j;
+                view_read(&v[0], i * 4, (unsigned char *)x, m * 4);
+                view_read(&v[1], i * 4, (unsigned char *)y, m * 4);
+                for (j = 0; j < m; j++) x[j] += y[j];
+                view_write(&v[2], i * 4, (const unsigned char *)x, m * 4);
             }
+        }
         break;
     case K_FILL_PATTERN_U8:
         n = op->kp[1];
         fk_lock(&G.lock);
-        p[0] = pin_range_locked(api, "kernel write", op->kp[0], n, s, &b[0]);
-        ok = p[0] != NULL;
+        ok = pin_range_locked(api, "kernel write", op->kp[0], n, s, &v[0]);
         fk_unlock(&G.lock);
-        if (ok)
-            for (i = 0; i < n; i++) p[0][i] = (uint8_t)((op->kp[2] * 2654435761u + i * 31u) >> 3);
+        if (ok) {
+            uint64_t off = 0;
+            size_t g;
+            for (g = 0; g < v[0].n; g++) {
+                const fk_seg *seg = &v[0].segs[g];
+                for (i = 0; i < seg->len; i++) seg->p[i] = (uint8_t)((op->kp[2] * 2654435761u + (off + i) * 31u) >> 3);
+                off += seg->len;
+            }
+        }
         break;
     default:
         break;
     }
     fk_lock(&G.lock);
-    for (k = 0; k < 3; k++) unpin_locked(b[k]);
+    for (k = 0; k < 3; k++) unpin_view_locked(&v[k]);
     fk_unlock(&G.lock);
 }
 
@@ -1423,7 +1980,6 @@ static void init_ctx_locked(int i) {
     c->magic = FK_MAGIC_CTX;
     c->dev = i;
     c->legacy = new_stream_locked(c, 0, 0, SK_LEGACY);
-    c->ptds = new_stream_locked(c, 0, 0, SK_PTDS);
 }
 
 static fk_pool *new_pool_locked(int dev, int is_default) {
@@ -1446,7 +2002,8 @@ API_OLD cuInit(unsigned int Flags) {
     ENTER_NOINIT("cuInit");
     if (Flags != 0) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
-    if (G.ndev == 0) r = CUDA_ERROR_NO_DEVICE;
+    if (G.config_error) r = CUDA_ERROR_INVALID_VALUE; /* the reason is on stderr */
+    else if (G.ndev == 0) r = CUDA_ERROR_NO_DEVICE;
     else if (!G.initialized) {
         for (i = 0; i < G.ndev; i++) {
             init_ctx_locked(i);
@@ -1583,14 +2140,14 @@ static int attr_value(int dev, int a) {
     case 99: return 1;               /* HOST_REGISTER_SUPPORTED */
     case 100: return 0;              /* PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES */
     case 101: return 0;              /* DIRECT_MANAGED_MEM_ACCESS_FROM_HOST */
-    case 102: return 1;              /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
+    case 102: return G.dev[dev].vmm; /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     case 103: return linux_;         /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
     case 104: case 105: return win;  /* HANDLE_TYPE_WIN32(_KMT)_HANDLE_SUPPORTED */
     case 106: return 32;             /* MAX_BLOCKS_PER_MULTIPROCESSOR */
     case 107: return 1;              /* GENERIC_COMPRESSION_SUPPORTED */
     case 108: return 82837504;       /* MAX_PERSISTING_L2_CACHE_SIZE */
     case 109: return 134213632;      /* MAX_ACCESS_POLICY_WINDOW_SIZE */
-    case 110: return linux_;         /* GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED */
+    case 110: return linux_ && G.dev[dev].vmm; /* GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED */
     case 111: return 1024;           /* RESERVED_SHARED_MEMORY_PER_BLOCK */
     case 112: return 1;              /* SPARSE_CUDA_ARRAY_SUPPORTED */
     case 113: return linux_;         /* READ_ONLY_HOST_REGISTER_SUPPORTED */
@@ -2577,6 +3134,411 @@ API_11020 cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
 }
 
 /* ------------------------------------------------------------------------------------------------ */
+/* Virtual memory management (CUDA_ERROR_NOT_SUPPORTED where the device has none)                    */
+/* ------------------------------------------------------------------------------------------------ */
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUmemAllocationProp_st {
+    int type;                 /* CUmemAllocationType */
+    int requestedHandleTypes; /* CUmemAllocationHandleType */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+_Static_assert(offsetof(CUmemAllocationProp, win32HandleMetaData) == 16, "CUmemAllocationProp layout");
+_Static_assert(sizeof(((CUmemAllocationProp *)0)->allocFlags) == 8, "CUmemAllocationProp layout");
+#define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0
+#define CU_MEM_ALLOC_GRANULARITY_RECOMMENDED 1
+#define FK_GRANULARITY (2ULL << 20)
+#define FK_VA_BASE 0x600000000000ULL
+#define FK_VA_END 0x700000000000ULL
+#define FK_HANDLE_BASE 0x10000ULL    /* first CUmemGenericAllocationHandle */
+#define FK_SHARED_BASE 0x40000000ULL /* shareable handles: not valid fds or Windows handles */
+
+/* Whether any device has VMM (lock held or after initialisation). */
+static int any_vmm(void) {
+    int i;
+    for (i = 0; i < G.ndev; i++)
+        if (G.dev[i].vmm) return 1;
+    return 0;
+}
+
+/* Entry of every VMM function: 801 when no device has VMM, whatever the arguments. */
+#define ENTER_VMM(name)                                  \
+    do {                                                 \
+        ENTER(name);                                     \
+        if (!any_vmm()) return CUDA_ERROR_NOT_SUPPORTED; \
+    } while (0)
+
+/* The handle types a device can export: those of attributes 103-105. */
+static int vmm_handle_types(int dev) {
+    return G.dev[dev].mode == MODE_LINUX ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                                         : (CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT);
+}
+
+static CUresult check_alloc_prop(const CUmemAllocationProp *prop, int *dev) {
+    if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(prop->location.id)) return CUDA_ERROR_INVALID_DEVICE;
+    if (!G.dev[prop->location.id].vmm) return CUDA_ERROR_NOT_SUPPORTED;
+    *dev = prop->location.id;
+    return CUDA_SUCCESS;
+}
+
+/* The live physical allocation of a handle the caller holds (lock held), or NULL. */
+static fk_phys *find_phys_locked(CUmemGenericAllocationHandle h) {
+    size_t i;
+    for (i = 0; i < G.phys.n; i++) {
+        fk_phys *p = (fk_phys *)G.phys.v[i];
+        if (p->handle == h) return p->handle_refs > 0 ? p : NULL;
+    }
+    return NULL;
+}
+
+/* Frees a physical allocation once no handle and no mapping holds it (lock held). */
+static void phys_maybe_free_locked(fk_phys *p) {
+    if (p->handle_refs > 0 || p->maps > 0) return;
+    G.dev[p->dev].reserved -= p->size;
+    release_block_locked(p->blk); /* dev -1: frees the backing, or marks it dead while pinned */
+    vec_remove(&G.phys, p);
+    free(p);
+}
+
+/* The reservation that holds [base, base + size), or NULL (lock held). */
+static fk_vres *vres_containing(uint64_t base, uint64_t size) {
+    size_t i;
+    for (i = 0; i < G.vres.n; i++) {
+        fk_vres *r = (fk_vres *)G.vres.v[i];
+        if (base >= r->base && base + size >= base && base + size <= r->base + r->size) return r;
+        if (r->base > base) break;
+    }
+    return NULL;
+}
+
+/* Whether [base, base + size) overlaps no reservation; *pos: where a reservation there goes. */
+static int vres_free(uint64_t base, uint64_t size, size_t *pos) {
+    size_t i;
+    for (i = 0; i < G.vres.n; i++) {
+        fk_vres *r = (fk_vres *)G.vres.v[i];
+        if (r->base + r->size <= base) continue;
+        if (r->base >= base + size) break;
+        return 0;
+    }
+    *pos = i;
+    return 1;
+}
+
+/* Whether some mapping overlaps [base, base + size) (lock held). */
+static int mapped_anywhere(uint64_t base, uint64_t size) {
+    long i = tab_floor(&G.mtab, base + size - 1);
+    if (i < 0) return 0;
+    {
+        const fk_alloc *m = (const fk_alloc *)G.mtab.v[i];
+        return m->base + m->size > base;
+    }
+}
+
+/* The mappings that exactly tile [ptr, ptr + size): the first starts at ptr, each next one starts
+   where the previous ends, the last ends at ptr + size. *first, *count: their indices in G.mtab. */
+static CUresult whole_mappings(uint64_t ptr, uint64_t size, long *first, long *count) {
+    long i;
+    uint64_t cur = ptr;
+    if (size == 0 || ptr + size < ptr || !tab_exact(&G.mtab, ptr, &i)) return CUDA_ERROR_INVALID_VALUE;
+    *first = i;
+    while (cur < ptr + size) {
+        const fk_alloc *m;
+        if (i >= (long)G.mtab.n) return CUDA_ERROR_INVALID_VALUE;
+        m = (const fk_alloc *)G.mtab.v[i];
+        if (m->base != cur || m->base + m->size > ptr + size) return CUDA_ERROR_INVALID_VALUE;
+        cur = m->base + m->size;
+        i++;
+    }
+    *count = i - *first;
+    return CUDA_SUCCESS;
+}
+
+API_OLD cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop, int option) {
+    CUresult r;
+    int dev;
+    ENTER_VMM("cuMemGetAllocationGranularity");
+    if (!granularity ||
+        (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        return CUDA_ERROR_INVALID_VALUE;
+    r = check_alloc_prop(prop, &dev);
+    if (!r) *granularity = (size_t)FK_GRANULARITY;
+    return r;
+}
+
+API_OLD cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                            unsigned long long flags) {
+    uint64_t align = FK_GRANULARITY, cand;
+    size_t pos = 0;
+    int pass, found = 0;
+    ENTER_VMM("cuMemAddressReserve");
+    if (!ptr || size == 0 || size % FK_GRANULARITY || (alignment & (alignment - 1)) || flags != 0 ||
+        size > FK_VA_END - FK_VA_BASE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (alignment > align) align = alignment;
+    fk_lock(&G.lock);
+    if (addr && addr % align == 0 && addr >= FK_VA_BASE && addr <= FK_VA_END - size && vres_free(addr, size, &pos)) {
+        cand = addr;
+        found = 1;
+    }
+    if (!G.vcursor) G.vcursor = FK_VA_BASE;
+    for (pass = 0; pass < 2 && !found; pass++) {
+        cand = round_up(pass == 0 ? G.vcursor : FK_VA_BASE, align);
+        while (!found && cand <= FK_VA_END - size) {
+            const fk_vres *in_the_way = NULL;
+            size_t i;
+            for (i = 0; i < G.vres.n && !in_the_way; i++) {
+                const fk_vres *r = (const fk_vres *)G.vres.v[i];
+                if (r->base < cand + size && r->base + r->size > cand) in_the_way = r;
+            }
+            if (in_the_way) cand = round_up(in_the_way->base + in_the_way->size, align);
+            else found = vres_free(cand, size, &pos);
+        }
+    }
+    if (found) {
+        fk_vres *r = (fk_vres *)calloc(1, sizeof *r);
+        if (!r) abort();
+        r->base = cand;
+        r->size = size;
+        vec_insert(&G.vres, pos, r);
+        G.vcursor = cand + size;
+        *ptr = cand;
+    }
+    fk_unlock(&G.lock);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+API_OLD cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    size_t i;
+    ENTER_VMM("cuMemAddressFree");
+    fk_lock(&G.lock);
+    for (i = 0; i < G.vres.n; i++) {
+        fk_vres *v = (fk_vres *)G.vres.v[i];
+        if (v->base == ptr && v->size == size && !mapped_anywhere(ptr, size)) {
+            vec_remove_at(&G.vres, i);
+            free(v);
+            r = CUDA_SUCCESS;
+            break;
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                    unsigned long long flags) {
+    CUresult r;
+    int dev;
+    ENTER_VMM("cuMemCreate");
+    if (!handle || size == 0 || size % FK_GRANULARITY || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    r = check_alloc_prop(prop, &dev);
+    if (r) return r;
+    if (prop->requestedHandleTypes & ~vmm_handle_types(dev)) return CUDA_ERROR_NOT_SUPPORTED;
+    fk_lock(&G.lock);
+    if (size > G.dev[dev].limit || G.dev[dev].reserved + size > G.dev[dev].limit) r = CUDA_ERROR_OUT_OF_MEMORY;
+    else {
+        fk_phys *p = (fk_phys *)calloc(1, sizeof *p);
+        fk_block *b = (fk_block *)calloc(1, sizeof *b);
+        if (!p || !b) abort();
+        b->size = size;
+        b->dev = -1; /* no device address range of its own: it is reached through mappings */
+        b->owns_backing = 1;
+        p->handle = FK_HANDLE_BASE + ++G.next_handle;
+        p->dev = dev;
+        p->size = size;
+        p->handle_types = prop->requestedHandleTypes;
+        memcpy(p->alloc_flags, &prop->allocFlags, sizeof p->alloc_flags);
+        p->blk = b;
+        p->handle_refs = 1;
+        G.dev[dev].reserved += size;
+        vec_push(&G.phys, p);
+        *handle = p->handle;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemRelease(CUmemGenericAllocationHandle handle) {
+    fk_phys *p;
+    CUresult r = CUDA_SUCCESS;
+    ENTER_VMM("cuMemRelease");
+    fk_lock(&G.lock);
+    p = find_phys_locked(handle);
+    if (!p) r = CUDA_ERROR_INVALID_VALUE;
+    else {
+        p->handle_refs--;
+        phys_maybe_free_locked(p);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                 unsigned long long flags) {
+    fk_phys *p;
+    CUresult r = CUDA_SUCCESS;
+    ENTER_VMM("cuMemMap");
+    if (size == 0 || ptr % FK_GRANULARITY || size % FK_GRANULARITY || offset != 0 || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    p = find_phys_locked(handle);
+    if (!p || size > p->size || !vres_containing(ptr, size) || mapped_anywhere(ptr, size))
+        r = CUDA_ERROR_INVALID_VALUE;
+    else {
+        fk_alloc *m = new_alloc(ptr, size, AK_MAPPED, p->dev, p->blk);
+        m->phys = p;
+        m->boff = offset;
+        tab_insert(&G.mtab, m);
+        p->maps++;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    long first, count, i;
+    CUresult r;
+    ENTER_VMM("cuMemUnmap");
+    fk_lock(&G.lock);
+    r = whole_mappings(ptr, size, &first, &count);
+    for (i = 0; !r && i < count; i++) {
+        fk_alloc *m = (fk_alloc *)G.mtab.v[first];
+        fk_phys *p = m->phys;
+        vec_remove_at(&G.mtab, (size_t)first);
+        free(m);
+        p->maps--;
+        phys_maybe_free_locked(p);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    long first, n, i;
+    size_t k;
+    CUresult r = CUDA_SUCCESS;
+    ENTER_VMM("cuMemSetAccess");
+    if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
+    for (k = 0; k < count; k++) {
+        int f = desc[k].flags;
+        if (desc[k].location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+            (f != CU_MEM_ACCESS_FLAGS_PROT_NONE && f != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+             f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
+            return CUDA_ERROR_INVALID_VALUE;
+        if (!valid_dev(desc[k].location.id)) return CUDA_ERROR_INVALID_DEVICE;
+        if (!G.dev[desc[k].location.id].vmm) return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    fk_lock(&G.lock);
+    r = whole_mappings(ptr, size, &first, &n);
+    for (i = 0; !r && i < n; i++)
+        for (k = 0; k < count; k++)
+            ((fk_alloc *)G.mtab.v[first + i])->access[desc[k].location.id] = (unsigned char)desc[k].flags;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemGetAccess(unsigned long long *flags, const CUmemLocation *location, CUdeviceptr ptr) {
+    fk_alloc *m;
+    CUresult r = CUDA_SUCCESS;
+    ENTER_VMM("cuMemGetAccess");
+    if (!flags || !location || location->type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_dev(location->id)) return CUDA_ERROR_INVALID_DEVICE;
+    fk_lock(&G.lock);
+    m = tab_containing(&G.mtab, ptr);
+    if (!m) r = CUDA_ERROR_INVALID_VALUE;
+    else *flags = m->access[location->id];
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11000 cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+    fk_alloc *m;
+    CUresult r = CUDA_SUCCESS;
+    ENTER_VMM("cuMemRetainAllocationHandle");
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    m = tab_containing(&G.mtab, (uint64_t)(uintptr_t)addr);
+    if (!m) r = CUDA_ERROR_INVALID_VALUE;
+    else {
+        m->phys->handle_refs++;
+        *handle = m->phys->handle;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle) {
+    fk_phys *p;
+    CUresult r = CUDA_SUCCESS;
+    ENTER_VMM("cuMemGetAllocationPropertiesFromHandle");
+    if (!prop) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    p = find_phys_locked(handle);
+    if (!p) r = CUDA_ERROR_INVALID_VALUE;
+    else {
+        memset(prop, 0, sizeof *prop);
+        prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop->requestedHandleTypes = p->handle_types;
+        prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop->location.id = p->dev;
+        memcpy(&prop->allocFlags, p->alloc_flags, sizeof p->alloc_flags);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static int single_handle_type(int t) {
+    return t == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || t == CU_MEM_HANDLE_TYPE_WIN32 ||
+           t == CU_MEM_HANDLE_TYPE_WIN32_KMT;
+}
+
+API_OLD cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle, int handleType,
+                                     unsigned long long flags) {
+    fk_phys *p;
+    CUresult r = CUDA_SUCCESS;
+    ENTER_VMM("cuMemExportToShareableHandle");
+    if (!shareableHandle || flags != 0 || !single_handle_type(handleType)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    p = find_phys_locked(handle);
+    if (!p || !(p->handle_types & handleType)) r = CUDA_ERROR_INVALID_VALUE;
+    else {
+        if (!p->shared) p->shared = FK_SHARED_BASE + 4 * ++G.next_shared;
+        if (handleType == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) *(int *)shareableHandle = (int)p->shared;
+        else if (handleType == CU_MEM_HANDLE_TYPE_WIN32) *(void **)shareableHandle = (void *)(uintptr_t)p->shared;
+        else *(unsigned int *)shareableHandle = (unsigned int)p->shared;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle, int shHandleType) {
+    size_t i;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    ENTER_VMM("cuMemImportFromShareableHandle");
+    if (!handle || !single_handle_type(shHandleType)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    for (i = 0; i < G.phys.n; i++) {
+        fk_phys *p = (fk_phys *)G.phys.v[i];
+        if (p->shared && p->shared == (uint64_t)(uintptr_t)osHandle && (p->handle_types & shHandleType)) {
+            p->handle_refs++;
+            *handle = p->handle;
+            r = CUDA_SUCCESS;
+            break;
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
 /* Modules and functions                                                                              */
 /* ------------------------------------------------------------------------------------------------ */
 static void write_log(char *buf, size_t *size_io, const char *msg) {
@@ -2991,16 +3953,17 @@ API_11060 cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **ke
 /* cuGetProcAddress                                                                                   */
 /* ------------------------------------------------------------------------------------------------ */
 typedef struct {
-    const char *name;
-    int version;
+    const char *name; /* base name, as cuGetProcAddress takes it */
+    int version;      /* the CUDA version that introduced this variant (cudaTypedefs.h) */
     void *fn;
+    const char *exported; /* the variant's exported name */
 } fk_proc;
 
 API_11030 cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
 API_12000 cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                               CUdriverProcAddressQueryResult *symbolStatus);
 
-#define P(name, ver, fn) {name, ver, (void *)fn}
+#define P(name, ver, fn) {name, ver, (void *)fn, #fn}
 static const fk_proc PROC_TABLE[] = {
     P("cuInit", 2000, cuInit),
     P("cuDriverGetVersion", 2020, cuDriverGetVersion),
@@ -3066,6 +4029,19 @@ static const fk_proc PROC_TABLE[] = {
     P("cuMemPoolTrimTo", 11020, cuMemPoolTrimTo),
     P("cuMemPoolSetAccess", 11020, cuMemPoolSetAccess),
     P("cuMemPoolGetAccess", 11020, cuMemPoolGetAccess),
+    P("cuMemAddressReserve", 10020, cuMemAddressReserve),
+    P("cuMemAddressFree", 10020, cuMemAddressFree),
+    P("cuMemCreate", 10020, cuMemCreate),
+    P("cuMemRelease", 10020, cuMemRelease),
+    P("cuMemMap", 10020, cuMemMap),
+    P("cuMemUnmap", 10020, cuMemUnmap),
+    P("cuMemSetAccess", 10020, cuMemSetAccess),
+    P("cuMemGetAccess", 10020, cuMemGetAccess),
+    P("cuMemExportToShareableHandle", 10020, cuMemExportToShareableHandle),
+    P("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle),
+    P("cuMemGetAllocationGranularity", 10020, cuMemGetAllocationGranularity),
+    P("cuMemGetAllocationPropertiesFromHandle", 10020, cuMemGetAllocationPropertiesFromHandle),
+    P("cuMemRetainAllocationHandle", 11000, cuMemRetainAllocationHandle),
     P("cuMemsetD8", 3020, cuMemsetD8_v2),
     P("cuMemsetD32", 3020, cuMemsetD32_v2),
     P("cuMemsetD8Async", 3020, cuMemsetD8Async),
@@ -3099,6 +4075,14 @@ static const fk_proc PROC_TABLE[] = {
     P("cuOccupancyMaxPotentialBlockSize", 6050, cuOccupancyMaxPotentialBlockSize),
 };
 #undef P
+
+/* Whether `name` is a base name or an exported name of a function of this library. */
+static int known_function_name(const char *name) {
+    size_t i;
+    for (i = 0; i < sizeof PROC_TABLE / sizeof PROC_TABLE[0]; i++)
+        if (!strcmp(PROC_TABLE[i].name, name) || !strcmp(PROC_TABLE[i].exported, name)) return 1;
+    return 0;
+}
 
 static CUresult get_proc(const char *api, const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                          CUdriverProcAddressQueryResult *status) {
@@ -3163,6 +4147,11 @@ static void report_locked(struct CudrvFakeReport *out) {
         out->live_allocations++;
         out->live_bytes += a->size;
     }
+    for (i = 0; i < G.phys.n; i++) {
+        out->live_allocations++;
+        out->live_bytes += ((const fk_phys *)G.phys.v[i])->size;
+    }
+    out->live_allocations += G.vres.n; /* address reservations hold no memory */
     out->live_streams = G.streams.n;
     out->live_events = G.events.n;
     out->live_modules = G.modules.n;
@@ -3207,6 +4196,16 @@ FK_EXPORT void cudrvFakeResetViolations(void) {
     }
     G.nviolations = 0;
     fk_unlock(&G.lock);
+}
+
+/* The number of per-thread default streams whose thread has not exited (they are never counted as
+   live streams by cudrvFakeReport). */
+FK_EXPORT uint64_t cudrvFakePerThreadStreams(void) {
+    uint64_t n;
+    fk_lock(&G.lock);
+    n = G.ptds_live;
+    fk_unlock(&G.lock);
+    return n;
 }
 
 FK_EXPORT void cudrvFakeShutdown(void) {

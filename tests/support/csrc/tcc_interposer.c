@@ -11,6 +11,20 @@
  *   - every memory-pool entry point (INTERCEPTED below) returns CUDA_ERROR_NOT_SUPPORTED (801)
  *     without calling the real driver.
  *
+ * and, with `CUDRV_TCC_NO_VMM=1` (TCC devices are reported to lack virtual memory management too),
+ * two more:
+ *
+ *   - cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) reads 0, and so
+ *     does CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED;
+ *   - every function of the cuMemCreate family (VMM_INTERCEPTED below: cuMemCreate, cuMemRelease,
+ *     cuMemMap, cuMemUnmap, cuMemSetAccess, cuMemGetAccess, cuMemAddressReserve, cuMemAddressFree,
+ *     cuMemGetAllocationGranularity, cuMemGetAllocationPropertiesFromHandle,
+ *     cuMemExportToShareableHandle, cuMemImportFromShareableHandle, cuMemRetainAllocationHandle)
+ *     returns 801 without calling the real driver.
+ *
+ * `CUDRV_TCC_NO_VMM` takes 0 (the default, as does an empty value) or 1. Any other value is printed
+ * to stderr (one line) and makes cuInit return CUDA_ERROR_INVALID_VALUE (1).
+ *
  * How calls reach the real driver:
  *
  *   - cuGetProcAddress / cuGetProcAddress_v2 ask the real driver, and hand back the real pointer,
@@ -24,10 +38,15 @@
  *     real function itself (no trampoline, any signature) or NULL where the real driver lacks it.
  *     The intercepted names and cuGetProcAddress(_v2) are indirect functions too, resolving to this
  *     library's version where the real driver exports the name, and to NULL where it does not: a
- *     dlsym of the interposer finds exactly what a dlsym of the real driver finds.
+ *     dlsym of the interposer finds exactly what a dlsym of the real driver finds. The VMM family
+ *     (with CUDRV_TCC_NO_VMM=1) resolves the same way; without it, it is forwarded like FORWARDED.
  *
- * If the real driver cannot be loaded, the reason is printed to stderr once and every call returns
- * CUDA_ERROR_SHARED_OBJECT_INIT_FAILED (303).
+ * If the real driver cannot be loaded, one line on stderr says so: that this is the cudrv TCC
+ * interposer (and its path), which library it tried to load, and dlerror()'s text. Every call then
+ * returns CUDA_ERROR_SHARED_OBJECT_INIT_FAILED (303), except cuGetErrorName / cuGetErrorString, which
+ * the interposer serves itself in that case: cuGetErrorString(303) gives the same explanation, so a
+ * caller that describes the 303 of cuDriverGetVersion or cuInit shows why. (When the real driver is
+ * loaded, they are forwarded like every other function.)
  *
  * No CUDA header is included (CI machines have none): the few types and values needed are copied
  * below from CUDA 13.0's cuda.h. Linux (glibc) only: indirect functions need the GNU ELF loader.
@@ -45,6 +64,7 @@
 
 typedef int CUresult;                         /* enum cudaError_enum */
 #define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
 #define CUDA_ERROR_SHARED_OBJECT_INIT_FAILED 303
 #define CUDA_ERROR_NOT_SUPPORTED 801
 
@@ -55,6 +75,8 @@ typedef struct CUstream_st *CUstream;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef int CUdevice_attribute;               /* enum CUdevice_attribute_enum */
 #define CU_DEVICE_ATTRIBUTE_TCC_DRIVER 35
+#define CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 102
+#define CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED 110
 #define CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED 115
 typedef int CUmemPool_attribute;              /* enum CUmemPool_attribute_enum */
 typedef int CUmemAccess_flags;                /* enum CUmemAccess_flags_enum */
@@ -65,6 +87,9 @@ typedef struct CUmemLocation_st CUmemLocation;
 typedef struct CUmemPoolProps_st CUmemPoolProps;
 typedef struct CUmemPoolPtrExportData_st CUmemPoolPtrExportData;
 typedef int CUdriverProcAddressQueryResult;   /* enum CUdriverProcAddressQueryResult_enum */
+typedef unsigned long long CUmemGenericAllocationHandle; /* CUmemGenericAllocationHandle_v1 */
+typedef struct CUmemAllocationProp_st CUmemAllocationProp;
+typedef int CUmemAllocationGranularity_flags; /* enum CUmemAllocationGranularity_flags_enum */
 #define CU_GET_PROC_ADDRESS_SUCCESS 0
 
 /* ---- loading the real driver ---------------------------------------------------------------- */
@@ -89,24 +114,53 @@ static struct {
     attribute_fn attribute;
     proc_v1_fn proc_v1;
     proc_v2_fn proc_v2;
+    int no_vmm;       /* CUDRV_TCC_NO_VMM=1 */
+    int config_error; /* an invalid CUDRV_TCC_NO_VMM: cuInit fails */
+    char load_error[1024]; /* why the real driver could not be loaded (lib == NULL) */
 } real;
 static pthread_once_t real_once = PTHREAD_ONCE_INIT;
 
 EXPORT CUresult cuDriverGetVersion(int *driverVersion);
 
+static void read_config(void) {
+    const char *s = getenv("CUDRV_TCC_NO_VMM");
+    if (s == NULL || s[0] == '\0' || strcmp(s, "0") == 0) return;
+    if (strcmp(s, "1") == 0) {
+        real.no_vmm = 1;
+        return;
+    }
+    fprintf(stderr,
+            "cudrv TCC interposer: invalid CUDRV_TCC_NO_VMM=\"%s\": expected 0 (virtual memory management "
+            "forwarded, the default) or 1 (reported as unsupported) (cuInit returns CUDA_ERROR_INVALID_VALUE)\n",
+            s);
+    real.config_error = 1;
+}
+
+/* Records (and prints, as one line) why the real driver could not be loaded. */
+static void load_failed(const char *path, const char *why) {
+    Dl_info self;
+    const char *me = dladdr((void *)&load_failed, &self) && self.dli_fname ? self.dli_fname : "libcudrv_tcc.so";
+    snprintf(real.load_error, sizeof real.load_error,
+             "cudrv TCC interposer (%s): cannot load the real CUDA driver \"%s\" (named by CUDRV_TCC_REAL_DRIVER, "
+             "default libcuda.so.1): %s; every driver call returns CUDA_ERROR_SHARED_OBJECT_INIT_FAILED",
+             me, path, why);
+    fprintf(stderr, "%s\n", real.load_error);
+}
+
 static void load_real(void) {
+    read_config();
     const char *path = getenv("CUDRV_TCC_REAL_DRIVER");
     if (path == NULL || path[0] == '\0') path = "libcuda.so.1";
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) {
-        fprintf(stderr, "cudrv_tcc: cannot load the real CUDA driver %s (set CUDRV_TCC_REAL_DRIVER): %s\n", path,
-                dlerror());
+        const char *why = dlerror();
+        load_failed(path, why != NULL ? why : "dlopen failed (no dlerror text)");
         return;
     }
     void *version = dlsym(lib, "cuDriverGetVersion");
     if (version == NULL || version == (void *)&cuDriverGetVersion) {
-        fprintf(stderr, "cudrv_tcc: %s is %s\n", path,
-                version == NULL ? "not a CUDA driver (no cuDriverGetVersion)" : "the TCC interposer itself");
+        load_failed(path, version == NULL ? "it is not a CUDA driver (it exports no cuDriverGetVersion)"
+                                          : "it is the TCC interposer itself");
         dlclose(lib);
         return;
     }
@@ -140,6 +194,7 @@ static any_fn real_symbol(const char *name) {
 
 EXPORT CUresult cuInit(unsigned int Flags) {
     if (real_driver() == NULL || real.init == NULL) return CUDA_ERROR_SHARED_OBJECT_INIT_FAILED;
+    if (real.config_error) return CUDA_ERROR_INVALID_VALUE; /* the reason is on stderr */
     return real.init(Flags);
 }
 
@@ -156,6 +211,9 @@ static CUresult tcc_cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUd
     if (rc == CUDA_SUCCESS && pi != NULL) {
         if (attrib == CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) *pi = 0;
         if (attrib == CU_DEVICE_ATTRIBUTE_TCC_DRIVER) *pi = 1;
+        if (real.no_vmm && (attrib == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED ||
+                            attrib == CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED))
+            *pi = 0;
     }
     return rc;
 }
@@ -238,6 +296,102 @@ static CUresult tcc_cuMemSetMemPool(UNUSED CUmemLocation *location, UNUSED CUmem
     return CUDA_ERROR_NOT_SUPPORTED;
 }
 
+/* The cuMemCreate family, with CUDRV_TCC_NO_VMM=1. */
+static CUresult tcc_cuMemAddressReserve(UNUSED CUdeviceptr *ptr, UNUSED size_t size, UNUSED size_t alignment,
+                                        UNUSED CUdeviceptr addr, UNUSED unsigned long long flags) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemAddressFree(UNUSED CUdeviceptr ptr, UNUSED size_t size) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemCreate(UNUSED CUmemGenericAllocationHandle *handle, UNUSED size_t size,
+                                UNUSED const CUmemAllocationProp *prop, UNUSED unsigned long long flags) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemRelease(UNUSED CUmemGenericAllocationHandle handle) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemMap(UNUSED CUdeviceptr ptr, UNUSED size_t size, UNUSED size_t offset,
+                             UNUSED CUmemGenericAllocationHandle handle, UNUSED unsigned long long flags) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemUnmap(UNUSED CUdeviceptr ptr, UNUSED size_t size) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemSetAccess(UNUSED CUdeviceptr ptr, UNUSED size_t size, UNUSED const CUmemAccessDesc *desc,
+                                   UNUSED size_t count) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemGetAccess(UNUSED unsigned long long *flags, UNUSED const CUmemLocation *location,
+                                   UNUSED CUdeviceptr ptr) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemExportToShareableHandle(UNUSED void *shareableHandle,
+                                                 UNUSED CUmemGenericAllocationHandle handle,
+                                                 UNUSED CUmemAllocationHandleType handleType,
+                                                 UNUSED unsigned long long flags) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemImportFromShareableHandle(UNUSED CUmemGenericAllocationHandle *handle,
+                                                   UNUSED void *osHandle,
+                                                   UNUSED CUmemAllocationHandleType shHandleType) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemGetAllocationGranularity(UNUSED size_t *granularity, UNUSED const CUmemAllocationProp *prop,
+                                                  UNUSED CUmemAllocationGranularity_flags option) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemGetAllocationPropertiesFromHandle(UNUSED CUmemAllocationProp *prop,
+                                                           UNUSED CUmemGenericAllocationHandle handle) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuMemRetainAllocationHandle(UNUSED CUmemGenericAllocationHandle *handle, UNUSED void *addr) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+/* The cuMemCreate family: X(exported name, implementation), intercepted with CUDRV_TCC_NO_VMM=1. None
+ * has a per-thread-stream variant. */
+#define VMM_INTERCEPTED(X)                                                                             \
+    X(cuMemAddressReserve, tcc_cuMemAddressReserve)                                                    \
+    X(cuMemAddressFree, tcc_cuMemAddressFree)                                                          \
+    X(cuMemCreate, tcc_cuMemCreate)                                                                    \
+    X(cuMemRelease, tcc_cuMemRelease)                                                                  \
+    X(cuMemMap, tcc_cuMemMap)                                                                          \
+    X(cuMemUnmap, tcc_cuMemUnmap)                                                                      \
+    X(cuMemSetAccess, tcc_cuMemSetAccess)                                                              \
+    X(cuMemGetAccess, tcc_cuMemGetAccess)                                                              \
+    X(cuMemExportToShareableHandle, tcc_cuMemExportToShareableHandle)                                  \
+    X(cuMemImportFromShareableHandle, tcc_cuMemImportFromShareableHandle)                              \
+    X(cuMemGetAllocationGranularity, tcc_cuMemGetAllocationGranularity)                                \
+    X(cuMemGetAllocationPropertiesFromHandle, tcc_cuMemGetAllocationPropertiesFromHandle)              \
+    X(cuMemRetainAllocationHandle, tcc_cuMemRetainAllocationHandle)
+
+/* ---- cuGetErrorName / cuGetErrorString without a real driver ------------------------------- */
+
+static CUresult tcc_cuGetErrorName(CUresult error, const char **pStr) {
+    if (pStr == NULL) return CUDA_ERROR_INVALID_VALUE;
+    switch (error) {
+    case CUDA_SUCCESS: *pStr = "CUDA_SUCCESS"; return CUDA_SUCCESS;
+    case CUDA_ERROR_INVALID_VALUE: *pStr = "CUDA_ERROR_INVALID_VALUE"; return CUDA_SUCCESS;
+    case CUDA_ERROR_SHARED_OBJECT_INIT_FAILED: *pStr = "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED"; return CUDA_SUCCESS;
+    case CUDA_ERROR_NOT_SUPPORTED: *pStr = "CUDA_ERROR_NOT_SUPPORTED"; return CUDA_SUCCESS;
+    default: *pStr = NULL; return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+static CUresult tcc_cuGetErrorString(CUresult error, const char **pStr) {
+    if (pStr == NULL) return CUDA_ERROR_INVALID_VALUE;
+    switch (error) {
+    case CUDA_SUCCESS: *pStr = "no error"; return CUDA_SUCCESS;
+    case CUDA_ERROR_INVALID_VALUE: *pStr = "invalid argument"; return CUDA_SUCCESS;
+    case CUDA_ERROR_SHARED_OBJECT_INIT_FAILED:
+        *pStr = real.load_error[0] != '\0' ? real.load_error : "shared object initialization failed";
+        return CUDA_SUCCESS;
+    case CUDA_ERROR_NOT_SUPPORTED: *pStr = "operation not supported"; return CUDA_SUCCESS;
+    default: *pStr = NULL; return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
 /* Every intercepted base name (what cuGetProcAddress takes), and the exported names that carry it:
  * X(exported name, implementation). The per-thread-stream variants (_ptsz) fail the same way. */
 #define INTERCEPTED(X)                                                                                 \
@@ -278,6 +432,9 @@ static void *substitute(const char *symbol, void *found) {
 #define SUBSTITUTE(name, impl)                                                                         \
     if (strcmp(symbol, #name) == 0) return (void *)&impl;
     INTERCEPTED(SUBSTITUTE)
+    if (real.no_vmm) {
+        VMM_INTERCEPTED(SUBSTITUTE)
+    }
 #undef SUBSTITUTE
     if (strcmp(symbol, "cuDeviceGetAttribute") == 0) return (void *)&tcc_cuDeviceGetAttribute;
     if (strcmp(symbol, "cuGetProcAddress") == 0) {
@@ -318,15 +475,37 @@ INTERCEPTED_PTSZ(EXPORT_IMPL)
 EXPORT_IMPL(cuGetProcAddress, tcc_cuGetProcAddress)
 EXPORT_IMPL(cuGetProcAddress_v2, tcc_cuGetProcAddress_v2)
 
+/* `name` resolves to the real driver's `name` (NULL where it has none), or to `impl` where the real
+ * driver has it and CUDRV_TCC_NO_VMM=1. real_symbol loads the driver (and reads the setting) first. */
+#define EXPORT_VMM(name, impl)                                                                         \
+    static any_fn resolve_##name(void) {                                                               \
+        any_fn found = real_symbol(#name);                                                             \
+        return found == NULL || !real.no_vmm ? found : (any_fn)&impl;                                  \
+    }                                                                                                  \
+    EXPORT void name(void) __attribute__((ifunc("resolve_" #name)));
+
+VMM_INTERCEPTED(EXPORT_VMM)
+
+/* `name` resolves to the real driver's `name`, or to `impl` where no real driver could be loaded. */
+#define EXPORT_ERROR_TEXT(name, impl)                                                                  \
+    static any_fn resolve_##name(void) {                                                               \
+        any_fn found = real_symbol(#name);                                                             \
+        return real.lib == NULL ? (any_fn)&impl : found;                                               \
+    }                                                                                                  \
+    EXPORT void name(void) __attribute__((ifunc("resolve_" #name)));
+
+EXPORT_ERROR_TEXT(cuGetErrorName, tcc_cuGetErrorName)
+EXPORT_ERROR_TEXT(cuGetErrorString, tcc_cuGetErrorString)
+
 /* `name` resolves to the real driver's `name` (NULL where it has none). */
 #define FORWARD(name)                                                                                  \
     static any_fn resolve_##name(void) { return real_symbol(#name); }                                 \
     EXPORT void name(void) __attribute__((ifunc("resolve_" #name)));
 
 /* Every function that cudrv-sys declares (its generated functions.rs for CUDA 13.0), less the ones
- * defined above. */
+ * defined above (the intercepted ones, the VMM family, cuGetErrorName and cuGetErrorString). */
 #define FORWARDED(X) \
-    X(cuGetErrorString) X(cuGetErrorName) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName) \
+    X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName) \
     X(cuDeviceGetUuid_v2) X(cuDeviceGetLuid) X(cuDeviceTotalMem_v2) \
     X(cuDeviceGetTexture1DLinearMaxWidth) X(cuDeviceGetHostAtomicCapabilities) \
     X(cuDeviceGetNvSciSyncAttributes) X(cuDeviceGetExecAffinitySupport) \
@@ -368,11 +547,7 @@ EXPORT_IMPL(cuGetProcAddress_v2, tcc_cuGetProcAddress_v2)
     X(cuArrayGetMemoryRequirements) X(cuMipmappedArrayGetMemoryRequirements) X(cuArrayGetPlane) \
     X(cuArrayDestroy) X(cuArray3DCreate_v2) X(cuArray3DGetDescriptor_v2) X(cuMipmappedArrayCreate) \
     X(cuMipmappedArrayGetLevel) X(cuMipmappedArrayDestroy) X(cuMemGetHandleForAddressRange) \
-    X(cuMemBatchDecompressAsync) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) \
-    X(cuMemRelease) X(cuMemMap) X(cuMemMapArrayAsync) X(cuMemUnmap) X(cuMemSetAccess) \
-    X(cuMemGetAccess) X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) \
-    X(cuMemGetAllocationGranularity) X(cuMemGetAllocationPropertiesFromHandle) \
-    X(cuMemRetainAllocationHandle) X(cuMulticastCreate) X(cuMulticastAddDevice) \
+    X(cuMemBatchDecompressAsync) X(cuMemMapArrayAsync) X(cuMulticastCreate) X(cuMulticastAddDevice) \
     X(cuMulticastBindMem) X(cuMulticastBindAddr) X(cuMulticastUnbind) X(cuMulticastGetGranularity) \
     X(cuPointerGetAttribute) X(cuMemPrefetchAsync_v2) X(cuMemAdvise_v2) X(cuMemPrefetchBatchAsync) \
     X(cuMemDiscardBatchAsync) X(cuMemDiscardAndPrefetchBatchAsync) X(cuMemRangeGetAttribute) \

@@ -13,10 +13,18 @@
 //! - **Asynchronous streams.** Every stream has a worker thread that runs its operations in order
 //!   (`CUDRV_FAKE_DELAY_US` sleeps before each one), so work really runs after the call returns and
 //!   ordering bugs show up. The legacy stream synchronises with blocking streams as in the real
-//!   driver; events capture stream positions; `cuStreamWaitEvent` orders streams.
+//!   driver; events capture stream positions; `cuStreamWaitEvent` orders streams. As in the real
+//!   driver, each host thread has its own per-thread default stream (`CU_STREAM_PER_THREAD`) in
+//!   each context, with its own worker, released when the thread exits
+//!   ([`fake_per_thread_streams`] counts them).
 //! - **Driver models.** `CUDRV_FAKE_MODE=linux|wddm|tcc`, or one mode per device with
 //!   `CUDRV_FAKE_DEVICES=wddm,tcc`. In `tcc` mode, `MEMORY_POOLS_SUPPORTED` is 0 and every pool entry
 //!   point returns `CUDA_ERROR_NOT_SUPPORTED` (801).
+//! - **Virtual memory management.** The `cuMemCreate` family (`cuMemAddressReserve`, `cuMemCreate`,
+//!   `cuMemMap`, `cuMemSetAccess`, ... at a 2 MiB granularity) works in every mode; the access
+//!   checker accepts mapped ranges that the device was given access to. `CUDRV_FAKE_VMM=0` (every
+//!   device), or a device entry such as `tcc-novmm` in `CUDRV_FAKE_DEVICES`, takes it away:
+//!   `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` reads 0 and the family returns 801.
 //! - **Memory.** Device memory is host memory behind realistic device addresses
 //!   (`0x7f0000000000 + device * 2^40`), limited to `CUDRV_FAKE_MEMORY` bytes per device (default
 //!   16 GiB). Memory pools cache freed blocks until a sync point finds the reserve above the release
@@ -34,6 +42,10 @@
 //!   every later one) of a function return `code`. The function is the exported or the base name.
 //! - **Report.** [`fake_report`] gives live allocations, streams, events, modules and the
 //!   violations; `CUDRV_FAKE_REPORT_ON_EXIT=1` prints it to stderr when the library unloads.
+//! - **Strict configuration.** An invalid value of any of these variables, or an unknown
+//!   `CUDRV_FAKE_*` variable, makes `cuInit` return `CUDA_ERROR_INVALID_VALUE` after one line on
+//!   stderr that names the variable, its value and what is accepted ([`run_with_fake_output`] shows
+//!   a child's stderr). [`CHILD_ENV`] and `CUDRV_FAKE_CFLAGS` (read by the build script) are known.
 //!
 //! # Tests in a child process
 //!
@@ -152,6 +164,29 @@ fn current_test_name() -> String {
 /// the child panics if the fake recorded access violations. Leaks are checked only where the body
 /// calls [`assert_no_leaks`].
 pub fn run_with_fake(env: &[(&str, &str)], body: impl FnOnce()) {
+    run_with_fake_output(env, body);
+}
+
+/// What a child process of [`run_with_fake_output`] printed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChildOutput {
+    /// The child's standard output (lossily decoded).
+    pub stdout: String,
+    /// The child's standard error (lossily decoded): the fake's configuration errors, for example.
+    pub stderr: String,
+}
+
+/// [`run_with_fake`], returning what the child printed when it succeeded. In a child process it
+/// returns `None` (after running `body` if this is the call the child was started for), so that
+/// checks of the output run in the parent only:
+///
+/// ```no_run
+/// # use cudrv_test_support::*;
+/// if let Some(out) = run_with_fake_output(&[("CUDRV_FAKE_MODE", "bogus")], || {}) {
+///     assert!(out.stderr.contains("CUDRV_FAKE_MODE"));
+/// }
+/// ```
+pub fn run_with_fake_output(env: &[(&str, &str)], body: impl FnOnce()) -> Option<ChildOutput> {
     let name = current_test_name();
     let k = CALLS.with(|c| {
         let mut c = c.borrow_mut();
@@ -179,7 +214,7 @@ pub fn run_with_fake(env: &[(&str, &str)], body: impl FnOnce()) {
             }
             println!("cudrv-fake-child: body done: {marker}");
         }
-        return;
+        return None;
     }
 
     if cfg!(fake_unavailable) {
@@ -212,6 +247,7 @@ pub fn run_with_fake(env: &[(&str, &str)], body: impl FnOnce()) {
             out.status
         );
     }
+    Some(ChildOutput { stdout: stdout.into_owned(), stderr: stderr.into_owned() })
 }
 
 /// Runs `body` once per mode, each in its own child process with `CUDRV_FAKE_MODE=<mode>` and
@@ -380,6 +416,15 @@ pub fn assert_no_leaks() {
 pub fn fake_shutdown() {
     let f: VoidFn = fake_fn("cudrvFakeShutdown");
     // SAFETY: cudrvFakeShutdown takes no arguments and only sets a flag under the fake's lock.
+    unsafe { f() }
+}
+
+/// How many per-thread default streams the fake holds for threads that have not exited yet (one per
+/// thread and context that used `CU_STREAM_PER_THREAD`). They are never counted as live streams in
+/// [`fake_report`]; a thread's are released when it exits.
+pub fn fake_per_thread_streams() -> u64 {
+    let f: unsafe extern "C" fn() -> u64 = fake_fn("cudrvFakePerThreadStreams");
+    // SAFETY: cudrvFakePerThreadStreams takes no arguments and reads a counter under the fake's lock.
     unsafe { f() }
 }
 

@@ -3,6 +3,8 @@
 
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::ptr::null_mut;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
 
 use cudrv_test_support::*;
 
@@ -35,6 +37,7 @@ struct Cu {
     retain: unsafe extern "system" fn(*mut H, c_int) -> R,
     release: unsafe extern "system" fn(c_int) -> R,
     set_current: unsafe extern "system" fn(H) -> R,
+    get_current: unsafe extern "system" fn(*mut H) -> R,
     ctx_sync: unsafe extern "system" fn() -> R,
     stream_create: unsafe extern "system" fn(*mut H, c_uint) -> R,
     stream_destroy: unsafe extern "system" fn(H) -> R,
@@ -68,6 +71,7 @@ impl Cu {
             retain: f!("cuDevicePrimaryCtxRetain": unsafe extern "system" fn(*mut H, c_int) -> R),
             release: f!("cuDevicePrimaryCtxRelease_v2": unsafe extern "system" fn(c_int) -> R),
             set_current: f!("cuCtxSetCurrent": unsafe extern "system" fn(H) -> R),
+            get_current: f!("cuCtxGetCurrent": unsafe extern "system" fn(*mut H) -> R),
             ctx_sync: f!("cuCtxSynchronize": unsafe extern "system" fn() -> R),
             stream_create: f!("cuStreamCreate": unsafe extern "system" fn(*mut H, c_uint) -> R),
             stream_destroy: f!("cuStreamDestroy_v2": unsafe extern "system" fn(H) -> R),
@@ -708,4 +712,852 @@ fn runner_reports_child_failures() {
     let msg = err.downcast_ref::<String>().unwrap();
     assert!(msg.contains("expected failure in child"), "{msg}");
     assert!(msg.contains("CUDRV_FAKE_CHILD=runner_reports_child_failures#1"), "{msg}");
+}
+
+// ---- per-thread default streams ---------------------------------------------------------------
+
+/// `CU_STREAM_LEGACY`.
+fn legacy() -> H {
+    std::ptr::without_provenance_mut(1)
+}
+
+/// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream.
+fn per_thread() -> H {
+    std::ptr::without_provenance_mut(2)
+}
+
+const PTX_SPIN: &[u8] = b".version 8.4\n.target sm_90\n\
+.visible .entry spin_fill_u32(.param .u64 o, .param .u32 v, .param .u64 n, .param .u64 us) { ret; }\n\0";
+
+/// The built-in kernel `spin_fill_u32`, as addresses (to cross threads).
+struct Kernels {
+    launch: Launch,
+    module: usize,
+    spin_fill: usize,
+}
+
+impl Kernels {
+    fn load() -> Kernels {
+        let get_function: GetFunction = f!("cuModuleGetFunction": GetFunction);
+        let (r, m, log) = load_module(PTX_SPIN);
+        assert_eq!(r, 0, "{log}");
+        let func = |name: &CStr| {
+            let mut f = null_mut();
+            // SAFETY: see `Cu::setup`.
+            unsafe { ok(get_function(&mut f, m, name.as_ptr())) };
+            f.expose_provenance()
+        };
+        Kernels {
+            launch: f!("cuLaunchKernel": Launch),
+            module: m.expose_provenance(),
+            spin_fill: func(c"spin_fill_u32"),
+        }
+    }
+
+    fn unload(self) {
+        let unload: unsafe extern "system" fn(H) -> R = f!("cuModuleUnload": unsafe extern "system" fn(H) -> R);
+        // SAFETY: see `Cu::setup`; the module is loaded.
+        unsafe { ok(unload(std::ptr::with_exposed_provenance_mut(self.module))) };
+    }
+
+    /// `spin_fill_u32(out, value, n, spin_us)` on `stream`: sleeps `spin_us`, then fills.
+    fn spin_fill(&self, out: Ptr, value: u32, n: u64, spin_us: u64, stream: H) {
+        let (mut out, mut value, mut n, mut spin_us) = (out, value, n, spin_us);
+        let mut params = [
+            (&mut out as *mut Ptr).cast::<c_void>(),
+            (&mut value as *mut u32).cast(),
+            (&mut n as *mut u64).cast(),
+            (&mut spin_us as *mut u64).cast(),
+        ];
+        let f = std::ptr::with_exposed_provenance_mut(self.spin_fill);
+        // SAFETY: see `Cu::setup`; params point at values of the kernel's parameter types.
+        unsafe { ok((self.launch)(f, 1, 1, 1, 32, 1, 1, 0, stream, params.as_mut_ptr(), null_mut())) };
+    }
+}
+
+impl Cu {
+    /// The current context, as an address (to cross threads).
+    fn current(&self) -> usize {
+        let mut ctx = null_mut();
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok((self.get_current)(&mut ctx)) };
+        ctx.expose_provenance()
+    }
+
+    /// Makes `ctx` (from [`Cu::current`]) current on the calling thread.
+    fn enter(&self, ctx: usize) {
+        // SAFETY: see `Cu::setup`; `ctx` is a live context handle.
+        unsafe { ok((self.set_current)(std::ptr::with_exposed_provenance_mut(ctx))) };
+    }
+}
+
+/// Every host thread has its own per-thread stream, with its own worker: a long kernel on thread
+/// A's does not hold up thread B's, and synchronising B's waits for B's only. They never count as
+/// live streams, and are released when their thread exits.
+#[test]
+fn per_thread_streams_of_two_threads_run_concurrently() {
+    run_with_fake(&[], || {
+        let cu = Cu::setup(0);
+        let k = Kernels::load();
+        let ctx = cu.current();
+        let n = 1024u64;
+        let (a, b) = (cu.alloc(4096), cu.alloc(4096));
+        let started = Barrier::new(2);
+        let b_done = Barrier::new(2);
+        // Joined explicitly: a scope's end does not wait for the threads' TLS destructors, which
+        // release their per-thread streams, but a join does.
+        std::thread::scope(|scope| {
+            let thread_a = scope.spawn(|| {
+                cu.enter(ctx);
+                k.spin_fill(a, 1, n, 1_000_000, per_thread());
+                started.wait();
+                b_done.wait();
+                // B is done; A's kernel still spins.
+                // SAFETY: see `Cu::setup`.
+                unsafe {
+                    assert_eq!((cu.stream_query)(per_thread()), NOT_READY);
+                    ok((cu.stream_sync)(per_thread()));
+                    ok((cu.stream_query)(per_thread()));
+                }
+            });
+            let thread_b = scope.spawn(|| {
+                cu.enter(ctx);
+                started.wait();
+                let t = Instant::now();
+                // SAFETY: see `Cu::setup`.
+                unsafe {
+                    ok((cu.memset_d32_async)(b, 7, n as usize, per_thread()));
+                    ok((cu.stream_sync)(per_thread()));
+                }
+                let waited = t.elapsed();
+                // Not through the legacy stream (cuMemcpyDtoH), which would wait for thread A's
+                // stream: a copy to pageable memory on B's per-thread stream is synchronous there.
+                let dtoh_async: unsafe extern "system" fn(*mut c_void, Ptr, usize, H) -> R =
+                    f!("cuMemcpyDtoHAsync_v2": unsafe extern "system" fn(*mut c_void, Ptr, usize, H) -> R);
+                let mut got = vec![0u32; n as usize];
+                // SAFETY: see `Cu::setup`; `got` holds n * 4 bytes.
+                unsafe { ok(dtoh_async(got.as_mut_ptr().cast(), b, got.len() * 4, per_thread())) };
+                assert!(got.iter().all(|&x| x == 7));
+                assert!(
+                    waited < Duration::from_millis(500),
+                    "thread B's per-thread stream waited {waited:?} for thread A's"
+                );
+                assert_eq!(fake_per_thread_streams(), 2);
+                b_done.wait();
+            });
+            thread_a.join().unwrap();
+            thread_b.join().unwrap();
+        });
+        assert!(cu.read_u32(a, n as usize).iter().all(|&x| x == 1));
+        assert_eq!(fake_per_thread_streams(), 0, "both threads exited");
+        // SAFETY: see `Cu::setup`.
+        unsafe {
+            ok((cu.mem_free)(a));
+            ok((cu.mem_free)(b));
+        }
+        k.unload();
+        assert_no_leaks();
+    });
+}
+
+/// Events recorded on `CU_STREAM_PER_THREAD` are recorded on the calling thread's stream, and
+/// `cuStreamWaitEvent(CU_STREAM_PER_THREAD, ..)` makes the calling thread's stream wait.
+#[test]
+fn events_on_per_thread_streams_order_other_streams() {
+    run_with_fake(&[], || {
+        let cu = Cu::setup(0);
+        let k = Kernels::load();
+        let ctx = cu.current();
+        let n = 1024u64;
+        let (p, q) = (cu.alloc(4096), cu.alloc(4096));
+        let (mut ev, mut ev2) = (null_mut(), null_mut());
+        // SAFETY: see `Cu::setup`.
+        unsafe {
+            ok((cu.event_create)(&mut ev, 0));
+            ok((cu.event_create)(&mut ev2, 0));
+        }
+        let (ev_addr, ev2_addr) = (ev.expose_provenance(), ev2.expose_provenance());
+        // Thread A: a slow fill on its per-thread stream, and an event after it. It exits at once:
+        // its stream is released, but the work and the event still complete.
+        std::thread::scope(|scope| {
+            let thread_a = scope.spawn(|| {
+                cu.enter(ctx);
+                k.spin_fill(p, 5, n, 300_000, per_thread());
+                let ev: H = std::ptr::with_exposed_provenance_mut(ev_addr);
+                // SAFETY: see `Cu::setup`.
+                unsafe {
+                    ok((cu.event_record)(ev, per_thread()));
+                    assert_eq!((cu.event_query)(ev), NOT_READY);
+                }
+            });
+            thread_a.join().unwrap();
+        });
+        assert_eq!(fake_per_thread_streams(), 0, "thread A exited");
+        let s = cu.stream();
+        // SAFETY: see `Cu::setup`.
+        unsafe {
+            ok((cu.stream_wait_event)(s, ev, 0));
+            ok((cu.dtod_async)(q, p, 4096, s));
+            ok((cu.stream_sync)(s));
+            ok((cu.event_query)(ev));
+        }
+        assert!(cu.read_u32(q, n as usize).iter().all(|&x| x == 5), "the copy ran before thread A's kernel");
+
+        // The other way: an event on a user stream, waited for by thread C's per-thread stream.
+        k.spin_fill(p, 9, n, 300_000, s);
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok((cu.event_record)(ev2, s)) };
+        std::thread::scope(|scope| {
+            let thread_c = scope.spawn(|| {
+                cu.enter(ctx);
+                let ev2: H = std::ptr::with_exposed_provenance_mut(ev2_addr);
+                // SAFETY: see `Cu::setup`.
+                unsafe {
+                    ok((cu.stream_wait_event)(per_thread(), ev2, 0));
+                    ok((cu.dtod_async)(q, p, 4096, per_thread()));
+                    ok((cu.stream_sync)(per_thread()));
+                }
+                assert!(cu.read_u32(q, n as usize).iter().all(|&x| x == 9), "the copy did not wait for the event");
+            });
+            thread_c.join().unwrap();
+        });
+        // SAFETY: see `Cu::setup`.
+        unsafe {
+            ok((cu.ctx_sync)());
+            ok((cu.event_destroy)(ev));
+            ok((cu.event_destroy)(ev2));
+            ok((cu.stream_destroy)(s));
+            ok((cu.mem_free)(p));
+            ok((cu.mem_free)(q));
+        }
+        assert_eq!(fake_per_thread_streams(), 0);
+        k.unload();
+        assert_no_leaks();
+    });
+}
+
+/// The legacy stream, used on thread B, waits for work queued earlier on thread A's per-thread
+/// stream; and later work on thread A's per-thread stream waits for that legacy-stream work.
+#[test]
+fn legacy_stream_orders_with_every_threads_per_thread_stream() {
+    run_with_fake(&[], || {
+        let cu = Cu::setup(0);
+        let k = Kernels::load();
+        let ctx = cu.current();
+        let n = 1024u64;
+        let p = cu.alloc(4096);
+        let step = Barrier::new(2);
+        std::thread::scope(|scope| {
+            // Thread A
+            scope.spawn(|| {
+                cu.enter(ctx);
+                k.spin_fill(p, 1, n, 400_000, per_thread());
+                step.wait(); // (1) queued on A's per-thread stream
+                step.wait(); // (2) B queued its legacy-stream kernel
+                // SAFETY: see `Cu::setup`.
+                unsafe {
+                    ok((cu.memset_d32_async)(p, 4, n as usize, per_thread()));
+                    ok((cu.stream_sync)(per_thread()));
+                }
+                assert!(
+                    cu.read_u32(p, n as usize).iter().all(|&x| x == 4),
+                    "A's per-thread stream did not wait for the earlier legacy-stream kernel"
+                );
+            });
+            // Thread B
+            scope.spawn(|| {
+                cu.enter(ctx);
+                step.wait(); // (1)
+                // SAFETY: see `Cu::setup`.
+                unsafe {
+                    ok((cu.memset_d32_async)(p, 2, n as usize, legacy()));
+                    ok((cu.stream_sync)(legacy()));
+                }
+                assert!(
+                    cu.read_u32(p, n as usize).iter().all(|&x| x == 2),
+                    "the legacy stream did not wait for thread A's per-thread stream"
+                );
+                k.spin_fill(p, 3, n, 400_000, legacy());
+                step.wait(); // (2)
+            });
+        });
+        // SAFETY: see `Cu::setup`.
+        unsafe {
+            ok((cu.ctx_sync)());
+            ok((cu.mem_free)(p));
+        }
+        k.unload();
+        assert_no_leaks();
+    });
+}
+
+/// A thread's per-thread stream is released when the thread exits, after its queued work ran.
+#[test]
+fn per_thread_streams_are_reclaimed_at_thread_exit() {
+    run_with_fake(&[("CUDRV_FAKE_DELAY_US", "100000")], || {
+        let cu = Cu::setup(0);
+        let ctx = cu.current();
+        let p = cu.alloc(4096);
+        for value in 1..=3u32 {
+            std::thread::scope(|scope| {
+                let thread = scope.spawn(|| {
+                    cu.enter(ctx);
+                    // SAFETY: see `Cu::setup`.
+                    unsafe {
+                        ok((cu.memset_d32_async)(p, value, 1024, per_thread()));
+                        assert_eq!((cu.stream_query)(per_thread()), NOT_READY);
+                    }
+                    assert_eq!(fake_per_thread_streams(), 1);
+                    assert_eq!(fake_report().live_streams, 0, "per-thread streams are not live streams");
+                });
+                thread.join().unwrap();
+            });
+            assert_eq!(fake_per_thread_streams(), 0);
+            // The legacy stream still waits for the released stream's queued work.
+            assert!(cu.read_u32(p, 1024).iter().all(|&x| x == value));
+        }
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok((cu.mem_free)(p)) };
+        assert_no_leaks();
+    });
+}
+
+// ---- virtual memory management ----------------------------------------------------------------
+
+/// `CUmemAllocationProp` (cuda.h, 32 bytes on 64-bit targets).
+#[repr(C)]
+#[derive(Default)]
+struct AllocProp {
+    type_: c_int,
+    handle_types: c_int,
+    location_type: c_int,
+    location_id: c_int,
+    win32_metadata: usize,
+    compression: u8,
+    rdma: u8,
+    usage: u16,
+    reserved: [u8; 4],
+}
+
+impl AllocProp {
+    /// Pinned device memory on `dev`, exportable as `handle_types`.
+    fn device(dev: c_int, handle_types: c_int) -> AllocProp {
+        AllocProp { type_: 1, handle_types, location_type: 1, location_id: dev, ..Default::default() }
+    }
+}
+
+/// `CUmemAccessDesc`: a device location and its access flags.
+#[repr(C)]
+struct AccessDesc {
+    location_type: c_int,
+    location_id: c_int,
+    flags: c_int,
+}
+
+fn access(dev: c_int, flags: c_int) -> AccessDesc {
+    AccessDesc { location_type: 1, location_id: dev, flags }
+}
+
+const PROT_READ: c_int = 1;
+const PROT_READWRITE: c_int = 3;
+const MIB: usize = 1 << 20;
+const ATTR_VMM_SUPPORTED: c_int = 102;
+
+/// The cuMemCreate family, from `lib` (the fake, or the TCC interposer).
+struct Vmm {
+    reserve: unsafe extern "system" fn(*mut Ptr, usize, usize, Ptr, u64) -> R,
+    address_free: unsafe extern "system" fn(Ptr, usize) -> R,
+    create: unsafe extern "system" fn(*mut u64, usize, *const AllocProp, u64) -> R,
+    release: unsafe extern "system" fn(u64) -> R,
+    map: unsafe extern "system" fn(Ptr, usize, usize, u64, u64) -> R,
+    unmap: unsafe extern "system" fn(Ptr, usize) -> R,
+    set_access: unsafe extern "system" fn(Ptr, usize, *const AccessDesc, usize) -> R,
+    get_access: unsafe extern "system" fn(*mut u64, *const [c_int; 2], Ptr) -> R,
+    granularity: unsafe extern "system" fn(*mut usize, *const AllocProp, c_int) -> R,
+    props: unsafe extern "system" fn(*mut AllocProp, u64) -> R,
+    export: unsafe extern "system" fn(*mut c_void, u64, c_int, u64) -> R,
+    import: unsafe extern "system" fn(*mut u64, *mut c_void, c_int) -> R,
+    retain: unsafe extern "system" fn(*mut u64, *mut c_void) -> R,
+}
+
+fn sym<T: Copy>(lib: &libloading::Library, name: &str) -> T {
+    // SAFETY: each caller gives the exact C signature of the named export (from cuda.h) as T.
+    *unsafe { lib.get::<T>(name.as_bytes()) }.unwrap_or_else(|e| panic!("missing {name}: {e}"))
+}
+
+impl Vmm {
+    fn load(lib: &libloading::Library) -> Vmm {
+        Vmm {
+            reserve: sym(lib, "cuMemAddressReserve"),
+            address_free: sym(lib, "cuMemAddressFree"),
+            create: sym(lib, "cuMemCreate"),
+            release: sym(lib, "cuMemRelease"),
+            map: sym(lib, "cuMemMap"),
+            unmap: sym(lib, "cuMemUnmap"),
+            set_access: sym(lib, "cuMemSetAccess"),
+            get_access: sym(lib, "cuMemGetAccess"),
+            granularity: sym(lib, "cuMemGetAllocationGranularity"),
+            props: sym(lib, "cuMemGetAllocationPropertiesFromHandle"),
+            export: sym(lib, "cuMemExportToShareableHandle"),
+            import: sym(lib, "cuMemImportFromShareableHandle"),
+            retain: sym(lib, "cuMemRetainAllocationHandle"),
+        }
+    }
+
+    /// What every function of the family answers to (mostly null) arguments.
+    fn all_results(&self) -> Vec<R> {
+        let prop = AllocProp::device(0, 0);
+        let (mut p, mut h, mut g, mut f) = (0, 0u64, 0usize, 0u64);
+        let desc = access(0, PROT_READWRITE);
+        let mut out = AllocProp::default();
+        // SAFETY: every pointer is valid for what the call writes.
+        unsafe {
+            vec![
+                (self.reserve)(&mut p, 2 * MIB, 0, 0, 0),
+                (self.address_free)(0x6000_0000_0000, 2 * MIB),
+                (self.create)(&mut h, 2 * MIB, &prop, 0),
+                (self.release)(1),
+                (self.map)(0x6000_0000_0000, 2 * MIB, 0, 1, 0),
+                (self.unmap)(0x6000_0000_0000, 2 * MIB),
+                (self.set_access)(0x6000_0000_0000, 2 * MIB, &desc, 1),
+                (self.get_access)(&mut f, &[1, 0], 0x6000_0000_0000),
+                (self.granularity)(&mut g, &prop, 0),
+                (self.props)(&mut out, 1),
+                (self.export)((&mut f as *mut u64).cast(), 1, 1, 0),
+                (self.import)(&mut h, std::ptr::without_provenance_mut(3), 1),
+                (self.retain)(&mut h, std::ptr::without_provenance_mut(0x6000_0000_0000)),
+            ]
+        }
+    }
+}
+
+/// Reserve, create, map, set access, use (across two mappings), release, unmap, free: memory counts
+/// against CUDRV_FAKE_MEMORY, and the access checker follows the mappings and their access.
+#[test]
+fn vmm_maps_physical_memory_into_reserved_ranges() {
+    run_with_fake(&[("CUDRV_FAKE_MEMORY", "33554432")], || {
+        let cu = Cu::setup(0);
+        let v = Vmm::load(fake_library());
+        let mem_info: unsafe extern "system" fn(*mut usize, *mut usize) -> R =
+            f!("cuMemGetInfo_v2": unsafe extern "system" fn(*mut usize, *mut usize) -> R);
+        let free_mib = || {
+            let (mut free, mut total) = (0, 0);
+            // SAFETY: see `Cu::setup`.
+            unsafe { ok(mem_info(&mut free, &mut total)) };
+            assert_eq!(total, 32 * MIB);
+            free / MIB
+        };
+        assert_eq!(attr(&cu, ATTR_VMM_SUPPORTED, 0), 1);
+        let prop = AllocProp::device(0, 0);
+        let s = cu.stream();
+        let (mut va, mut h1, mut h2, mut g) = (0, 0, 0, 0);
+        // SAFETY: see `Cu::setup`; every pointer is valid for what the call writes.
+        unsafe {
+            ok((v.granularity)(&mut g, &prop, 0));
+            assert_eq!(g, 2 * MIB);
+            ok((v.granularity)(&mut g, &prop, 1));
+            assert_eq!(g, 2 * MIB);
+            assert_eq!((v.granularity)(&mut g, &prop, 2), 1);
+            assert_eq!((v.granularity)(&mut g, &AllocProp::device(1, 0), 0), 101);
+
+            assert_eq!((v.reserve)(&mut va, 3 * MIB, 0, 0, 0), 1, "not a multiple of the granularity");
+            ok((v.reserve)(&mut va, 8 * MIB, 0, 0, 0));
+            assert!((0x6000_0000_0000..0x7000_0000_0000).contains(&va) && va % (2 * MIB as u64) == 0, "{va:#x}");
+            let mut hinted = 0;
+            ok((v.reserve)(&mut hinted, 2 * MIB, 0, 0x6800_0000_0000, 0));
+            assert_eq!(hinted, 0x6800_0000_0000, "a free, aligned hint is honoured");
+            ok((v.address_free)(hinted, 2 * MIB));
+
+            ok((v.create)(&mut h1, 4 * MIB, &prop, 0));
+            ok((v.create)(&mut h2, 4 * MIB, &prop, 0));
+            assert_ne!(h1, h2);
+            assert_eq!((v.create)(&mut g as *mut usize as *mut u64, MIB, &prop, 0), 1);
+            assert_eq!(free_mib(), 24, "physical memory counts against CUDRV_FAKE_MEMORY");
+            let report = fake_report();
+            assert_eq!((report.live_allocations, report.live_bytes), (3, 8 * MIB as u64), "{report}");
+
+            ok((v.map)(va, 4 * MIB, 0, h1, 0));
+            ok((v.map)(va + 4 * MIB as u64, 4 * MIB, 0, h2, 0));
+            assert_eq!((v.map)(va, 4 * MIB, 0, h2, 0), 1, "already mapped");
+            assert_eq!((v.map)(va + 8 * MIB as u64, 2 * MIB, 0, h2, 0), 1, "outside the reservation");
+            assert_eq!((v.map)(0x6f00_0000_0000, 2 * MIB, 0, h2, 0), 1, "not reserved");
+
+            // Mapped, but no access yet: a write is a violation.
+            ok((cu.memset_d32_async)(va, 1, 16, s));
+            ok((cu.stream_sync)(s));
+            let report = fake_report();
+            assert_eq!(report.violations.len(), 1, "{report}");
+            assert!(report.violations[0].contains("no read-write access"), "{report}");
+            fake_reset_violations();
+
+            let rw = access(0, PROT_READWRITE);
+            assert_eq!((v.set_access)(va, 2 * MIB, &rw, 1), 1, "only whole mappings");
+            assert_eq!((v.set_access)(va, 10 * MIB, &rw, 1), 1, "only mapped ranges");
+            ok((v.set_access)(va, 8 * MIB, &rw, 1));
+            let mut flags = 0;
+            ok((v.get_access)(&mut flags, &[1, 0], va + 5 * MIB as u64));
+            assert_eq!(flags, 3);
+            ok((v.get_access)(&mut flags, &[1, 0], va));
+            assert_eq!(flags, 3);
+
+            // A range across both mappings (whose backings are separate) works as one.
+            let words = 2 * MIB; // 8 MiB of u32
+            ok((cu.memset_d32_async)(va, 0xabcd, words, s));
+            ok((cu.stream_sync)(s));
+        }
+        let edge = va + 4 * MIB as u64 - 8;
+        assert_eq!(cu.read_u32(edge, 4), [0xabcd; 4]);
+        let data: Vec<u8> = (0..64u8).collect();
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok((cu.htod)(edge - 24, data.as_ptr().cast(), data.len())) };
+        let mut back = vec![0u8; 64];
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok((cu.dtoh)(back.as_mut_ptr().cast(), edge - 24, 64)) };
+        assert_eq!(back, data);
+        // A kernel across the boundary, through the PTX of `kernels_and_modules`.
+        let launch: Launch = f!("cuLaunchKernel": Launch);
+        let get_function: GetFunction = f!("cuModuleGetFunction": GetFunction);
+        let unload: unsafe extern "system" fn(H) -> R = f!("cuModuleUnload": unsafe extern "system" fn(H) -> R);
+        let mut src = PTX.as_bytes().to_vec();
+        src.push(0);
+        let (r, m, log) = load_module(&src);
+        assert_eq!(r, 0, "{log}");
+        let mut pattern = null_mut();
+        let (mut o, mut len, mut seed) = (edge - 1000, 3000u64, 7u64);
+        let mut params =
+            [(&mut o as *mut Ptr).cast::<c_void>(), (&mut len as *mut u64).cast(), (&mut seed as *mut u64).cast()];
+        // SAFETY: see `Cu::setup`; params point at values of the kernel's parameter types.
+        unsafe {
+            ok(get_function(&mut pattern, m, c"fill_pattern_u8".as_ptr()));
+            ok(launch(pattern, 1, 1, 1, 32, 1, 1, 0, s, params.as_mut_ptr(), null_mut()));
+            ok((cu.stream_sync)(s));
+            ok(unload(m));
+        }
+        let mut bytes = vec![0u8; 3000];
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok((cu.dtoh)(bytes.as_mut_ptr().cast(), edge - 1000, 3000)) };
+        assert!(bytes.iter().enumerate().all(|(i, &x)| x == fill_pattern_u8(7, i as u64)));
+
+        let upper = va + 4 * MIB as u64;
+        let (mut h, mut h3, mut h4) = (0, 0, 0);
+        // SAFETY: see `Cu::setup`; every pointer is valid for what the call writes.
+        unsafe {
+            // Read-only access: reading works, writing is a violation.
+            ok((v.set_access)(upper, 4 * MIB, &access(0, PROT_READ), 1));
+            ok((cu.dtod_async)(va, upper, 4096, s));
+            ok((cu.stream_sync)(s));
+            assert!(fake_report().violations.is_empty());
+            ok((cu.memset_d32_async)(upper, 0, 16, s));
+            ok((cu.stream_sync)(s));
+            let report = fake_report();
+            assert_eq!(report.violations.len(), 1, "{report}");
+            assert!(report.violations[0].contains("no read-write access"), "{report}");
+            fake_reset_violations();
+
+            // A released handle keeps its memory while it is mapped.
+            ok((v.release)(h1));
+            assert_eq!((v.release)(h1), 1, "released twice");
+            ok((cu.memset_d32_async)(va, 5, 1024, s));
+            ok((cu.stream_sync)(s));
+            assert_eq!(free_mib(), 24);
+            // The handle of a mapped address.
+            ok((v.retain)(&mut h, std::ptr::without_provenance_mut(upper as usize + 100)));
+            assert_eq!(h, h2);
+            ok((v.release)(h));
+            let mut props = AllocProp::default();
+            ok((v.props)(&mut props, h2));
+            assert_eq!((props.type_, props.location_type, props.location_id), (1, 1, 0));
+
+            // Export and import (in this process), for a handle type the device has.
+            ok((v.create)(&mut h3, 2 * MIB, &AllocProp::device(0, 1), 0));
+            let mut fd: c_int = -1;
+            ok((v.export)((&mut fd as *mut c_int).cast(), h3, 1, 0));
+            assert_eq!((v.export)((&mut fd as *mut c_int).cast(), h2, 1, 0), 1, "h2 is not exportable");
+            ok((v.import)(&mut h4, std::ptr::without_provenance_mut(fd as usize), 1));
+            assert_eq!(h4, h3);
+            ok((v.release)(h4));
+            ok((v.release)(h3));
+            assert_eq!((v.create)(&mut h3, 2 * MIB, &AllocProp::device(0, 2), 0), NOT_SUPPORTED, "WIN32 on linux");
+
+            // The memory limit.
+            let mut big = 0;
+            ok((v.create)(&mut big, 24 * MIB, &prop, 0));
+            assert_eq!((v.create)(&mut h3, 2 * MIB, &prop, 0), 2, "out of memory");
+            ok((v.release)(big));
+
+            // Unmapping: only whole mappings; the reservation cannot be freed while mapped.
+            assert_eq!((v.unmap)(upper, 2 * MIB), 1);
+            assert_eq!((v.address_free)(va, 8 * MIB), 1);
+            ok((v.unmap)(va, 4 * MIB)); // h1: released and unmapped, so freed
+            assert_eq!(free_mib(), 28);
+            // Queued work on unmapped memory is a violation.
+            ok((cu.memset_d32_async)(va, 5, 16, s));
+            ok((cu.stream_sync)(s));
+            let report = fake_report();
+            assert_eq!(report.violations.len(), 1, "{report}");
+            assert!(report.violations[0].contains("unmapped"), "{report}");
+            fake_reset_violations();
+            ok((v.unmap)(upper, 4 * MIB));
+            assert_eq!(free_mib(), 28, "h2 is still held by its handle");
+            ok((v.release)(h2));
+            assert_eq!(free_mib(), 32);
+            ok((v.address_free)(va, 8 * MIB));
+            assert_eq!((v.address_free)(va, 8 * MIB), 1);
+            ok((cu.stream_destroy)(s));
+        }
+        // cuGetProcAddress serves the family with cudaTypedefs.h's versions.
+        assert_eq!(proc_address("cuMemCreate", 13000), (0, export("cuMemCreate"), 0));
+        assert_eq!(proc_address("cuMemRetainAllocationHandle", 11000).1, export("cuMemRetainAllocationHandle"));
+        assert_eq!(proc_address("cuMemRetainAllocationHandle", 10020), (500, null_mut(), 2));
+        assert_no_leaks();
+    });
+}
+
+/// CUDRV_FAKE_VMM=0 (in any mode) and `-novmm` devices: attribute 102 reads 0 and the family
+/// answers 801.
+#[test]
+fn vmm_can_be_turned_off() {
+    run_with_fake_modes(&["linux", "wddm", "tcc"], &[("CUDRV_FAKE_VMM", "0")], || {
+        let cu = Cu::setup(0);
+        assert_eq!(attr(&cu, ATTR_VMM_SUPPORTED, 0), 0);
+        assert_eq!(attr(&cu, 110, 0), 0, "GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED");
+        let results = Vmm::load(fake_library()).all_results();
+        assert!(results.iter().all(|&r| r == NOT_SUPPORTED), "{results:?}");
+    });
+    run_with_fake(&[("CUDRV_FAKE_DEVICES", "linux, tcc-novmm")], || {
+        let cu = Cu::setup(1);
+        let v = Vmm::load(fake_library());
+        assert_eq!([attr(&cu, ATTR_VMM_SUPPORTED, 0), attr(&cu, ATTR_VMM_SUPPORTED, 1)], [1, 0]);
+        let (mut g, mut h, mut va) = (0, 0, 0);
+        // SAFETY: see `Cu::setup`; every pointer is valid for what the call writes.
+        unsafe {
+            assert_eq!((v.granularity)(&mut g, &AllocProp::device(1, 0), 0), NOT_SUPPORTED);
+            assert_eq!((v.create)(&mut h, 2 * MIB, &AllocProp::device(1, 0), 0), NOT_SUPPORTED);
+            // Virtual addresses belong to no device: device 0 can still use them.
+            ok((v.reserve)(&mut va, 2 * MIB, 0, 0, 0));
+            ok((v.create)(&mut h, 2 * MIB, &AllocProp::device(0, 0), 0));
+            ok((v.map)(va, 2 * MIB, 0, h, 0));
+            assert_eq!((v.set_access)(va, 2 * MIB, &access(1, PROT_READWRITE), 1), NOT_SUPPORTED);
+            ok((v.set_access)(va, 2 * MIB, &access(0, PROT_READWRITE), 1));
+            ok((v.unmap)(va, 2 * MIB));
+            ok((v.release)(h));
+            ok((v.address_free)(va, 2 * MIB));
+        }
+        assert_no_leaks();
+    });
+    // A `-vmm` entry overrides CUDRV_FAKE_VMM=0.
+    run_with_fake(&[("CUDRV_FAKE_VMM", "0"), ("CUDRV_FAKE_DEVICES", "tcc-vmm,wddm")], || {
+        let cu = Cu::setup(0);
+        assert_eq!([attr(&cu, ATTR_VMM_SUPPORTED, 0), attr(&cu, ATTR_VMM_SUPPORTED, 1)], [1, 0]);
+        let mut g = 0;
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok((Vmm::load(fake_library()).granularity)(&mut g, &AllocProp::device(0, 0), 0)) };
+    });
+}
+
+// ---- the TCC interposer -----------------------------------------------------------------------
+
+/// The TCC interposer, loaded in this (child) process.
+fn interposer() -> libloading::Library {
+    // SAFETY: the interposer's initialiser only loads the driver named by CUDRV_TCC_REAL_DRIVER.
+    unsafe { libloading::Library::new(tcc_interposer_path()) }.expect("load the TCC interposer")
+}
+
+/// `CUDRV_TCC_NO_VMM=1`: the interposer reports no VMM and answers 801 from the family (by name
+/// and through cuGetProcAddress); without it, the family is forwarded.
+#[test]
+fn tcc_interposer_can_hide_vmm() {
+    if !TCC_INTERPOSER_AVAILABLE {
+        eprintln!("skipped: the TCC interposer is built for Linux (glibc) targets only");
+        return;
+    }
+    let path = tcc_interposer_path().to_string_lossy().into_owned();
+    let real = fake_driver_path().to_string_lossy().into_owned();
+    let base = [("CUDRV_DRIVER_PATH", path.as_str()), ("CUDRV_TCC_REAL_DRIVER", real.as_str())];
+    let with = |extra: (&'static str, &'static str)| {
+        let mut env = base.to_vec();
+        env.push(extra);
+        env
+    };
+    run_with_fake(&with(("CUDRV_TCC_NO_VMM", "1")), || {
+        let lib = interposer();
+        let init: unsafe extern "system" fn(c_uint) -> R = sym(&lib, "cuInit");
+        let attribute: unsafe extern "system" fn(*mut c_int, c_int, c_int) -> R = sym(&lib, "cuDeviceGetAttribute");
+        let get = |a| {
+            let mut v = -1;
+            // SAFETY: see `Cu::setup`.
+            unsafe { ok(attribute(&mut v, a, 0)) };
+            v
+        };
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok(init(0)) };
+        assert_eq!([get(ATTR_VMM_SUPPORTED), get(ATTR_MEMORY_POOLS_SUPPORTED), get(ATTR_TCC_DRIVER)], [0, 0, 1]);
+        let results = Vmm::load(&lib).all_results();
+        assert!(results.iter().all(|&r| r == NOT_SUPPORTED), "{results:?}");
+        // Through cuGetProcAddress too.
+        let get_proc: GetProc = sym(&lib, "cuGetProcAddress_v2");
+        let mut pfn = null_mut();
+        let mut status = -1;
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok(get_proc(c"cuMemCreate".as_ptr(), &mut pfn, 13000, 0, &mut status)) };
+        assert!(!pfn.is_null() && pfn != export("cuMemCreate"), "the interposer's own cuMemCreate");
+        // SAFETY: pfn is the interposer's cuMemCreate, which has cuda.h's signature.
+        let create: unsafe extern "system" fn(*mut u64, usize, *const AllocProp, u64) -> R =
+            unsafe { std::mem::transmute::<*mut c_void, _>(pfn) };
+        let mut h = 0;
+        // SAFETY: see `Cu::setup`.
+        assert_eq!(unsafe { create(&mut h, 2 * MIB, &AllocProp::device(0, 0), 0) }, NOT_SUPPORTED);
+        assert_eq!(h, 0);
+    });
+    run_with_fake(&with(("CUDRV_TCC_NO_VMM", "0")), || {
+        let lib = interposer();
+        let init: unsafe extern "system" fn(c_uint) -> R = sym(&lib, "cuInit");
+        let attribute: unsafe extern "system" fn(*mut c_int, c_int, c_int) -> R = sym(&lib, "cuDeviceGetAttribute");
+        let mut v = -1;
+        let mut g = 0;
+        // SAFETY: see `Cu::setup`.
+        unsafe {
+            ok(init(0));
+            ok(attribute(&mut v, ATTR_VMM_SUPPORTED, 0));
+            ok((Vmm::load(&lib).granularity)(&mut g, &AllocProp::device(0, 0), 0));
+        }
+        assert_eq!((v, g), (1, 2 * MIB), "forwarded to the fake");
+    });
+    let out = run_with_fake_output(&with(("CUDRV_TCC_NO_VMM", "yes")), || {
+        let lib = interposer();
+        let init: unsafe extern "system" fn(c_uint) -> R = sym(&lib, "cuInit");
+        // SAFETY: see `Cu::setup`.
+        assert_eq!(unsafe { init(0) }, 1);
+    });
+    if let Some(out) = out {
+        assert!(out.stderr.contains("CUDRV_TCC_NO_VMM=\"yes\"") && out.stderr.contains("expected 0"), "{}", out.stderr);
+    }
+}
+
+/// Without a real driver, the interposer says which library it tried, why it failed (dlerror), and
+/// that it is the cudrv TCC interposer: on stderr, and as the text of error 303.
+#[test]
+fn tcc_interposer_explains_a_missing_real_driver() {
+    if !TCC_INTERPOSER_AVAILABLE {
+        eprintln!("skipped: the TCC interposer is built for Linux (glibc) targets only");
+        return;
+    }
+    let path = tcc_interposer_path().to_string_lossy().into_owned();
+    let env = [("CUDRV_DRIVER_PATH", path.as_str()), ("CUDRV_TCC_REAL_DRIVER", "/nonexistent/libcuda.so.1")];
+    let out = run_with_fake_output(&env, || {
+        let lib = interposer();
+        let version: unsafe extern "system" fn(*mut c_int) -> R = sym(&lib, "cuDriverGetVersion");
+        let init: unsafe extern "system" fn(c_uint) -> R = sym(&lib, "cuInit");
+        let error_name: unsafe extern "system" fn(R, *mut *const c_char) -> R = sym(&lib, "cuGetErrorName");
+        let error_string: unsafe extern "system" fn(R, *mut *const c_char) -> R = sym(&lib, "cuGetErrorString");
+        let mut v = 0;
+        let (mut name, mut text) = (std::ptr::null(), std::ptr::null());
+        // SAFETY: see `Cu::setup`; the strings returned are static.
+        let (name, text) = unsafe {
+            assert_eq!(version(&mut v), 303);
+            assert_eq!(init(0), 303);
+            ok(error_name(303, &mut name));
+            ok(error_string(303, &mut text));
+            (CStr::from_ptr(name).to_string_lossy(), CStr::from_ptr(text).to_string_lossy())
+        };
+        assert_eq!(name, "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED");
+        for part in ["cudrv TCC interposer", "libcudrv_tcc", "/nonexistent/libcuda.so.1", "No such file or directory"] {
+            assert!(text.contains(part), "{part:?} missing from {text:?}");
+        }
+    });
+    if let Some(out) = out {
+        assert!(
+            out.stderr.contains("cudrv TCC interposer") && out.stderr.contains("/nonexistent/libcuda.so.1"),
+            "{}",
+            out.stderr
+        );
+    }
+}
+
+// ---- strict configuration ---------------------------------------------------------------------
+
+/// Every invalid value, and every unknown CUDRV_FAKE_* name, makes cuInit fail with
+/// CUDA_ERROR_INVALID_VALUE and says why on stderr.
+#[test]
+fn invalid_configuration_fails_cu_init() {
+    let cases: &[(&str, &str, &str)] = &[
+        ("CUDRV_FAKE_MODE", "bogus", "linux, wddm or tcc"),
+        ("CUDRV_FAKE_MODE", "TCC", "linux, wddm or tcc"),
+        ("CUDRV_FAKE_DEVICES", "linux,bogus", "<mode>[-novmm|-vmm]"),
+        ("CUDRV_FAKE_DEVICES", "linux,,tcc", "<mode>[-novmm|-vmm]"),
+        ("CUDRV_FAKE_DEVICES", "tcc-novm", "<mode>[-novmm|-vmm]"),
+        ("CUDRV_FAKE_DEVICES", "17", "from 0 to 16"),
+        ("CUDRV_FAKE_DEVICES", "2x", "from 0 to 16"),
+        ("CUDRV_FAKE_MEMORY", "16G", "a number of bytes"),
+        ("CUDRV_FAKE_MEMORY", "-1", "a number of bytes"),
+        ("CUDRV_FAKE_MEMORY", "99999999999999999999999", "a number of bytes"),
+        ("CUDRV_FAKE_DELAY_US", "1ms", "a number of microseconds"),
+        ("CUDRV_FAKE_DRIVER_VERSION", "12.8", "1000 * major + 10 * minor"),
+        ("CUDRV_FAKE_DRIVER_VERSION", "12", "1000 * major + 10 * minor"),
+        ("CUDRV_FAKE_FAIL", "cuNoSuchFunction:1:2", "<function>:<n>[+]:<code>"),
+        ("CUDRV_FAKE_FAIL", "cuMemAlloc:0:2", "<function>:<n>[+]:<code>"),
+        ("CUDRV_FAKE_FAIL", "cuMemAlloc:1", "<function>:<n>[+]:<code>"),
+        ("CUDRV_FAKE_FAIL", "cuMemAlloc:1:0", "<function>:<n>[+]:<code>"),
+        ("CUDRV_FAKE_FAIL", "cuMemAlloc:1:2,", "<function>:<n>[+]:<code>"),
+        ("CUDRV_FAKE_VMM", "no", "0 (no virtual memory management) or 1"),
+        ("CUDRV_FAKE_REPORT_ON_EXIT", "yes", "0 or 1"),
+        ("CUDRV_FAKE_MOED", "tcc", "the fake driver reads CUDRV_FAKE_MODE"),
+    ];
+    for &(var, value, expected) in cases {
+        let out = run_with_fake_output(&[(var, value)], || {
+            let cu = Cu::load();
+            let mut n = 0;
+            // SAFETY: see `Cu::setup`.
+            unsafe {
+                assert_eq!((cu.init)(0), 1);
+                assert_eq!((cu.device_count)(&mut n), 3, "not initialised");
+            }
+        });
+        let Some(out) = out else { continue };
+        let line = out.stderr.lines().find(|l| l.starts_with("cudrv fake driver:")).unwrap_or_default();
+        assert!(
+            line.contains(&format!("{var}=\"{value}\"")) && line.contains(expected) && line.contains("cuInit"),
+            "{var}={value}: {}",
+            out.stderr
+        );
+    }
+}
+
+/// Every valid spelling still works, with nothing on stderr.
+#[test]
+fn valid_configuration_is_accepted() {
+    let env = [
+        ("CUDRV_FAKE_MODE", "tcc"),
+        ("CUDRV_FAKE_DEVICES", " linux , tcc-novmm,wddm-vmm"),
+        ("CUDRV_FAKE_VMM", "1"),
+        ("CUDRV_FAKE_MEMORY", "0x100000000"),
+        ("CUDRV_FAKE_DELAY_US", "0"),
+        ("CUDRV_FAKE_DRIVER_VERSION", "12080"),
+        ("CUDRV_FAKE_FAIL", "cuMemAlloc:5+:2,cuStreamDestroy_v2:1:0x3e7"),
+        ("CUDRV_FAKE_REPORT_ON_EXIT", "0"),
+        ("CUDRV_FAKE_CFLAGS", "-O0"),
+    ];
+    let out = run_with_fake_output(&env, || {
+        let cu = Cu::setup(2);
+        let mut n = 0;
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok((cu.device_count)(&mut n)) };
+        assert_eq!(n, 3);
+        assert_eq!(attr(&cu, ATTR_VMM_SUPPORTED, 1), 0);
+        assert_eq!(attr(&cu, ATTR_VMM_SUPPORTED, 2), 1);
+        assert_eq!(attr(&cu, ATTR_TCC_DRIVER, 1), 1);
+        let s = cu.stream();
+        // SAFETY: see `Cu::setup`.
+        unsafe { assert_eq!((cu.stream_destroy)(s), 999) };
+    });
+    if let Some(out) = out {
+        assert!(!out.stderr.contains("cudrv fake driver"), "{}", out.stderr);
+    }
+    // Empty values are unset ones.
+    let out = run_with_fake_output(&[("CUDRV_FAKE_MODE", ""), ("CUDRV_FAKE_FAIL", "")], || {
+        let _ = Cu::setup(0);
+    });
+    if let Some(out) = out {
+        assert!(!out.stderr.contains("cudrv fake driver"), "{}", out.stderr);
+    }
 }
