@@ -261,3 +261,110 @@ fn launch_and_synchronise_many_times() {
     }
     stream.synchronize().unwrap();
 }
+
+/// Issue 12, item 5, on the GPU: a buffer whose block the pool took from a buffer with a copy
+/// still queued (behind a 20 ms kernel) on its stream; a peer copy and a kernel on another stream
+/// write the new buffer. They wait for the buffer's stream, so the old copy reads the old data.
+#[test]
+fn writes_from_other_streams_wait_for_the_buffer_stream() {
+    let (dev, module, home) = setup();
+    let other = Stream::new(&dev).unwrap();
+    let spin = module.function("spin_fill_u32").unwrap();
+    let fill = module.function("fill_u32").unwrap();
+    let n = 1 << 20;
+    let src = DeviceBuffer::from_slice(&vec![0xFFFF_FFFFu32; n], &other).unwrap();
+    let mut slow = DeviceBuffer::<u32>::zeroed(16, &home).unwrap();
+    for round in 0..4u32 {
+        let old_data: Vec<u32> = (0..n as u32).map(|i| i ^ round).collect();
+        let old = DeviceBuffer::from_slice(&old_data, &home).unwrap();
+        // SAFETY: spin_fill_u32 spins 20 ms, then writes slow[0..16].
+        unsafe { spin.launch(LaunchConfig::linear(1, 32), &home, (&mut slow, 1u32, 16u64, 20_000u64)) }.unwrap();
+        let mut saved = cudrv::memory::PinnedBuffer::<u32>::new(&dev, n).unwrap();
+        old.copy_to_pinned_async(&mut saved).unwrap(); // runs after the 20 ms kernel
+        drop(old);
+        // SAFETY: every element is written below before anything reads it.
+        let mut dst = unsafe { DeviceBuffer::<u32>::uninit(n, &home) }.unwrap();
+        if round % 2 == 0 {
+            src.copy_to_peer(&mut dst, &other).unwrap();
+        } else {
+            // SAFETY: fill_u32(u32*, u32, u64) writes dst[0..n].
+            unsafe { fill.launch(LaunchConfig::for_num_elems(n), &other, (&mut dst, 0xFFFF_FFFFu32, n as u64)) }
+                .unwrap();
+        }
+        let wrong = saved.as_slice().unwrap().iter().zip(&old_data).filter(|(a, b)| a != b).count();
+        assert_eq!(wrong, 0, "round {round}: the old buffer's queued copy saw new data in {wrong} elements");
+        other.synchronize().unwrap();
+        home.wait_stream(&other).unwrap();
+        check_filled(&dst, 0xFFFF_FFFF, "the new buffer");
+    }
+}
+
+/// Issue 12, item 3, on the GPU: a buffer of thread A's per-thread stream, written there by a slow
+/// kernel and dropped on thread B, is freed through the legacy stream, after the kernel; thread B
+/// then allocates on its own per-thread stream and its data stays intact.
+#[test]
+fn per_thread_streams_keep_their_identity_across_threads() {
+    let (dev, module, _home) = setup();
+    let spin = module.function("spin_fill_u32").unwrap();
+    let n = 1 << 20;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let a = Stream::per_thread(&dev).unwrap();
+            assert_eq!(a.id(), Stream::per_thread(&dev).unwrap().id(), "one identity per thread");
+            let mut buf = DeviceBuffer::<u32>::zeroed(n, &a).unwrap();
+            // SAFETY: spin_fill_u32 spins 30 ms, then writes buf[0..n].
+            unsafe { spin.launch(LaunchConfig::for_num_elems(n), &a, (&mut buf, 0xBAD0_BAD0u32, n as u64, 30_000u64)) }
+                .unwrap();
+            tx.send((buf, a.id())).unwrap();
+        });
+    });
+    let (buf, a_id) = rx.recv().unwrap();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let b = Stream::per_thread(&dev).unwrap();
+            assert_ne!(b.id(), a_id, "another thread's per-thread stream is another stream");
+            drop(buf); // freed on A's stream, from here: through the legacy stream
+            let mut mine = DeviceBuffer::<u32>::zeroed(n, &b).unwrap();
+            mine.fill(7).unwrap();
+            b.synchronize().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(60));
+            check_filled(&mine, 7, "a block of another thread's per-thread stream");
+        });
+    });
+}
+
+/// Issue 12, item 7, on the GPU: host functions that drop buffers (the keep-alive pattern) while
+/// another thread trims the pool: no deadlock, and everything is given back.
+#[test]
+fn host_functions_drop_buffers_while_another_thread_trims() {
+    let (dev, module, home) = setup();
+    let spin = module.function("spin_fill_u32").unwrap();
+    let pool: std::sync::Arc<dyn cudrv::memory::MemoryResource> =
+        std::sync::Arc::new(cudrv::memory::StreamOrderedPool::new(&dev).unwrap());
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        let pool = &pool;
+        let trimmer = scope.spawn(move || {
+            while done_rx.try_recv().is_err() {
+                pool.trim(0).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        });
+        for round in 0..50u32 {
+            let mut kept = DeviceBuffer::<u32>::zeroed_in(1 << 16, &home, pool.clone()).unwrap();
+            // SAFETY: spin_fill_u32 spins 200 µs, then writes kept[0..65536].
+            unsafe { spin.launch(LaunchConfig::for_num_elems(1 << 16), &home, (&mut kept, round, 1u64 << 16, 200u64)) }
+                .unwrap();
+            home.launch_host_fn(move || drop(kept)).unwrap();
+            drop(DeviceBuffer::<u8>::zeroed_in(3 << 20, &home, pool.clone()).unwrap());
+        }
+        home.synchronize().unwrap();
+        done_tx.send(()).unwrap();
+        trimmer.join().unwrap();
+    });
+    cudrv::flush_deferred_drops().unwrap();
+    pool.trim(0).unwrap();
+    let st = pool.stats().unwrap();
+    assert_eq!((st.in_use, st.reserved), (0, 0));
+}

@@ -183,3 +183,43 @@ fn out_of_memory_is_a_typed_error() {
     let b = DeviceBuffer::from_slice(&[1u8, 2, 3], &s).unwrap();
     assert_eq!(b.to_vec().unwrap(), [1, 2, 3]);
 }
+
+/// `DriverPool` makes no context current for streams that carry their own: it must work with no
+/// context current, and with another context current (then that one stays current).
+#[test]
+fn driver_pool_works_whatever_context_is_current() {
+    use cudrv::sys::CUresult;
+    let dev = device();
+    if !dev.capabilities().unwrap().memory_pools {
+        return;
+    }
+    let pool: Arc<dyn MemoryResource> = Arc::new(cudrv::memory::DriverPool::default_pool(&dev).unwrap());
+    let s = Stream::new(&dev).unwrap();
+    let d = cudrv::sys::Driver::global().unwrap();
+    let data = random_bytes(time_seed(), 1 << 20);
+    let mut other = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer and device; a context of our own, destroyed below.
+    let created = unsafe { d.cuCtxCreate_v4(&mut other, std::ptr::null_mut(), 0, dev.as_raw()) };
+    assert_eq!(created, Ok(CUresult::CUDA_SUCCESS));
+    for (what, current) in [("no context", std::ptr::null_mut()), ("another context", other)] {
+        let set_current = || {
+            // SAFETY: null or a live context.
+            assert_eq!(unsafe { d.cuCtxSetCurrent(current) }, Ok(CUresult::CUDA_SUCCESS));
+        };
+        set_current();
+        let p = pool.allocate(1 << 20, &s).unwrap();
+        // SAFETY: `p` came from the pool with this size and is unused.
+        unsafe { pool.deallocate(p, 1 << 20, &s) }.unwrap();
+        set_current();
+        let buf = DeviceBuffer::from_slice_in(&data, &s, pool.clone()).unwrap();
+        assert_eq!(buf.to_vec().unwrap(), data, "{what}");
+        if !current.is_null() {
+            let mut now = std::ptr::null_mut();
+            // SAFETY: a valid out-pointer.
+            assert_eq!(unsafe { d.cuCtxGetCurrent(&mut now) }, Ok(CUresult::CUDA_SUCCESS));
+            assert_eq!(now, current, "cudrv restores the context it found");
+        }
+    }
+    // SAFETY: our context, destroyed once; nothing of it is in use.
+    assert_eq!(unsafe { d.cuCtxDestroy_v2(other) }, Ok(CUresult::CUDA_SUCCESS));
+}
