@@ -438,3 +438,50 @@ fn a_failing_synchronize_does_not_cut_a_copy_short() {
         assert_eq!(back, data);
     });
 }
+
+/// Defect 3: `Stream::per_thread` was one value for every thread, but `CU_STREAM_PER_THREAD` is a
+/// different stream on each. The pool handed a block freed on thread A's per-thread stream to
+/// thread B's with no ordering, and a buffer dropped on another thread was freed on the wrong
+/// stream. Now each thread's per-thread stream is its own identity, and work for it from another
+/// thread goes through the legacy stream, which is ordered with every per-thread stream.
+#[test]
+fn per_thread_streams_are_one_identity_per_thread() {
+    run_with_fake_modes(&["tcc", "linux"], &[("CUDRV_FAKE_DELAY_US", "1000")], || {
+        let dev = Device::get(0).unwrap();
+        let module = Module::from_ptx(&dev, PTX).unwrap();
+        let spin = module.function("spin_fill_u32").unwrap();
+        let n = 4096;
+        // Thread A: a buffer on its per-thread stream, written by a slow kernel there.
+        let (buf, a_id) = std::thread::spawn({
+            let spin = spin.clone();
+            move || {
+                let a = Stream::per_thread(&dev).unwrap();
+                assert_eq!(a.id(), Stream::per_thread(&dev).unwrap().id(), "one identity per thread");
+                let mut buf = DeviceBuffer::<u32>::zeroed(n, &a).unwrap();
+                // SAFETY: spin_fill_u32(u32*, u32, u64, u64) spins 100 ms, then writes buf[0..n].
+                unsafe {
+                    spin.launch(LaunchConfig::for_num_elems(n), &a, (&mut buf, 0xBAD0_BAD0u32, n as u64, 100_000u64))
+                }
+                .unwrap();
+                (buf, a.id())
+            }
+        })
+        .join()
+        .unwrap();
+        // Thread B: drops A's buffer (freed after A's kernel), then allocates on its own
+        // per-thread stream: the block may be A's, but only after the kernel is done.
+        std::thread::spawn(move || {
+            let b = Stream::per_thread(&dev).unwrap();
+            assert_ne!(b.id(), a_id);
+            drop(buf);
+            let mut mine = DeviceBuffer::<u32>::zeroed(n, &b).unwrap();
+            mine.fill(7).unwrap();
+            std::thread::sleep(Duration::from_millis(250));
+            let wrong = mine.to_vec().unwrap().iter().filter(|&&v| v != 7).count();
+            assert_eq!(wrong, 0, "thread A's late kernel wrote into thread B's buffer");
+        })
+        .join()
+        .unwrap();
+        assert!(fake_report().violations.is_empty(), "{}", fake_report());
+    });
+}
