@@ -5,14 +5,33 @@
 //! cargo run --example devices -- --json  # the same, as JSON
 //! ```
 //!
-//! Without a driver it prints the paths it tried and exits with status 1.
+//! Without a driver it prints the paths it tried and exits with status 1. `--help` prints the
+//! usage; an unknown argument prints it to stderr and exits with status 2.
 
 use std::process::ExitCode;
 
 use cudrv::{Device, Error};
 
+const USAGE: &str = "\
+usage: devices [--json]
+  --json      print the report as JSON
+  -h, --help  print this help";
+
 fn main() -> ExitCode {
-    let json = std::env::args().skip(1).any(|a| a == "--json");
+    let mut json = false;
+    for arg in std::env::args().skip(1) {
+        match arg.as_str() {
+            "--json" => json = true,
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return ExitCode::SUCCESS;
+            }
+            other => {
+                eprintln!("devices: unknown argument {other}\n{USAGE}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     match run(json) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -95,7 +114,8 @@ fn print_json(driver_version: i32, reports: &[Report]) {
                 "\"compute_capability\":\"{}.{}\",\"driver_model\":{},\"memory_pools\":{},",
                 "\"memory_pool_handle_types\":{},\"virtual_memory_management\":{},\"managed_memory\":{},",
                 "\"concurrent_managed_access\":{},\"pageable_memory_access\":{},\"host_register\":{},",
-                "\"stream_priority_range\":[{},{}],\"cooperative_launch\":{},\"cluster_launch\":{},",
+                "\"stream_priority_range\":{{\"greatest\":{},\"least\":{}}},",
+                "\"cooperative_launch\":{},\"cluster_launch\":{},",
                 "\"unified_addressing\":{},\"integrated\":{},\"memory_resource\":{},\"memory_resource_reason\":{}}}"
             ),
             r.ordinal,
@@ -113,8 +133,8 @@ fn print_json(driver_version: i32, reports: &[Report]) {
             c.concurrent_managed_access,
             c.pageable_memory_access,
             c.host_register,
-            c.stream_priority_range.0,
             c.stream_priority_range.1,
+            c.stream_priority_range.0,
             c.cooperative_launch,
             c.cluster_launch,
             c.unified_addressing,

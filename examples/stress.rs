@@ -35,7 +35,9 @@
 //!
 //! The last line is the summary, for example
 //! `stress: resource=StreamOrderedPool ops=123456 ops_per_s=12345.6 bytes_verified=987654321 mismatches=0 ...`.
-//! The exit status is 1 when a byte differed or an operation failed, 2 for bad arguments.
+//! The exit status is 1 when a byte differed or an operation failed, 2 for bad arguments (checked
+//! before anything is allocated: an unknown flag, a flag without its value, a value that is not a
+//! number or out of range, a `--max-size` larger than the device's memory), 0 for `--help`.
 //!
 //! On the fake driver (device memory is host memory there; keep sizes small):
 //! `CUDRV_DRIVER_PATH=<fake libcuda.so> CUDRV_FAKE_MODE=tcc cargo run --example stress -- --seconds 2 --max-size 1048576`
@@ -52,7 +54,7 @@ use cudrv::{Device, Event, Stream};
 /// The command line.
 #[derive(Debug, Clone)]
 struct Options {
-    seconds: f64,
+    duration: Duration,
     threads: usize,
     streams: usize,
     max_size: usize,
@@ -61,12 +63,26 @@ struct Options {
     device: usize,
 }
 
-const USAGE: &str = "usage: stress [--seconds F] [--threads N] [--streams M] [--max-size BYTES] [--seed S] \
-                     [--resource driver-pool|pool|sync] [--device D]";
+const USAGE: &str = "\
+usage: stress [--seconds F] [--threads N] [--streams M] [--max-size BYTES] [--seed S]
+              [--resource driver-pool|pool|sync] [--device D]
+  --seconds F        how long to run (default 10)
+  --threads N        worker threads, 1 to 1024 (default 4)
+  --streams M        streams per thread, 1 to 1024 (default 2)
+  --max-size BYTES   the largest allocation (default 268435456)
+  --seed S           the seed of the random choices (default: from the clock)
+  --resource R       the memory resource: driver-pool, pool or sync (default: the device's)
+  --device D         the device (default 0)
+  -h, --help         print this help";
 
-fn parse_args() -> Result<Options, String> {
+/// Most threads, and most streams per thread.
+const MAX_THREADS: usize = 1024;
+const MAX_STREAMS: usize = 1024;
+
+/// The options, or `None` for `--help`. Errors are messages for bad arguments.
+fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<Options>, String> {
     let mut o = Options {
-        seconds: 10.0,
+        duration: Duration::from_secs(10),
         threads: 4,
         streams: 2,
         max_size: 256 << 20,
@@ -74,28 +90,48 @@ fn parse_args() -> Result<Options, String> {
         resource: None,
         device: 0,
     };
-    let mut args = std::env::args().skip(1);
+    fn number<T: std::str::FromStr<Err: std::fmt::Display>>(flag: &str, value: &str) -> Result<T, String> {
+        value.parse().map_err(|e| format!("{flag} {value}: {e}"))
+    }
+    fn in_range(flag: &str, value: &str, max: usize) -> Result<usize, String> {
+        match number(flag, value)? {
+            n @ 1.. if n <= max => Ok(n),
+            _ => Err(format!("{flag} {value}: must be from 1 to {max}")),
+        }
+    }
     while let Some(flag) = args.next() {
+        const TAKES_VALUE: [&str; 7] =
+            ["--seconds", "--threads", "--streams", "--max-size", "--seed", "--resource", "--device"];
         if flag == "--help" || flag == "-h" {
-            return Err(USAGE.to_string());
+            return Ok(None);
         }
-        let value = args.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}\n{USAGE}");
+        if !TAKES_VALUE.contains(&flag.as_str()) {
+            return Err(format!("unknown argument {flag}"));
+        }
+        let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
-            "--seconds" => o.seconds = value.parse().map_err(|e| bad(&e))?,
-            "--threads" => o.threads = value.parse().map_err(|e| bad(&e))?,
-            "--streams" => o.streams = value.parse().map_err(|e| bad(&e))?,
-            "--max-size" => o.max_size = value.parse().map_err(|e| bad(&e))?,
-            "--seed" => o.seed = value.parse().map_err(|e| bad(&e))?,
-            "--device" => o.device = value.parse().map_err(|e| bad(&e))?,
-            "--resource" => o.resource = Some(value),
-            _ => return Err(format!("unknown argument {flag}\n{USAGE}")),
+            "--seconds" => {
+                let seconds: f64 = number(&flag, &value)?;
+                if !(seconds.is_finite() && seconds >= 0.0) {
+                    return Err(format!("--seconds {value}: must be a number of seconds, 0 or more"));
+                }
+                // Refused here, before `Instant + Duration` could panic.
+                o.duration = Duration::try_from_secs_f64(seconds)
+                    .ok()
+                    .filter(|d| Instant::now().checked_add(*d).is_some())
+                    .ok_or_else(|| format!("--seconds {value}: too long"))?;
+            }
+            "--threads" => o.threads = in_range(&flag, &value, MAX_THREADS)?,
+            "--streams" => o.streams = in_range(&flag, &value, MAX_STREAMS)?,
+            "--max-size" => o.max_size = in_range(&flag, &value, usize::MAX)?,
+            "--seed" => o.seed = number(&flag, &value)?,
+            "--device" => o.device = number(&flag, &value)?,
+            "--resource" if ["driver-pool", "pool", "sync"].contains(&value.as_str()) => o.resource = Some(value),
+            "--resource" => return Err(format!("--resource {value}: expected driver-pool, pool or sync")),
+            _ => unreachable!("every flag that takes a value is handled"),
         }
     }
-    if !(o.seconds >= 0.0 && o.seconds.is_finite()) || o.threads == 0 || o.streams == 0 || o.max_size == 0 {
-        return Err(format!("--seconds must be >= 0, and --threads, --streams, --max-size > 0\n{USAGE}"));
-    }
-    Ok(o)
+    Ok(Some(o))
 }
 
 /// SplitMix64: a small, good, seedable generator (no dependency needed).
@@ -172,38 +208,66 @@ struct Totals {
 }
 
 fn main() -> ExitCode {
-    let options = match parse_args() {
-        Ok(o) => o,
+    let options = match parse_args(std::env::args().skip(1)) {
+        Ok(Some(o)) => o,
+        Ok(None) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
         Err(e) => {
-            eprintln!("{e}");
+            eprintln!("stress: {e}\n{USAGE}");
             return ExitCode::from(2);
         }
     };
     match run(&options) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
+        Err(Stop::BadArgument(e)) => {
+            eprintln!("stress: {e}");
+            ExitCode::from(2)
+        }
+        Err(Stop::Failed(e)) => {
             eprintln!("stress: error: {e}");
             ExitCode::FAILURE
         }
     }
 }
 
+/// Why `run` stopped early: an argument that does not suit the device (status 2) or a failure
+/// (status 1).
+enum Stop {
+    BadArgument(String),
+    Failed(String),
+}
+
+impl From<String> for Stop {
+    fn from(e: String) -> Stop {
+        Stop::Failed(e)
+    }
+}
+
 /// Errors met in cudrv's `Drop`s (a free that failed): counted as errors.
 static DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
 
-fn run(o: &Options) -> Result<bool, String> {
+fn run(o: &Options) -> Result<bool, Stop> {
     cudrv::set_drop_error_hook(|e| {
         DROP_ERRORS.fetch_add(1, Ordering::Relaxed);
         eprintln!("stress: error in a drop: {e}");
     });
     let device = Device::get(o.device).map_err(|e| e.to_string())?;
+    let memory = device.total_memory().map_err(|e| e.to_string())?;
+    if o.max_size > memory {
+        return Err(Stop::BadArgument(format!(
+            "--max-size {}: larger than the memory of device {} ({memory} bytes)",
+            o.max_size, o.device
+        )));
+    }
     if let Some(name) = &o.resource {
         let resource: Arc<dyn MemoryResource> = match name.as_str() {
             "driver-pool" => Arc::new(DriverPool::default_pool(&device).map_err(|e| e.to_string())?),
             "pool" => Arc::new(StreamOrderedPool::new(&device).map_err(|e| e.to_string())?),
             "sync" => Arc::new(SyncResource::new(&device).map_err(|e| e.to_string())?),
-            other => return Err(format!("--resource {other}: expected driver-pool, pool or sync")),
+            other => unreachable!("parse_args accepts no --resource {other}"),
         };
         device.set_memory_resource(resource, format!("stress --resource {name}")).map_err(|e| e.to_string())?;
     }
@@ -217,7 +281,7 @@ fn run(o: &Options) -> Result<bool, String> {
         choice.reason,
         o.threads,
         o.streams,
-        o.seconds,
+        o.duration.as_secs_f64(),
         o.max_size,
         o.seed
     );
@@ -229,11 +293,11 @@ fn run(o: &Options) -> Result<bool, String> {
     let totals = Totals::default();
     let next_id = AtomicU64::new(1);
     let start = Instant::now();
-    let deadline = start + Duration::from_secs_f64(o.seconds);
+    let deadline = start.checked_add(o.duration).ok_or_else(|| Stop::BadArgument("--seconds: too long".into()))?;
     std::thread::scope(|scope| {
         for t in 0..o.threads {
             let (streams, totals, next_id) = (&streams, &totals, &next_id);
-            scope.spawn(move || {
+            let spawned = std::thread::Builder::new().spawn_scoped(scope, move || {
                 let mut worker = Worker {
                     o,
                     own: &streams[t * o.streams..(t + 1) * o.streams],
@@ -253,6 +317,11 @@ fn run(o: &Options) -> Result<bool, String> {
                 // Whatever happened, free what is left (in stream order, no sync).
                 worker.live.clear();
             });
+            if let Err(e) = spawned {
+                totals.errors.fetch_add(1, Ordering::Relaxed);
+                eprintln!("stress: thread {t}: cannot start it: {e}");
+                break;
+            }
         }
     });
     for s in &streams {
@@ -501,6 +570,7 @@ impl Worker<'_> {
         slot.last = own;
         let len = slot.buf.len();
         self.host.clear();
+        self.host.try_reserve_exact(len).map_err(|e| format!("out of host memory to verify {len} bytes: {e}"))?;
         self.host.resize(len, 0);
         slot.buf.copy_to_host(&mut self.host).map_err(err("copy_to_host"))?;
         let bad_low = self.host[..slot.split].iter().position(|b| *b != slot.low);

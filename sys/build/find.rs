@@ -1,5 +1,6 @@
-//! Finding `cuda.h`. Shared by `build.rs` and by the crate's tests (`tests/header_search.rs`), so
-//! that the search order is tested with temporary folders standing in for real installs.
+//! Finding `cuda.h`, and what the build says about the bindings it used. Shared by `build.rs` and
+//! by the crate's tests (`tests/header_search.rs`), so that the search order is tested with
+//! temporary folders standing in for real installs.
 
 use std::path::{Path, PathBuf};
 
@@ -69,6 +70,69 @@ pub fn search(inputs: &SearchInputs) -> SearchResult {
         }
     }
     SearchResult { found: None, looked_in }
+}
+
+/// Which bindings the build uses, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// bindgen ran on the header in `found`, whose `CUDA_VERSION` is `version`.
+    Generated {
+        /// The raw bindgen output.
+        raw: String,
+        /// The header's `CUDA_VERSION`.
+        version: u32,
+        /// Where the header is.
+        found: Found,
+    },
+    /// The committed bindings, generated from the CUDA `version` headers.
+    Fallback {
+        /// The `CUDA_VERSION` of the committed bindings.
+        version: u32,
+        /// Why they are used.
+        reason: String,
+        /// A header was found but could not be used (libclang missing, bindgen failing on it). Not
+        /// set when there is no header or when the fallback was asked for: that is the normal
+        /// case on a machine without a CUDA toolkit, and on docs.rs.
+        failed: bool,
+    },
+}
+
+impl Outcome {
+    /// The value of `cudrv_sys::BINDINGS_SOURCE`: `generated from <include dir> (<why there>)`
+    /// or `fallback (<why>)`.
+    pub fn source(&self) -> String {
+        match self {
+            Outcome::Generated { found, .. } => {
+                format!("generated from {} ({})", found.include_dir.display(), found.source)
+            }
+            Outcome::Fallback { reason, .. } => format!("fallback ({reason})"),
+        }
+    }
+
+    /// The build warning to print, if any: only when something was found and failed, unless
+    /// `verbose` (`CUDRV_SYS_VERBOSE=1`) asks for the source in every case.
+    pub fn warning(&self, verbose: bool) -> Option<String> {
+        let failed = matches!(self, Outcome::Fallback { failed: true, .. });
+        if !failed && !verbose {
+            return None;
+        }
+        Some(match self {
+            Outcome::Generated { version, found, .. } => format!(
+                "bindings generated from the CUDA {} headers in {} ({})",
+                version_name(*version),
+                found.include_dir.display(),
+                found.source
+            ),
+            Outcome::Fallback { version, reason, .. } => {
+                format!("using the committed CUDA {} bindings: {reason}", version_name(*version))
+            }
+        })
+    }
+}
+
+/// `13000` as `13.0`, `12090` as `12.9`.
+fn version_name(version: u32) -> String {
+    format!("{}.{}", version / 1000, version % 1000 / 10)
 }
 
 /// The usual install folders for `target_os`: the fixed ones first, then versioned folders

@@ -225,7 +225,7 @@ impl Driver {
         // SAFETY: `version` is a valid out-pointer; cuDriverGetVersion needs no cuInit.
         let rc = unsafe { get_version(&mut version) };
         if rc != CUresult::CUDA_SUCCESS {
-            return Err(fail(format!("cuDriverGetVersion failed with code {}", rc.0)));
+            return Err(fail(format!("cuDriverGetVersion failed: {}", describe_with(&library, rc))));
         }
         // SAFETY: the two symbols are looked up with their cuda.h types (v2 adds symbolStatus).
         let proc_address = unsafe {
@@ -323,6 +323,26 @@ impl Driver {
             ProcAddress::Absent => return ptr::null_mut(),
         };
         if rc == CUresult::CUDA_SUCCESS { p } else { ptr::null_mut() }
+    }
+}
+
+/// `code` as the library itself describes it (`cuGetErrorName`, `cuGetErrorString`, which work
+/// before `cuInit`), for a library that failed before cudrv could use it; else its number.
+fn describe_with(library: &Library, code: CUresult) -> String {
+    type Describe = unsafe extern "system" fn(CUresult, *mut *const c_char) -> CUresult;
+    let ask = |symbol: &CStr| -> Option<String> {
+        // SAFETY: looked up with the type cuda.h gives both functions.
+        let f: Describe = unsafe { library.get::<Describe>(symbol.to_bytes_with_nul()) }.ok().map(|s| *s)?;
+        let mut text: *const c_char = ptr::null();
+        // SAFETY: a valid out-pointer; on success the driver writes a static NUL-terminated string.
+        let rc = unsafe { f(code, &mut text) };
+        // SAFETY: as above.
+        (rc == CUresult::CUDA_SUCCESS && !text.is_null())
+            .then(|| unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned())
+    };
+    match (ask(c"cuGetErrorName"), ask(c"cuGetErrorString")) {
+        (Some(name), Some(text)) => format!("{name} ({}): {text}", code.0),
+        _ => format!("code {}", code.0),
     }
 }
 

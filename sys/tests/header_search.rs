@@ -116,6 +116,25 @@ fn reads_the_cuda_version() {
     assert_eq!(find::read_cuda_version("#define CUDA_VERSION_MAJOR 13\n"), None);
 }
 
+/// The committed bindings are quiet unless asked (`CUDRV_SYS_VERBOSE=1`) when nothing was found or
+/// they were asked for; a header that was found but could not be used always warns.
+#[test]
+fn the_bindings_source_warns_only_on_failure_or_on_request() {
+    let fallback = |failed| find::Outcome::Fallback { version: 13000, reason: "no cuda.h was found".into(), failed };
+    assert_eq!(fallback(false).source(), "fallback (no cuda.h was found)");
+    assert_eq!(fallback(false).warning(false), None);
+    let verbose = fallback(false).warning(true).unwrap();
+    assert_eq!(verbose, "using the committed CUDA 13.0 bindings: no cuda.h was found");
+    assert_eq!(fallback(true).warning(false).as_deref(), Some(verbose.as_str()));
+
+    let found = find::Found { include_dir: PathBuf::from("/opt/cuda/include"), source: "CUDA_PATH".into() };
+    let generated = find::Outcome::Generated { raw: String::new(), version: 12090, found: found.clone() };
+    assert_eq!(generated.source(), format!("generated from {} (CUDA_PATH)", found.include_dir.display()));
+    assert_eq!(generated.warning(false), None);
+    let verbose = generated.warning(true).unwrap();
+    assert!(verbose.starts_with("bindings generated from the CUDA 12.9 headers in "), "{verbose}");
+}
+
 /// The bindings the build used. `.ci/run` sets `CUDRV_SYS_EXPECT_BINDINGS` to `fallback` or
 /// `generated` in each lane, so that the lane fails if the build did something else.
 #[test]

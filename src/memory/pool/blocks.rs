@@ -166,8 +166,10 @@ impl<B: Backend> Arena<B> {
         }
     }
 
-    /// Merges every pair of adjacent free blocks of chunk `c` that may merge.
+    /// Merges every pair of adjacent free blocks of chunk `c` that may merge. Not for a chunk
+    /// being released (its blocks are off the lists).
     pub(crate) fn coalesce_chunk(&mut self, c: u32) {
+        debug_assert!(!self.chunks[c].releasing, "coalescing a chunk that is being released");
         let mut cur = self.chunks[c].first;
         while cur != NIL {
             let next = self.blocks[cur].next;

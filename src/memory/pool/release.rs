@@ -141,7 +141,10 @@ impl<B: Backend> Arena<B> {
     /// saw frees complete, blocks of different streams merge too).
     pub(crate) fn coalesce_all(&mut self) {
         for c in self.chunks.indices() {
-            self.coalesce_chunk(c);
+            // A chunk being freed is off the free lists and must stay so.
+            if !self.chunks[c].releasing {
+                self.coalesce_chunk(c);
+            }
         }
         self.reap_forgotten();
     }

@@ -220,7 +220,6 @@ impl Harness {
     }
 }
 
-
 /// The default configuration without headroom and size classes, so that unit tests can predict
 /// chunk sizes.
 fn plain() -> PoolConfig {

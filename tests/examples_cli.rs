@@ -1,0 +1,156 @@
+//! The examples' command lines (`devices`, `vector_add`, `stress`): `--help` exits 0, an unknown
+//! flag is named and exits 2 with the usage, bad numbers exit 2 before anything is allocated
+//! (never an abort or a panic), running out of host memory exits 1; and the `devices` report on
+//! the emulated driver.
+//!
+//! The examples are run as programs. `cargo test` builds them (beside the test executables, in
+//! `<target>/<profile>/examples/`); `gpu-bundle` stages them in `bin/` beside `tests/`.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use cudrv_test_support::fake_driver_path;
+
+/// The path of example `name`, built by `cargo test` (or staged by `gpu-bundle`).
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("the test executable is in <dir>/deps/");
+    let built = profile_dir.join("examples").join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    if built.is_file() {
+        // `cargo test --test examples_cli` alone does not rebuild the examples.
+        let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples").join(format!("{name}.rs"));
+        let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        if let (Some(built_at), Some(edited_at)) = (modified(&built), modified(&source)) {
+            assert!(
+                built_at >= edited_at,
+                "{} is older than {}: run `cargo build --examples`",
+                built.display(),
+                source.display()
+            );
+        }
+        return built;
+    }
+    let staged = profile_dir.join("bin").join(name);
+    assert!(
+        staged.is_file(),
+        "the {name} example is not built (looked for {} and {}): run `cargo test`, which builds the examples, \
+         or `cargo build --examples` first",
+        built.display(),
+        staged.display()
+    );
+    staged
+}
+
+/// Runs example `name` with `args`, without a driver.
+fn run(name: &str, args: &[&str]) -> Output {
+    run_env(name, args, &[])
+}
+
+/// Runs example `name` with `args` and `env`.
+fn run_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(example(name));
+    cmd.args(args).env("CUDRV_DRIVER_PATH", "/no/such/driver/libcuda.so");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap_or_else(|e| panic!("cannot run the {name} example: {e}"))
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Checks the exit status and that stderr contains `needle`; returns stdout and stderr.
+#[track_caller]
+fn expect(out: &Output, status: i32, needle: &str) -> (String, String) {
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(status), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(stderr.contains(needle), "expected {needle:?} in stderr: {stderr}");
+    (stdout, stderr)
+}
+
+const EXAMPLES: [&str; 3] = ["devices", "vector_add", "stress"];
+
+#[test]
+fn help_prints_the_usage_and_exits_0() {
+    for name in EXAMPLES {
+        for flag in ["--help", "-h"] {
+            let (stdout, stderr) = expect(&run(name, &[flag]), 0, "");
+            assert!(stdout.starts_with(&format!("usage: {name}")), "{name} {flag}: {stdout}");
+            assert!(stderr.is_empty(), "{name} {flag}: {stderr}");
+        }
+    }
+}
+
+#[test]
+fn unknown_flags_are_named_with_the_usage_and_exit_2() {
+    for name in EXAMPLES {
+        for args in [&["--bogus-flag"][..], &["--bogus-flag", "1"]] {
+            let (stdout, stderr) = expect(&run(name, args), 2, "unknown argument --bogus-flag");
+            assert!(stderr.contains(&format!("usage: {name}")), "{name}: {stderr}");
+            assert!(stdout.is_empty(), "{name}: {stdout}");
+        }
+    }
+    // A flag that takes a value but has none is told apart from an unknown one.
+    expect(&run("stress", &["--seconds"]), 2, "--seconds needs a value");
+    expect(&run("vector_add", &["1", "2"]), 2, "unexpected argument 2");
+}
+
+#[test]
+fn bad_numbers_exit_2_before_anything_is_allocated() {
+    for (args, needle) in [
+        (&["0"][..], "at least 1"),
+        (&["many"], "must be a whole number"),
+        (&["-5"], "unknown argument -5"),
+        (&["18446744073709551615"], "do not fit in memory"),
+        (&["99999999999999999999999"], "must be a whole number"),
+    ] {
+        expect(&run("vector_add", args), 2, needle);
+    }
+    for (args, needle) in [
+        (&["--threads", "0"][..], "--threads 0: must be from 1 to 1024"),
+        (&["--threads", "1000000"], "must be from 1 to 1024"),
+        (&["--streams", "x"], "--streams x: invalid digit"),
+        (&["--max-size", "0"], "--max-size 0: must be from 1"),
+        (&["--seconds", "-1"], "0 or more"),
+        (&["--seconds", "NaN"], "0 or more"),
+        (&["--seconds", "1e300"], "too long"),
+        (&["--seed", "-1"], "--seed -1: invalid digit"),
+        (&["--resource", "fast"], "expected driver-pool, pool or sync"),
+    ] {
+        expect(&run("stress", args), 2, needle);
+    }
+}
+
+#[test]
+fn vector_add_checks_the_count_against_the_device_and_the_host() {
+    let fake = fake_driver_path();
+    let fake = fake.to_str().expect("a UTF-8 path");
+    // More than the device's memory (16 GiB on the fake): status 2, before any host allocation.
+    let out = run_env("vector_add", &["100000000000"], &[("CUDRV_DRIVER_PATH", fake)]);
+    expect(&out, 2, "need 1200000000000 bytes of device memory");
+    // A device that large, but no host has 2^62 bytes: an error and status 1, not an abort.
+    let out = run_env(
+        "vector_add",
+        &["384307168202282325"],
+        &[("CUDRV_DRIVER_PATH", fake), ("CUDRV_FAKE_MEMORY", "4611686018427387904")],
+    );
+    expect(&out, 1, "out of host memory");
+    let out = run_env("vector_add", &["1000"], &[("CUDRV_DRIVER_PATH", fake)]);
+    let (stdout, _) = expect(&out, 0, "");
+    assert!(stdout.contains("1000 elements") && stdout.contains("all elements correct"), "{stdout}");
+    // stress: --max-size larger than the device.
+    let out = run_env("stress", &["--max-size", "18446744073709551615"], &[("CUDRV_DRIVER_PATH", fake)]);
+    expect(&out, 2, "larger than the memory of device 0");
+}
+
+#[test]
+fn devices_reports_stream_priorities_the_same_way_in_text_and_json() {
+    let fake = fake_driver_path();
+    let env = [("CUDRV_DRIVER_PATH", fake.to_str().expect("a UTF-8 path"))];
+    let (json, _) = expect(&run_env("devices", &["--json"], &env), 0, "");
+    // The fake's range is the H200's: greatest priority -5, least 0.
+    assert!(json.contains(r#""stream_priority_range":{"greatest":-5,"least":0}"#), "{json}");
+    let (report, _) = expect(&run_env("devices", &[], &env), 0, "");
+    assert!(report.contains("-5..=0 (greatest..=least)"), "{report}");
+}

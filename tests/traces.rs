@@ -1,0 +1,61 @@
+//! Every allocation trace in `traces/` replayed on the simulator (`SimulatedPool`, the same
+//! bookkeeping as `StreamOrderedPool`, on an emulated device): it completes within a memory budget
+//! of 1.10x its peak of live bytes, cold and warm (replayed twice), and without a budget it
+//! reserves at most 1.25x.
+
+use cudrv::memory::{PoolConfig, SimulatedPool, Trace};
+
+fn traces() -> Vec<(String, Trace)> {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("traces/ exists") {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "csv") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let trace = Trace::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            out.push((path.file_name().unwrap().to_string_lossy().into_owned(), trace));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(out.len() >= 5, "expected the traces of traces/, found {}", out.len());
+    out
+}
+
+#[test]
+fn every_trace_fits_in_110_percent_of_its_peak_cold_and_warm() {
+    for (name, trace) in traces() {
+        let budget = trace.peak_live() / 100 * 110;
+        let pool = SimulatedPool::new(PoolConfig::default(), Some(budget));
+        for pass in ["cold", "warm"] {
+            let r = trace.replay_on(&pool);
+            assert_eq!(r.out_of_memory_at, None, "{name} ({pass}): out of memory at event {:?}", r.out_of_memory_at);
+            println!("{name} {pass}: budget 1.10: reserved/live {:.3}, {} driver allocs", r.ratio(), r.driver_allocs);
+        }
+    }
+}
+
+#[test]
+fn every_trace_reserves_at_most_125_percent_of_its_peak() {
+    for (name, trace) in traces() {
+        let r = trace.replay_simulated(PoolConfig::default(), None);
+        println!("{name}: reserved/live {:.3}, {} driver allocs, {} frees", r.ratio(), r.driver_allocs, r.driver_frees);
+        assert!(r.ratio() <= 1.25, "{name}: reserved/live {:.3}", r.ratio());
+    }
+}
+
+#[test]
+fn bad_traces_name_the_line() {
+    for (text, line, what) in [
+        ("op,id,size,stream\na,0,10,0\nx,1,10,0\n", 3, "unknown op"),
+        ("a,0,10\n", 1, "expected 4 fields"),
+        ("a,0,ten,0\n", 1, "size \"ten\""),
+        ("# comment\na,0,10,0\nf,1,10,0\n", 3, "not live"),
+        ("a,0,10,0\na,0,10,0\n", 2, "allocated again"),
+        ("a,0,10,0\nf,0,11,0\n", 2, "with 11 bytes; it has 10"),
+        ("a,0,10,0\nop,id,size,stream\n", 2, "a header after"),
+    ] {
+        let err = Trace::parse(text).unwrap_err();
+        assert_eq!(err.line, line, "{text:?}: {err}");
+        assert!(err.to_string().contains(what), "{text:?}: {err}");
+    }
+}
