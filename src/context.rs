@@ -46,6 +46,10 @@ pub struct Context {
     device: Device,
     raw: CUcontext,
     deferred: Mutex<Vec<Error>>,
+    /// Events (without timing) for ordering one stream after another, reused: cudrv records one,
+    /// makes a stream wait on it, and puts it back at once (a wait captures the record it was
+    /// made on, so recording the event again later changes nothing for it).
+    spare_events: Mutex<Vec<SpareEvent>>,
     /// Whether `deferred` may hold something: lets `bind` skip the lock on the hot path.
     has_deferred: AtomicBool,
 }
@@ -111,8 +115,13 @@ impl Context {
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the device handle came from cuDeviceGet.
         unsafe { drv!(cuDevicePrimaryCtxRetain(&mut raw, device.as_raw())) }?;
-        let ctx =
-            Arc::new(Context { device, raw, deferred: Mutex::new(Vec::new()), has_deferred: AtomicBool::new(false) });
+        let ctx = Arc::new(Context {
+            device,
+            raw,
+            deferred: Mutex::new(Vec::new()),
+            spare_events: Mutex::new(Vec::new()),
+            has_deferred: AtomicBool::new(false),
+        });
         map.insert(device.ordinal_i32(), Arc::downgrade(&ctx));
         Ok(ctx)
     }
@@ -164,6 +173,43 @@ impl Context {
         if list.is_empty() { Ok(()) } else { Err(Error::Deferred(Box::new(list.remove(0)))) }
     }
 
+    /// Makes work queued on `waiter` after this call wait, on the GPU, for all work queued on
+    /// `stream` (of this context) so far, with a reused event. Returns at once.
+    pub(crate) fn order_after(&self, waiter: cudrv_sys::CUstream, stream: cudrv_sys::CUstream) -> Result<()> {
+        let event = match self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop() {
+            Some(e) => e,
+            None => {
+                let _b = self.bind()?;
+                let mut raw = std::ptr::null_mut();
+                let flags = cudrv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+                // SAFETY: a valid out-pointer; the context is current.
+                unsafe { drv!(cuEventCreate(&mut raw, flags)) }?;
+                SpareEvent(raw)
+            }
+        };
+        let ordered = self.bind().and_then(|_b| {
+            // SAFETY: the event is of this context and not in use; both streams are valid (the
+            // caller holds them); the context is current.
+            unsafe { drv!(cuEventRecord(event.0, stream)) }?;
+            // SAFETY: as above; the wait captures this record.
+            unsafe { drv!(cuStreamWaitEvent(waiter, event.0, 0)) }
+        });
+        self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(event);
+        ordered
+    }
+
+    /// Destroys the events cudrv keeps to order one stream after another (it makes them again
+    /// when needed). Everything else cudrv caches is released with its owner (a memory
+    /// resource's `trim`, a stream's or buffer's drop).
+    pub fn release_cached_events(&self) {
+        let spare = std::mem::take(&mut *self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let Some(d) = crate::result::loaded_driver() else { return };
+        for e in spare {
+            // SAFETY: the context's own events, not in use, destroyed once.
+            let _ = unsafe { d.cuEventDestroy_v2(e.0) };
+        }
+    }
+
     /// Waits until all work on the device's context is done (`cuCtxSynchronize`), then returns an
     /// error kept from a `Drop`, if any (see the [module documentation](self)).
     ///
@@ -205,8 +251,16 @@ impl Drop for Bound<'_> {
     }
 }
 
+/// A reusable event of a context (see `Context::spare_events`), destroyed with the context.
+#[derive(Debug)]
+struct SpareEvent(cudrv_sys::CUevent);
+
+// SAFETY: an event handle may be used from any thread.
+unsafe impl Send for SpareEvent {}
+
 impl Drop for Context {
     fn drop(&mut self) {
+        let spare = std::mem::take(self.spare_events.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
         let mut map = primaries().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         // Another thread may have raced in and created a new Context for this device after our
         // last Arc went away; only remove the entry if it is ours (dead).
@@ -217,6 +271,11 @@ impl Drop for Context {
         let device = self.device;
         let release = move || {
             let Ok(driver) = crate::result::driver() else { return };
+            for e in spare {
+                // SAFETY: the context's own events, not in use, destroyed once, before the
+                // context is released.
+                let _ = unsafe { driver.cuEventDestroy_v2(e.0) };
+            }
             // SAFETY: this Context retained the primary context once; this releases it once.
             let rc = unsafe { driver.cuDevicePrimaryCtxRelease_v2(device.as_raw()) };
             if let Err(e) = crate::result::check("cuDevicePrimaryCtxRelease", rc) {

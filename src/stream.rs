@@ -157,8 +157,26 @@ struct Inner {
     /// For the per-thread default stream: the [`thread_token`] of the thread whose stream this
     /// is. 0 for every other stream.
     per_thread_owner: u64,
-    /// What other layers keep on the stream (see [`Attachment`]).
-    attachments: Mutex<Vec<(u64, Box<dyn Attachment>)>>,
+    /// What other layers keep on the stream (see [`Attachment`]), on cache lines of their own:
+    /// threads that allocate on different streams must not share one.
+    attachments: CachePadded<Mutex<Attachments>>,
+}
+
+/// A stream's attachments, each with its owner's number.
+type Attachments = Vec<(u64, Box<dyn Attachment>)>;
+
+/// A value alone on its cache lines (128 bytes: two 64-byte lines, as adjacent-line prefetching
+/// pairs them).
+#[repr(align(128))]
+struct CachePadded<T>(T);
+
+impl<T> std::ops::Deref for CachePadded<T> {
+    type Target = T;
+
+    #[inline]
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 impl Inner {
@@ -241,7 +259,8 @@ impl Stream {
 
     fn wrap(raw: CUstream, ctx: Arc<Context>, owned: bool, per_thread_owner: u64) -> Stream {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        let inner = Arc::new(Inner { raw, ctx, owned, id, per_thread_owner, attachments: Mutex::new(Vec::new()) });
+        let inner =
+            Arc::new(Inner { raw, ctx, owned, id, per_thread_owner, attachments: CachePadded(Mutex::new(Vec::new())) });
         Stream { handle: Arc::new(Handle { key: StreamKey(inner) }) }
     }
 
@@ -417,9 +436,8 @@ impl Stream {
         if other.id() == self.id() {
             return Ok(());
         }
-        let event = Event::new(&other.device())?;
-        event.record(other)?;
-        self.wait_event(&event)
+        // The event must be of `other`'s context (the waiter may be of another device).
+        other.context().order_after(self.as_raw(), other.as_raw())
     }
 
     /// Records `event` at this point of the stream.

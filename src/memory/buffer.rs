@@ -119,9 +119,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// [`Error::OutOfMemory`], [`Error::InvalidArgument`] on overflow, the driver's error.
     #[inline]
     pub unsafe fn uninit(len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
-        let resource = ResourceRef::Device(super::default_resource(&stream.device())?);
-        // SAFETY: forwarded.
-        unsafe { Self::uninit_from(resource, len, stream) }
+        let resource = super::device_resource_for_buffers(&stream.device())?;
+        // SAFETY: forwarded; the device's own resource, checked device-accessible.
+        unsafe { Self::allocate(ResourceRef::Device(resource), len, stream) }
     }
 
     /// As [`DeviceBuffer::uninit`], from `resource`.
@@ -145,6 +145,16 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if !resource.is_device_accessible() {
             return Err(Error::InvalidArgument(format!("{} is not device-accessible memory", resource.kind())));
         }
+        // SAFETY: forwarded; checked above.
+        unsafe { Self::allocate(resource, len, stream) }
+    }
+
+    /// Allocates from `resource`, which belongs to `stream`'s device and is device-accessible.
+    ///
+    /// # Safety
+    /// As [`DeviceBuffer::uninit`].
+    #[inline]
+    unsafe fn allocate(resource: ResourceRef, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
         if align_of::<T>() > MAX_ALIGN {
             return Err(Error::InvalidArgument(format!(
                 "DeviceBuffer needs align_of::<T>() <= {MAX_ALIGN} (what memory resources guarantee); {} has {}",
@@ -178,9 +188,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::uninit`].
     pub fn zeroed(len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
-        let resource = ResourceRef::Device(super::default_resource(&stream.device())?);
         // SAFETY: the memory is zeroed (in stream order) before anything can read it.
-        let mut buf = unsafe { Self::uninit_from(resource, len, stream)? };
+        let mut buf = unsafe { Self::uninit(len, stream)? };
         buf.memset(0)?;
         Ok(buf)
     }
@@ -201,9 +210,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::uninit`].
     pub fn from_slice(data: &[T], stream: &Stream) -> Result<DeviceBuffer<T>> {
-        let resource = ResourceRef::Device(super::default_resource(&stream.device())?);
         // SAFETY: every element is written by the copy before anyone can read it.
-        let mut buf = unsafe { Self::uninit_from(resource, data.len(), stream)? };
+        let mut buf = unsafe { Self::uninit(data.len(), stream)? };
         buf.copy_from_host(data)?;
         Ok(buf)
     }
@@ -472,8 +480,18 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     #[inline]
     fn drop(&mut self) {
-        let used_on = std::mem::take(self.used_on.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
         let bytes = self.byte_len();
+        let used_on = self.used_on.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if used_on.is_empty() && !crate::host_fn::in_host_fn() {
+            // The usual case: used on its own stream only.
+            // SAFETY: the pointer came from this resource with this size and is freed once; every
+            // use is queued on the buffer's stream.
+            if let Err(e) = unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) } {
+                report_drop_error(Some(self.stream.context()), e);
+            }
+            return;
+        }
+        let used_on = std::mem::take(used_on);
         if crate::host_fn::in_host_fn() {
             let (resource, ptr, stream) = (self.resource.clone(), self.ptr, self.stream.clone());
             crate::host_fn::defer(move || free_after_uses(&*resource, ptr, bytes, &stream, &used_on));

@@ -238,11 +238,14 @@ fn pools_missing_reason(caps: &crate::Capabilities) -> String {
 /// stays valid for the buffers that came from it.
 struct Entry {
     resource: Arc<dyn MemoryResource>,
+    /// `resource.is_device_accessible()`, asked once.
+    device_accessible: bool,
     choice: Choice,
 }
 
 /// Per device, the current [`Entry`] (null until first use). Read with one atomic load, which no
 /// thread ever contends on: the hot path of `DeviceBuffer::uninit` reads it.
+#[inline]
 fn slots() -> Result<&'static [AtomicPtr<Entry>]> {
     static SLOTS: OnceLock<Box<[AtomicPtr<Entry>]>> = OnceLock::new();
     if let Some(s) = SLOTS.get() {
@@ -255,6 +258,7 @@ fn slots() -> Result<&'static [AtomicPtr<Entry>]> {
 /// Serialises making and replacing entries (never taken on the hot path).
 static INSTALL: Mutex<()> = Mutex::new(());
 
+#[inline]
 fn slot(device: &Device) -> Result<&'static AtomicPtr<Entry>> {
     slots()?
         .get(device.ordinal())
@@ -269,6 +273,7 @@ fn install(slot: &AtomicPtr<Entry>, entry: Entry) -> &'static Entry {
 }
 
 /// The device's current entry, made as [`choose`] decides on first use.
+#[inline]
 fn entry(device: &Device) -> Result<&'static Entry> {
     let slot = slot(device)?;
     let p = slot.load(Ordering::Acquire);
@@ -284,13 +289,18 @@ fn entry(device: &Device) -> Result<&'static Entry> {
     }
     let choice = choose(device)?;
     let resource = make(device, choice.kind)?;
-    Ok(install(slot, Entry { resource, choice }))
+    Ok(install(slot, Entry { device_accessible: resource.is_device_accessible(), resource, choice }))
 }
 
-/// The device's resource, for buffers: no reference count is touched.
+/// The device's resource, for buffers: no reference count is touched. Refused when it is not
+/// device-accessible (a pinned-host resource set with `Device::set_memory_resource`).
 #[inline]
-pub(crate) fn default_resource(device: &Device) -> Result<&'static dyn MemoryResource> {
-    Ok(&*entry(device)?.resource)
+pub(crate) fn device_resource_for_buffers(device: &Device) -> Result<&'static dyn MemoryResource> {
+    let e = entry(device)?;
+    if !e.device_accessible {
+        return Err(Error::InvalidArgument(format!("{} is not device-accessible memory", e.resource.kind())));
+    }
+    Ok(&*e.resource)
 }
 
 /// Makes the resource for a choice.
@@ -350,7 +360,7 @@ impl Device {
         let choice = Choice { kind: resource.kind(), reason: reason.into() };
         let _guard = INSTALL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let old = slot.load(Ordering::Acquire);
-        install(slot, Entry { resource, choice });
+        install(slot, Entry { device_accessible: resource.is_device_accessible(), resource, choice });
         if !old.is_null() {
             // SAFETY: as in `entry`.
             let _ = unsafe { &*old }.resource.trim(0);

@@ -78,7 +78,9 @@ impl std::fmt::Debug for Shared {
     }
 }
 
-/// A pool's cache of one stream, kept on the stream.
+/// A pool's cache of one stream, kept on the stream, alone on its cache lines (threads allocating
+/// on different streams write their caches all the time).
+#[repr(align(128))]
 struct StreamCache {
     cache: Cache,
     pool: Weak<Shared>,
