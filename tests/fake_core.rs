@@ -84,13 +84,13 @@ fn symbols_resolve_lazily_through_get_proc_address() {
         assert!(d.has("cuMemAllocAsync"));
         // A function the fake does not implement is a typed error, not a panic.
         // SAFETY: never called through: the symbol is missing.
-        let missing = unsafe { d.cuGraphCreate(std::ptr::null_mut(), 0) };
+        let missing = unsafe { d.cuGraphDebugDotPrint(std::ptr::null_mut(), std::ptr::null(), 0) };
         let err = missing.unwrap_err();
-        assert_eq!(err.name, "cuGraphCreate");
+        assert_eq!(err.name, "cuGraphDebugDotPrint");
         assert_eq!(err.driver_version, 13000);
         // The second call costs one atomic load and says the same.
         // SAFETY: as above.
-        assert_eq!(unsafe { d.cuGraphCreate(std::ptr::null_mut(), 0) }.unwrap_err(), err);
+        assert_eq!(unsafe { d.cuGraphDebugDotPrint(std::ptr::null_mut(), std::ptr::null(), 0) }.unwrap_err(), err);
     });
 }
 

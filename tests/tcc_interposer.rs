@@ -135,6 +135,32 @@ fn pool_entry_points_return_not_supported() {
             );
             assert_eq!(driver.cuMemPoolSetAccess(pool, std::ptr::null(), 0), not_supported);
             assert_eq!(driver.cuMemPoolGetAccess(std::ptr::null_mut(), pool, std::ptr::null_mut()), not_supported);
+            // Graph memory nodes are the stream-ordered allocator inside graphs: missing too.
+            let mut node: cudrv::sys::CUgraphNode = std::ptr::null_mut();
+            let mut value: u64 = 0;
+            assert_eq!(
+                driver.cuGraphAddMemAllocNode(
+                    &mut node,
+                    std::ptr::null_mut(),
+                    std::ptr::null(),
+                    0,
+                    std::ptr::null_mut()
+                ),
+                not_supported
+            );
+            assert_eq!(
+                driver.cuGraphAddMemFreeNode(&mut node, std::ptr::null_mut(), std::ptr::null(), 0, ptr),
+                not_supported
+            );
+            assert_eq!(driver.cuDeviceGraphMemTrim(raw), not_supported);
+            for attr in [
+                cudrv::sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
+                cudrv::sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH,
+            ] {
+                assert_eq!(driver.cuDeviceGetGraphMemAttribute(raw, attr, (&raw mut value).cast()), not_supported);
+                assert_eq!(driver.cuDeviceSetGraphMemAttribute(raw, attr, (&raw mut value).cast()), not_supported);
+            }
+            assert!(node.is_null() && value == 0);
             // The fake has no pool IPC: through the interposer they are as missing as they are there
             // (on a real driver, which has them, they return 801).
             let ipc = [

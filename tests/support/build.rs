@@ -24,6 +24,7 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(fake_unavailable)");
     println!("cargo::rustc-check-cfg=cfg(tcc_unavailable)");
     println!("cargo::rerun-if-changed={SOURCE}");
+    println!("cargo::rerun-if-changed=csrc/fake_graph.c"); // #included by fake_cuda.c
     println!("cargo::rerun-if-changed={TCC_SOURCE}");
     println!("cargo::rerun-if-changed={BCRYPT_SOURCE}");
     println!("cargo::rerun-if-changed=build.rs");

@@ -160,6 +160,109 @@
  *  - Built with -DCUDRV_FAKE_LEGACY_EXPORTS=<v>, only functions that existed in CUDA <v> are exported.
  *
  * ==================================================================================================
+ * GRAPHS AND STREAM CAPTURE (fake_graph.c, #included below; its header has the details)
+ * ==================================================================================================
+ *  - Exported: cuStreamBeginCapture(_v2), cuStreamEndCapture, cuStreamIsCapturing,
+ *    cuStreamGetCaptureInfo(_v2, _v3), cuThreadExchangeStreamCaptureMode; cuGraphCreate, Destroy,
+ *    Clone, GetNodes, GetRootNodes, NodeGetType; cuGraphAdd{Empty,Kernel(_v2),Memcpy,Memset,Host,
+ *    EventRecord,EventWait,ChildGraph,MemAlloc,MemFree}Node, cuGraphKernelNodeSetParams(_v2);
+ *    cuGraphInstantiate(_v2), cuGraphInstantiateWithFlags/WithParams, cuGraphExecDestroy,
+ *    cuGraphLaunch, cuGraphUpload, cuGraphExecUpdate(_v2), cuGraphExecKernelNodeSetParams(_v2);
+ *    cuDeviceGetGraphMemAttribute, cuDeviceSetGraphMemAttribute, cuDeviceGraphMemTrim. Nothing else
+ *    of the graph API (cuGetProcAddress does not find it).
+ *  - Capture: every op queued on a capturing stream (enqueue_locked) becomes a node depending on
+ *    the stream's capture dependencies instead of running: kernels, memsets, copies, host
+ *    functions; cuMemAllocAsync / cuMemFreeAsync give memory alloc / free nodes (not in tcc mode),
+ *    cuGraphLaunch a child graph node. As in the real driver, cuEventRecord in a capture makes no
+ *    node: cuStreamWaitEvent with that event makes another stream join the capture (or joins it
+ *    back). Errors as in cuda.h: 900 (sync/query of a capturing stream, unsafe calls prohibited by
+ *    the capture mode: synchronous copies/memsets, cuCtxSynchronize, cuEventQuery/Synchronize),
+ *    901 (work on an invalidated capture, ending it), 902/905 (waits that merge captures or cross
+ *    the capture boundary), 903, 904 (unjoined work), 906 (legacy-stream work while a blocking
+ *    stream captures), 907 (query of an event recorded in a capture), 908, 401 (begin while
+ *    capturing, end while not). Call-time capture errors are checked by cuLaunchKernel(Ex),
+ *    cuLaunchCooperativeKernel, cuLaunchHostFunc, the 1D memsets and copies, cuEventRecord,
+ *    cuStreamWaitEvent, cuMemAllocAsync, cuMemFreeAsync and cuGraphLaunch.
+ *  - Launch: an executable graph's nodes are queued on the stream in creation order (a topological
+ *    order), as the ops their stream APIs make; launches of one executable graph are ordered across
+ *    streams. Graph memory keeps its address for the graph's life (no reuse across launches;
+ *    AUTO_FREE_ON_LAUNCH has nothing to do) and counts as a live allocation meanwhile.
+ *  - cudrvFakeLiveGraphs / cudrvFakeLiveGraphExecs count graphs and executable graphs with a live
+ *    handle; CUDRV_FAKE_REPORT_ON_EXIT prints them on a second report line.
+ *
+ * ==================================================================================================
+ * API EXTENSIONS (the "API extensions" section below)
+ * ==================================================================================================
+ *  - JIT options (cuModuleLoadDataEx, cuLinkCreate, cuLibraryLoadData) are checked: MAX_REGISTERS
+ *    1..255, OPTIMIZATION_LEVEL 0..4, TARGET a CUjit_target of cuda.h 13.0, FALLBACK_STRATEGY 0/1,
+ *    CACHE_MODE 0..2, any other option below CU_JIT_NUM_OPTIONS accepted; anything else is
+ *    CUDA_ERROR_INVALID_VALUE before the image is looked at. The information log names the options
+ *    that change code ("fake ptxas: 5 entries compiled (max registers 32, optimisation level 3, ...)");
+ *    CU_JIT_WALL_TIME gets 0.25 ms (a float in the slot); a module compiled with MAX_REGISTERS r < 16
+ *    reports NUM_REGS r (16 otherwise); a TARGET newer than sm_90 (or an 'a'/'f' one other than 90)
+ *    is CUDA_ERROR_NO_BINARY_FOR_GPU with "cannot run on the device" in the error log.
+ *  - Linker (cuLinkCreate_v2, AddData_v2, AddFile_v2, Complete, Destroy): PTX inputs are compiled
+ *    (errors: 218 with "<name>: fake ptxas: ..." in the error log); CUBIN, FATBINARY, OBJECT and
+ *    LIBRARY inputs must be images of the fake linker (else 209). Entries are merged; one defined
+ *    twice makes cuLinkComplete fail with CUDA_ERROR_INVALID_IMAGE and "duplicate definition of
+ *    'x' in <name>". The linked image is a 64-byte ELF header marked "FKLINK" followed by the text
+ *    ".entry <name>
+..." and a NUL: cuModuleLoadData(Ex) and cuLibraryLoadData load it, and the
+ *    linker links it again. The logs go through the option arrays given to cuLinkCreate (kept until
+ *    cuLinkDestroy, as the real driver keeps them), with the buffers' sizes as given there.
+ *    cuLinkAddFile reads the file (CUDA_ERROR_FILE_NOT_FOUND, 301, if it cannot).
+ *  - Libraries (cuLibraryLoadData, Unload, GetKernel, cuKernelGetFunction, cuKernelGetName,
+ *    cuLibraryGetKernelCount, EnumerateKernels): no context needed to load; cuKernelGetFunction
+ *    loads the library's code into the current context at its first use there. A library counts as
+ *    one live module in the report; its code in each context does not.
+ *  - cuLaunchKernelEx checks PROGRAMMATIC_STREAM_SERIALIZATION (0/1), MEM_SYNC_DOMAIN (0/1),
+ *    ACCESS_POLICY_WINDOW (num_bytes <= attribute 109, hitRatio in [0, 1], properties 0..2) and
+ *    PREFERRED_CLUSTER_DIMENSION (needs CLUSTER_DIMENSION; a multiple of it that divides the grid);
+ *    PRIORITY is taken as given. Work still runs in stream order (a valid schedule of programmatic
+ *    dependent launch). Every successful launch is recorded (cudrvFakeLastLaunch: grid, block,
+ *    shared memory, cooperative, cluster, preferred cluster, PSS, priority, domain, window, API).
+ *    cuOccupancyMaxActiveClusters: blocks per SM (as cuOccupancyMaxActiveBlocksPerMultiprocessor)
+ *    * 132 / cluster size (0 above 8 blocks, or 16 with NON_PORTABLE_CLUSTER_SIZE_ALLOWED; without a
+ *    cluster size: CUDA_ERROR_INVALID_VALUE); cuOccupancyMaxPotentialClusterSize: 8, or 16 when
+ *    allowed.
+ *  - Pitched memory: cuMemAllocPitch_v2 (ElementSizeBytes 4, 8 or 16) rounds the pitch to 512
+ *    bytes. cuMemcpy2DAsync_v2 / cuMemcpy3DAsync_v2 copy between host and device memory (CUDA
+ *    arrays are not emulated: 1), pitches at least the width; device sides are access-checked over
+ *    their whole span when the op runs; a pageable host source is staged at the call, a pageable
+ *    host destination makes the copy synchronous. cuMemsetD2D8/16/32 (_v2: legacy stream, waits;
+ *    Async) fill `Height` rows of `Width` elements, `dstPitch` apart (address and pitch aligned to
+ *    the element size).
+ *  - Managed memory: cuMemAdvise / _v2 and cuMemPrefetchAsync / _v2 take a range inside one
+ *    managed allocation (1 otherwise); advice is kept per allocation (not per page) and read back
+ *    by cuMemRangeGetAttribute (READ_MOSTLY, PREFERRED_LOCATION, ACCESSED_BY,
+ *    LAST_PREFETCH_LOCATION, in the int encoding: device, -1 host, -2 none). A prefetch is an op of
+ *    its stream (access-checked) that sets the last prefetch location when it runs; it needs
+ *    concurrent managed access (linux mode) on the target and the stream's device, else
+ *    CUDA_ERROR_INVALID_DEVICE.
+ *  - cuPointerGetAttribute: CONTEXT, MEMORY_TYPE, DEVICE_POINTER, HOST_POINTER, IS_MANAGED,
+ *    DEVICE_ORDINAL, IS_LEGACY_CUDA_IPC_CAPABLE (cuMemAlloc memory only), RANGE_START_ADDR,
+ *    RANGE_SIZE, MAPPED, ALLOWED_HANDLE_TYPES (the pool's or the physical allocation's),
+ *    MEMPOOL_HANDLE; a pointer in no allocation is 1. cuMemGetAddressRange_v2: the allocation's
+ *    base and size (CUDA_ERROR_NOT_FOUND, 500, outside every allocation).
+ *  - IPC (linux mode only: 801 elsewhere, as IPC_EVENT_SUPPORTED is 0 there) works across processes:
+ *    exporting device memory moves the allocation's backing into shared memory (a file in $TMPDIR,
+ *    or /tmp, mapped MAP_SHARED; a named file mapping on Windows), keeping its contents. Legacy:
+ *    cuIpcGetMemHandle takes the base of a cuMemAlloc allocation (pool memory: 1);
+ *    cuIpcOpenMemHandle_v2 maps it at a new address of the current device (flags 0 or
+ *    LAZY_ENABLE_PEER_ACCESS; a handle of the same process: CUDA_ERROR_INVALID_CONTEXT, 201; memory
+ *    already freed: 400), as a live allocation until cuIpcCloseMemHandle (cuMemFree refuses it).
+ *    Events created with CU_EVENT_INTERPROCESS keep their records in shared memory (tickets and the
+ *    highest completed); cuIpcOpenEventHandle opens them in another process, where
+ *    cuStreamWaitEvent queues an op that waits for the exporter's completed records,
+ *    cuEventSynchronize and cuEventQuery poll them, and cuEventRecord adds records of its own.
+ *    Pools: cuMemPoolExportToShareableHandle needs the type among the pool's handleTypes and
+ *    writes a number (not an OS handle: do not close it) that any process can import;
+ *    cuMemPoolImportFromShareableHandle makes an imported pool (no allocations of its own: 1);
+ *    cuMemPoolExportPointer takes a live allocation of a pool with handle types;
+ *    cuMemPoolImportPointer (into an imported pool, from another process) maps it, freed with
+ *    cuMemFree(Async).
+ *
+ * ==================================================================================================
  * DELIBERATE DEVIATIONS FROM THE REAL DRIVER
  * ==================================================================================================
  *  - Errors of asynchronous work (bad pointers) are recorded as violations and the op is skipped; the
@@ -180,9 +283,16 @@
  *  - Releasing the last primary-context reference drains its streams but frees nothing (leaks stay
  *    visible in the report).
  *  - Kernel launch dimensions are validated but do not change the result (grid-stride semantics).
+ *  - API extensions: launch attributes change nothing but the record (programmatic dependent launch
+ *    never overlaps kernels); managed-memory advice is per allocation, not per page; an imported IPC
+ *    mapping reserves device addresses that count against CUDRV_FAKE_MEMORY; the linker and
+ *    libraries link and load only PTX and the fake linker's own images; exported pool handles are
+ *    numbers, not file descriptors or NT handles.
  *
  * Fake-only exports: cudrvFakeReport, cudrvFakeViolation, cudrvFakeResetViolations, cudrvFakeShutdown,
- * cudrvFakePerThreadStreams. cudrvFakeReport first waits until every stream is idle. Its
+ * cudrvFakePerThreadStreams, cudrvFakeLiveGraphs, cudrvFakeLiveGraphExecs (fake_graph.c),
+ * cudrvFakeLastLaunch (the record of the last successful launch: struct CudrvFakeLaunch).
+ * cudrvFakeReport first waits until every stream is idle. Its
  * live_allocations also counts VMM physical allocations (until freed, see above, with their bytes)
  * and address reservations (until cuMemAddressFree; they add no bytes).
  */
@@ -360,11 +470,22 @@ typedef struct CUmemAccessDesc_st {
 typedef union CUlaunchAttributeValue_union {
     char pad[64];
     void *align_;
+    struct {
+        void *base_ptr;
+        size_t num_bytes;
+        float hitRatio;
+        int hitProp, missProp; /* CUaccessProperty */
+    } accessPolicyWindow;
     int cooperative;
     struct {
         unsigned int x, y, z;
     } clusterDim;
+    int programmaticStreamSerializationAllowed;
     int priority;
+    int memSyncDomain; /* CUlaunchMemSyncDomain */
+    struct {
+        unsigned int x, y, z;
+    } preferredClusterDim;
 } CUlaunchAttributeValue;
 typedef struct CUlaunchAttribute_st {
     int id; /* CUlaunchAttributeID */
@@ -437,8 +558,13 @@ enum {
 #define CU_LAUNCH_PARAM_END ((void *)0x00)
 #define CU_LAUNCH_PARAM_BUFFER_POINTER ((void *)0x01)
 #define CU_LAUNCH_PARAM_BUFFER_SIZE ((void *)0x02)
+#define CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW 1
 #define CU_LAUNCH_ATTRIBUTE_COOPERATIVE 2
 #define CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION 4
+#define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
+#define CU_LAUNCH_ATTRIBUTE_PRIORITY 8
+#define CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN 10
+#define CU_LAUNCH_ATTRIBUTE_PREFERRED_CLUSTER_DIMENSION 11
 #define CU_LAUNCH_ATTRIBUTE_MAX_KNOWN 16
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_MEM_ALLOCATION_TYPE_PINNED 1
@@ -542,16 +668,18 @@ static int vec_remove(fk_vec *a, const void *p) {
 /* ------------------------------------------------------------------------------------------------ */
 /* State                                                                                             */
 /* ------------------------------------------------------------------------------------------------ */
-enum { AK_DEVICE, AK_POOL, AK_MANAGED, AK_HOSTALLOC, AK_REGISTERED, AK_MAPPED };
+enum { AK_DEVICE, AK_POOL, AK_MANAGED, AK_HOSTALLOC, AK_REGISTERED, AK_MAPPED, AK_IPC };
 
 /* An address range with its backing host memory. */
 typedef struct fk_block {
     uint64_t base, size;
     int dev; /* -1 for host blocks */
     unsigned char *backing;
-    int owns_backing; /* 1: calloc'd lazily by us; 2: aligned host alloc by us; 0: user memory */
+    int owns_backing; /* 1: calloc'd lazily by us; 2: aligned host alloc by us; 0: user memory;
+                         3: shared memory we made (IPC export); 4: shared memory we opened (import) */
     int pins;
     int dead;
+    struct fk_shm *shm; /* owns_backing 3 and 4 */
 } fk_block;
 
 struct fk_pool;
@@ -567,6 +695,10 @@ typedef struct fk_alloc {
     int free_pending;
     struct fk_phys *phys;                 /* AK_MAPPED: the physical allocation mapped */
     unsigned char access[FK_MAX_DEVICES]; /* AK_MAPPED: CU_MEM_ACCESS_FLAGS_PROT_* per device */
+    int ipc;                              /* AK_IPC: 1 legacy (cuIpcOpenMemHandle), 2 pool import */
+    /* AK_MANAGED advice, as location + 2 (0: none, 1: the host, d + 2: device d) */
+    int adv_read_mostly, adv_pref, adv_last_prefetch;
+    unsigned adv_accessed; /* bit d: device d; bit 31: the host */
 } fk_alloc;
 
 /* A VMM physical allocation (cuMemCreate). Its backing is `blk` (dev -1: no device range). */
@@ -597,9 +729,14 @@ typedef struct fk_pool {
     int access[FK_MAX_DEVICES];
     int live;
     fk_vec cached; /* fk_block* */
+    int handle_types; /* CUmemPoolProps::handleTypes */
+    int imported;     /* cuMemPoolImportFromShareableHandle: no allocations of its own */
 } fk_pool;
 
 enum { OP_MEMSET, OP_COPY, OP_RECORD, OP_WAIT, OP_HOSTFN, OP_FREE, OP_KERNEL };
+/* Ops of the API extensions (pitched copies and memsets, prefetches, waits on events of another
+   process), past the others so that the numbers above stay as they are. */
+enum { OP_REGION = 100, OP_MEMSET2D, OP_PREFETCH, OP_IPC_WAIT };
 enum { CP_HTOD, CP_DTOH, CP_DTOD };
 enum { K_FILL_U32, K_ADD_F32, K_SPIN_FILL_U32, K_EMPTY, K_FILL_PATTERN_U8, K_COUNT };
 
@@ -631,6 +768,14 @@ typedef struct fk_op {
     int kernel;
     uint64_t kp[4];
     uint32_t kval;
+    /* OP_REGION (2D/3D copy), OP_MEMSET2D: memory type (1 host, 2 device), pitch and rows per slice
+       of each side (dst, src above are the first bytes), bytes per row, rows per slice, slices */
+    int dmt, smt;
+    size_t dpitch, spitch, dheight, sheight, wbytes, rows, depth;
+    /* OP_RECORD of an interprocess event: its ticket; OP_IPC_WAIT: the ticket waited for */
+    uint64_t ipc_ticket;
+    /* OP_PREFETCH: the managed allocation's base, and the location + 2 */
+    int prefetch_loc;
 } fk_op;
 
 enum { SK_USER, SK_LEGACY, SK_PTDS };
@@ -659,6 +804,7 @@ typedef struct fk_event {
     double t_ms;
     int t_valid;
     int refs;
+    struct fk_ipc_event *ipc; /* CU_EVENT_INTERPROCESS events, and events opened from a handle */
 } fk_event;
 
 typedef struct fk_func {
@@ -677,6 +823,8 @@ typedef struct fk_module {
     struct fk_ctx *ctx;
     int nfuncs;
     fk_func funcs[K_COUNT];
+    int max_regs;            /* CU_JIT_MAX_REGISTERS of the load (0: none) */
+    struct fk_library *lib;  /* a library's code in a context (not counted as a module) */
 } fk_module;
 
 typedef struct fk_ctx {
@@ -737,6 +885,85 @@ static struct {
 } G = {.lock = FK_MUTEX_INIT, .cv = FK_COND_INIT};
 
 static _Thread_local fk_ctx *tl_ctx;
+
+/* ------------------------------------------------------------------------------------------------ */
+/* API extensions: declarations (the code is in the "API extensions" section further down)          */
+/* ------------------------------------------------------------------------------------------------ */
+#include <stdatomic.h>
+#ifndef _WIN32
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
+
+/* A shared-memory mapping, for IPC: a file in the temporary directory, mapped MAP_SHARED (POSIX),
+   or a named file mapping in the session's namespace (Windows). */
+typedef struct fk_shm {
+    char name[40];
+    void *p;
+    uint64_t size;
+    int owner; /* made here: removed when released */
+#ifdef _WIN32
+    HANDLE h;
+#endif
+} fk_shm;
+
+/* The shared state of an interprocess event: record tickets handed out, and the highest completed. */
+typedef struct {
+    _Atomic uint64_t recorded, completed;
+} fk_ipc_shared;
+typedef struct fk_ipc_event {
+    fk_shm *shm;  /* an fk_ipc_shared */
+    int imported; /* opened from another process's handle */
+} fk_ipc_event;
+
+/* JIT options of a load or link, checked (see jit_options). */
+typedef struct {
+    int max_regs, opt_level, target, fallback, line_info, debug_info, cache_mode;
+    long wall_time_at; /* index of CU_JIT_WALL_TIME, or -1 */
+    char desc[192];    /* the options, for the information log */
+} fk_jit;
+
+/* What the last successful launch asked for (cudrvFakeLastLaunch). */
+struct CudrvFakeLaunch {
+    uint64_t launches; /* successful launches so far */
+    uint32_t grid[3], block[3];
+    uint32_t shared_mem_bytes;
+    int32_t cooperative;
+    uint32_t cluster[3];           /* 0, 0, 0: no cluster dimension */
+    uint32_t preferred_cluster[3]; /* 0, 0, 0: none */
+    int32_t programmatic_stream_serialization;
+    int32_t has_priority, priority;
+    int32_t mem_sync_domain; /* -1: not set */
+    int32_t has_access_policy_window;
+    int32_t apw_hit, apw_miss;
+    float apw_hit_ratio;
+    uint64_t apw_base, apw_bytes;
+    char api[32];
+};
+
+static struct {
+    fk_vec libraries, links;
+    uint64_t shm_serial, shared_serial;
+    struct CudrvFakeLaunch last;
+} GX; /* state of the API extensions, under G.lock */
+
+/* The configuration of the cuLaunchKernelEx call in progress on this thread (for the record). */
+static _Thread_local const struct CUlaunchConfig_st *tl_launch_config;
+
+static void shm_release(fk_shm *s);
+static fk_ipc_event *ipc_event_new(void);
+static void ipc_event_free(fk_ipc_event *ie);
+static uint64_t ipc_event_ticket(fk_event *e);
+static void ipc_event_complete(fk_event *e, uint64_t ticket);
+static int ipc_event_done(const fk_event *e);
+static void run_ext_op(struct fk_op *op, fk_stream *s);
+static void push_ipc_wait_locked(fk_stream *s, fk_event *e);
+static void record_launch_locked(const char *api, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                 unsigned bz, unsigned smem, int cooperative, const unsigned *cluster);
+static int is_fake_image(const unsigned char *u);
+#define FK_IMAGE_HEADER 64
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Initialisation, entry checks, fault injection                                                     */
@@ -1107,6 +1334,7 @@ static fk_alloc *tab_containing(const fk_vec *t, uint64_t addr) {
 static void block_free_backing(fk_block *b) {
     if (b->owns_backing == 1) free(b->backing);
     if (b->owns_backing == 2) host_aligned_free(b->backing);
+    if (b->shm) shm_release(b->shm); /* owns_backing 3 and 4 */
     free(b);
 }
 
@@ -1242,7 +1470,7 @@ static void pool_free_locked(fk_alloc *a) {
 /* Frees any live allocation (lock held). */
 static void free_alloc_locked(fk_alloc *a) {
     long idx;
-    fk_vec *t = (a->kind == AK_DEVICE || a->kind == AK_POOL) ? &G.dtab : &G.htab;
+    fk_vec *t = (a->kind == AK_DEVICE || a->kind == AK_POOL || a->kind == AK_IPC) ? &G.dtab : &G.htab;
     if (tab_exact(t, a->base, &idx) == a) vec_remove_at(t, (size_t)idx);
     if (a->kind == AK_POOL) {
         pool_free_locked(a);
@@ -1495,6 +1723,7 @@ static void stream_unref_locked(fk_stream *s) {
 static void event_unref_locked(fk_event *e) {
     if (--e->refs == 0) {
         if (e->rs) stream_unref_locked(e->rs);
+        if (e->ipc) ipc_event_free(e->ipc);
         free(e);
     }
 }
@@ -1538,7 +1767,9 @@ static void worker_loop(fk_stream *s) {
             if (op->kind == OP_HOSTFN) op->fn(op->ud);
             else if (op->kind == OP_KERNEL) run_kernel(op, s);
             else if (op->kind == OP_MEMSET || op->kind == OP_COPY) run_data_op(op, s);
+            else if (op->kind >= OP_REGION) run_ext_op(op, s);
             fk_lock(&G.lock);
+            if (op->kind == OP_RECORD && op->ipc_ticket) ipc_event_complete(op->ev, op->ipc_ticket);
             if (op->kind == OP_RECORD && op->ev->gen == op->gen) {
                 op->ev->t_ms = fk_now_ms();
                 op->ev->t_valid = 1;
@@ -1620,8 +1851,12 @@ static void push_wait_locked(fk_stream *s, fk_stream *target, uint64_t seq) {
 
 static int stream_pending(const fk_stream *s) { return s->completed < s->enqueued; }
 
-/* Enqueues with the legacy-stream implicit synchronisation; returns the op's sequence number. */
+static int capture_divert_locked(fk_stream *s, fk_op *op); /* fake_graph.c */
+
+/* Enqueues with the legacy-stream implicit synchronisation; returns the op's sequence number (0 for
+   an op captured into a graph instead, on a capturing stream). */
 static uint64_t enqueue_locked(fk_stream *s, fk_op *op) {
+    if (capture_divert_locked(s, op)) return 0;
     if (s->kind == SK_LEGACY) {
         size_t i;
         for (i = 0; i < G.all_streams.n; i++) {
@@ -1900,6 +2135,9 @@ static void run_kernel(fk_op *op, fk_stream *s) {
     fk_unlock(&G.lock);
 }
 
+/* CUDA graphs and stream capture (the same translation unit). */
+#include "fake_graph.c"
+
 /* ------------------------------------------------------------------------------------------------ */
 /* Errors, version, proc address                                                                      */
 /* ------------------------------------------------------------------------------------------------ */
@@ -1920,6 +2158,7 @@ static const struct {
     {209, "CUDA_ERROR_NO_BINARY_FOR_GPU", "no kernel image is available for execution on the device"},
     {218, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
     {300, "CUDA_ERROR_INVALID_SOURCE", "device kernel image is invalid"},
+    {301, "CUDA_ERROR_FILE_NOT_FOUND", "file not found"},
     {302, "CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND", "shared object symbol not found"},
     {304, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
     {400, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
@@ -1937,6 +2176,7 @@ static const struct {
     {720, "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", "too many blocks in cooperative launch"},
     {800, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {801, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    FK_GRAPH_ERRORS /* fake_graph.c */
     {999, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
@@ -2281,6 +2521,7 @@ static CUresult ctx_sync(const char *api, CUcontext ctx) {
     ENTER(api);
     fk_lock(&G.lock);
     r = ctx_or_current_locked(ctx, &c);
+    if (!r) r = capture_ctx_sync_check_locked(c); /* fake_graph.c */
     if (!r) sync_ctx_locked(c);
     fk_unlock(&G.lock);
     return r;
@@ -2378,6 +2619,7 @@ API_OLD cuStreamSynchronize(CUstream hStream) {
     ENTER("cuStreamSynchronize");
     fk_lock(&G.lock);
     r = get_stream_locked(hStream, &s);
+    if (!r) r = capture_sync_check_locked(s); /* fake_graph.c */
     if (!r) {
         s->refs++;
         wait_seq_locked(s, s->enqueued);
@@ -2394,6 +2636,7 @@ API_OLD cuStreamQuery(CUstream hStream) {
     ENTER("cuStreamQuery");
     fk_lock(&G.lock);
     r = get_stream_locked(hStream, &s);
+    if (!r) r = capture_sync_check_locked(s); /* fake_graph.c */
     if (!r && stream_pending(s)) r = CUDA_ERROR_NOT_READY;
     fk_unlock(&G.lock);
     return r;
@@ -2409,7 +2652,9 @@ API_OLD cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) 
     fk_lock(&G.lock);
     r = get_stream_locked(hStream, &s);
     if (!r && !valid_event(hEvent)) r = CUDA_ERROR_INVALID_HANDLE;
-    if (!r && hEvent->recorded) push_wait_locked(s, hEvent->rs, hEvent->rseq);
+    if (!r && capture_wait_event_locked(s, hEvent, Flags, &r)) { /* fake_graph.c: capture join, wait node */
+    } else if (!r && hEvent->ipc && hEvent->ipc->imported) push_ipc_wait_locked(s, hEvent);
+    else if (!r && hEvent->recorded) push_wait_locked(s, hEvent->rs, hEvent->rseq);
     fk_unlock(&G.lock);
     return r;
 }
@@ -2464,6 +2709,7 @@ API_OLD cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData) {
     if (!fn) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = get_stream_locked(hStream, &s);
+    if (!r) r = capture_check_locked(s, 0); /* fake_graph.c */
     if (!r) {
         fk_op *op = new_op(OP_HOSTFN, "cuLaunchHostFunc");
         op->fn = fn;
@@ -2492,8 +2738,13 @@ API_OLD cuEventCreate(CUevent *phEvent, unsigned int Flags) {
         e->ctx = c;
         e->flags = Flags;
         e->refs = 1;
-        vec_push(&G.events, e);
-        *phEvent = e;
+        if ((Flags & CU_EVENT_INTERPROCESS) && !(e->ipc = ipc_event_new())) {
+            free(e);
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        } else {
+            vec_push(&G.events, e);
+            *phEvent = e;
+        }
     }
     fk_unlock(&G.lock);
     return r;
@@ -2518,7 +2769,7 @@ API_OLD cuEventRecord(CUevent hEvent, CUstream hStream) {
     fk_lock(&G.lock);
     r = get_stream_locked(hStream, &s);
     if (!r && !valid_event(hEvent)) r = CUDA_ERROR_INVALID_HANDLE;
-    if (!r) {
+    if (!r && !capture_event_record_locked(s, hEvent, &r) /* fake_graph.c */) {
         fk_op *op = new_op(OP_RECORD, "cuEventRecord");
         fk_event *e = hEvent;
         e->gen++;
@@ -2529,6 +2780,7 @@ API_OLD cuEventRecord(CUevent hEvent, CUstream hStream) {
         e->recorded = 1;
         op->ev = e;
         op->gen = e->gen;
+        if (e->ipc) op->ipc_ticket = ipc_event_ticket(e);
         e->refs++;
         e->rseq = enqueue_locked(s, op);
     }
@@ -2543,7 +2795,9 @@ API_OLD cuEventQuery(CUevent hEvent) {
     ENTER("cuEventQuery");
     fk_lock(&G.lock);
     if (!valid_event(hEvent)) r = CUDA_ERROR_INVALID_HANDLE;
-    else if (!event_done_locked(hEvent)) r = CUDA_ERROR_NOT_READY;
+    else if ((r = capture_event_check_locked(hEvent)) != CUDA_SUCCESS) { /* fake_graph.c */
+    } else if (hEvent->ipc && hEvent->ipc->imported ? !ipc_event_done(hEvent) : !event_done_locked(hEvent))
+        r = CUDA_ERROR_NOT_READY;
     fk_unlock(&G.lock);
     return r;
 }
@@ -2553,7 +2807,18 @@ API_OLD cuEventSynchronize(CUevent hEvent) {
     ENTER("cuEventSynchronize");
     fk_lock(&G.lock);
     if (!valid_event(hEvent)) r = CUDA_ERROR_INVALID_HANDLE;
-    else if (hEvent->recorded) {
+    else if ((r = capture_event_check_locked(hEvent)) != CUDA_SUCCESS) { /* fake_graph.c */
+    } else if (hEvent->ipc && hEvent->ipc->imported) {
+        /* an event of another process: its shared state says when its records complete */
+        fk_event *e = hEvent;
+        e->refs++;
+        while (!ipc_event_done(e)) {
+            fk_unlock(&G.lock);
+            fk_sleep_us(50);
+            fk_lock(&G.lock);
+        }
+        event_unref_locked(e);
+    } else if (hEvent->recorded) {
         fk_event *e = hEvent;
         fk_stream *s = e->rs;
         uint64_t seq = e->rseq;
@@ -2618,13 +2883,15 @@ API_OLD cuMemFree_v2(CUdeviceptr dptr) {
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
     if (!r && dptr == 0) goto out; /* freeing NULL is a no-op */
+    if (!r && graph_mem_free_locked(dptr, &r)) goto out; /* fake_graph.c: graph memory */
     if (!r) {
         a = tab_exact(&G.dtab, dptr, NULL);
         if (!a) {
             a = tab_exact(&G.htab, dptr, NULL);
             if (a && a->kind != AK_MANAGED) a = NULL;
         }
-        if (!a || a->free_pending) r = CUDA_ERROR_INVALID_VALUE;
+        /* a legacy IPC mapping is closed with cuIpcCloseMemHandle, not freed */
+        if (!a || a->free_pending || (a->kind == AK_IPC && a->ipc == 1)) r = CUDA_ERROR_INVALID_VALUE;
         else free_alloc_locked(a);
     }
 out:
@@ -2789,6 +3056,7 @@ static CUresult submit_memset(const char *api, CUdeviceptr dst, uint32_t value, 
     if (elem == 2 && (dst & 1)) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = sync ? get_stream_locked(NULL, &s) : get_stream_locked(h, &s);
+    if (!r) r = capture_check_locked(s, sync); /* fake_graph.c */
     if (!r) {
         fk_op *op = new_op(OP_MEMSET, api);
         uint64_t seq;
@@ -2829,6 +3097,7 @@ static CUresult submit_copy(const char *api, int kind, uint64_t dst, uint64_t sr
     if (n && ((kind == CP_HTOD && !src) || (kind == CP_DTOH && !dst))) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = sync ? get_stream_locked(NULL, &s) : get_stream_locked(h, &s);
+    if (!r) r = capture_check_locked(s, sync); /* fake_graph.c */
     if (!r) {
         fk_op *op = new_op(OP_COPY, api);
         uint64_t seq;
@@ -2837,7 +3106,8 @@ static CUresult submit_copy(const char *api, int kind, uint64_t dst, uint64_t sr
         op->src = src;
         op->count = n;
         op->elem = 1;
-        if (!sync && kind == CP_HTOD && n && !host_is_pinned_locked((const void *)(uintptr_t)src, n)) {
+        if (!sync && kind == CP_HTOD && n && !host_is_pinned_locked((const void *)(uintptr_t)src, n) &&
+            !capture_stream_locked(s) /* fake_graph.c: a captured copy reads it at launch */) {
             /* pageable source: staged at the call, as the real driver does */
             void *snap = malloc(n);
             if (!snap) abort();
@@ -2949,6 +3219,7 @@ API_11020 cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
     fk_lock(&G.lock);
     *pool = new_pool_locked(dev, 0);
     (*pool)->max_size = poolProps->maxSize;
+    (*pool)->handle_types = poolProps->handleTypes;
     fk_unlock(&G.lock);
     return CUDA_SUCCESS;
 }
@@ -3099,7 +3370,9 @@ static CUresult alloc_async(const char *api, CUdeviceptr *dptr, size_t bytesize,
     if (!r && (!dptr || bytesize == 0 || (from_pool && !pool))) r = CUDA_ERROR_INVALID_VALUE;
     if (!r && pool) r = valid_pool(pool) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
     if (!r && pool && G.dev[pool->dev].mode == MODE_TCC) r = CUDA_ERROR_NOT_SUPPORTED;
-    if (!r) r = pool_alloc_locked(pool ? pool : G.dev[s->ctx->dev].cur_pool, bytesize, &a);
+    if (!r && pool && pool->imported) r = CUDA_ERROR_INVALID_VALUE; /* imported pools only import */
+    if (!r && !capture_alloc_async_locked(s, bytesize, &a, &r) /* fake_graph.c: alloc node */)
+        r = pool_alloc_locked(pool ? pool : G.dev[s->ctx->dev].cur_pool, bytesize, &a);
     if (!r) *dptr = a->base;
     fk_unlock(&G.lock);
     return r;
@@ -3119,7 +3392,7 @@ API_11020 cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
     fk_lock(&G.lock);
     r = get_stream_locked(hStream, &s);
     if (!r && G.dev[s->ctx->dev].mode == MODE_TCC) r = CUDA_ERROR_NOT_SUPPORTED;
-    if (!r) {
+    if (!r && !capture_free_async_locked(s, dptr, &r) /* fake_graph.c: free node, graph memory */) {
         a = tab_exact(&G.dtab, dptr, NULL);
         if (!a || a->free_pending) r = CUDA_ERROR_INVALID_VALUE;
         else {
@@ -3566,7 +3839,10 @@ static CUresult parse_image(const void *image, int *kernels, int *nk, char *msg,
     *nk = 0;
     if (!u[0] || !u[1] || !u[2] || !u[3]) magic = 0;
     else memcpy(&magic, u, 4);
-    if ((u[0] == 0x7f && u[1] == 'E' && u[2] == 'L' && u[3] == 'F') || magic == 0xBA55ED50u || magic == 0x466243b1u) {
+    if (is_fake_image(u)) {
+        line = t + FK_IMAGE_HEADER; /* an image the fake linker made: its entries follow the header */
+    } else if ((u[0] == 0x7f && u[1] == 'E' && u[2] == 'L' && u[3] == 'F') || magic == 0xBA55ED50u ||
+               magic == 0x466243b1u) {
         snprintf(msg, msglen, "fake driver: binary images (ELF/cubin/fatbin) are not supported, pass PTX text");
         return CUDA_ERROR_NO_BINARY_FOR_GPU;
     }
@@ -3614,39 +3890,24 @@ static CUresult parse_image(const void *image, int *kernels, int *nk, char *msg,
     return CUDA_SUCCESS;
 }
 
+/* Compiles an image as a load or a link input would be: checks the JIT options (CUDA_ERROR_INVALID_VALUE
+   for a bad one, before anything else), parses the image, writes both logs (and their used sizes)
+   and the wall time. Returns CUDA_SUCCESS with the kernels, or the error. Lock not held. */
+static CUresult jit_compile(const void *image, unsigned int numOptions, CUjit_option *options, void **optionValues,
+                            int *kernels, int *nk, int *max_regs);
+
 static CUresult module_load(const char *api, CUmodule *module, const void *image, unsigned int numOptions,
                             CUjit_option *options, void **optionValues) {
     fk_ctx *c;
     CUresult r;
-    char msg[512];
-    int kernels[K_COUNT], nk = 0;
-    unsigned i;
-    char *errbuf = NULL, *infobuf = NULL;
-    size_t errsz = 0, infosz = 0;
+    int kernels[K_COUNT], nk = 0, max_regs = 0;
     ENTER(api);
     if (!module || !image || (numOptions && (!options || !optionValues))) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
     fk_unlock(&G.lock);
     if (r) return r;
-    for (i = 0; i < numOptions; i++) {
-        if (options[i] == CU_JIT_ERROR_LOG_BUFFER) errbuf = (char *)optionValues[i];
-        if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) errsz = (size_t)(uintptr_t)optionValues[i];
-        if (options[i] == CU_JIT_INFO_LOG_BUFFER) infobuf = (char *)optionValues[i];
-        if (options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES) infosz = (size_t)(uintptr_t)optionValues[i];
-    }
-    r = parse_image(image, kernels, &nk, msg, sizeof msg);
-    if (r) {
-        write_log(errbuf, &errsz, msg);
-        if (infobuf && infosz) infobuf[0] = 0, infosz = 1;
-    } else {
-        if (errbuf && errsz) errbuf[0] = 0, errsz = 1;
-        write_log(infobuf, &infosz, msg);
-    }
-    for (i = 0; i < numOptions; i++) {
-        if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) optionValues[i] = (void *)(uintptr_t)errsz;
-        if (options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES) optionValues[i] = (void *)(uintptr_t)infosz;
-    }
+    r = jit_compile(image, numOptions, options, optionValues, kernels, &nk, &max_regs);
     if (r) return r;
     {
         fk_module *m = (fk_module *)calloc(1, sizeof *m);
@@ -3655,6 +3916,7 @@ static CUresult module_load(const char *api, CUmodule *module, const void *image
         m->magic = FK_MAGIC_MODULE;
         m->ctx = c;
         m->nfuncs = nk;
+        m->max_regs = max_regs;
         for (k = 0; k < nk; k++) {
             m->funcs[k].magic = FK_MAGIC_FUNC;
             m->funcs[k].mod = m;
@@ -3681,8 +3943,9 @@ API_OLD cuModuleUnload(CUmodule hmod) {
     CUresult r = CUDA_SUCCESS;
     ENTER("cuModuleUnload");
     fk_lock(&G.lock);
-    if (!hmod || !vec_remove(&G.modules, hmod)) r = CUDA_ERROR_INVALID_HANDLE;
+    if (!hmod || vec_find(&G.modules, hmod) < 0 || hmod->lib) r = CUDA_ERROR_INVALID_HANDLE;
     else {
+        vec_remove(&G.modules, hmod);
         hmod->magic = 0;
         free(hmod);
     }
@@ -3729,7 +3992,9 @@ API_OLD cuFuncGetAttribute(int *pi, int attrib, CUfunction hfunc) {
         case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
         case CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES:
         case CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES: *pi = 0; break;
-        case CU_FUNC_ATTRIBUTE_NUM_REGS: *pi = 16; break;
+        case CU_FUNC_ATTRIBUTE_NUM_REGS:
+            *pi = hfunc->mod->max_regs && hfunc->mod->max_regs < 16 ? hfunc->mod->max_regs : 16;
+            break;
         case CU_FUNC_ATTRIBUTE_PTX_VERSION:
         case CU_FUNC_ATTRIBUTE_BINARY_VERSION: *pi = 90; break;
         case CU_FUNC_ATTRIBUTE_CACHE_MODE_CA: *pi = 0; break;
@@ -3899,6 +4164,7 @@ static CUresult launch(const char *api, CUfunction f, unsigned gx, unsigned gy, 
             goto out;
         }
     }
+    if ((r = capture_check_locked(s, 0)) != CUDA_SUCCESS) goto out; /* fake_graph.c */
     op = new_op(OP_KERNEL, api);
     op->kernel = k;
     for (i = 0; i < KERNELS[k].nparams; i++) {
@@ -3906,6 +4172,7 @@ static CUresult launch(const char *api, CUfunction f, unsigned gx, unsigned gy, 
         else memcpy(&op->kp[i], pbuf + KERNELS[k].off[i], 8);
     }
     enqueue_locked(s, op);
+    record_launch_locked(api, gx, gy, gz, bx, by, bz, smem, cooperative, cluster);
 out:
     fk_unlock(&G.lock);
     return r;
@@ -3928,25 +4195,1500 @@ API_OLD cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned 
                   sharedMemBytes, hStream, kernelParams, NULL, 1, NULL);
 }
 
-API_11060 cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
-    unsigned i, cluster[3];
-    int coop = 0, has_cluster = 0;
-    ENTER("cuLaunchKernelEx");
+/* Checks the launch attributes of cuLaunchKernelEx and cuOccupancy*Cluster*: every value in its
+   range (CUDA_ERROR_INVALID_VALUE otherwise), a preferred cluster a multiple of the cluster and a
+   divisor of the grid. Fills *coop and cluster (has_cluster). */
+static CUresult check_launch_attrs(const CUlaunchConfig *config, int *coop, unsigned *cluster, int *has_cluster) {
+    unsigned i;
+    const CUlaunchAttribute *pref = NULL;
+    *coop = 0;
+    *has_cluster = 0;
     if (!config || (config->numAttrs && !config->attrs)) return CUDA_ERROR_INVALID_VALUE;
     for (i = 0; i < config->numAttrs; i++) {
         const CUlaunchAttribute *a = &config->attrs[i];
-        if (a->id == CU_LAUNCH_ATTRIBUTE_COOPERATIVE) coop = a->value.cooperative != 0;
-        else if (a->id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) {
-            has_cluster = 1;
-            cluster[0] = a->value.clusterDim.x;
-            cluster[1] = a->value.clusterDim.y;
-            cluster[2] = a->value.clusterDim.z;
-        } else if (a->id < 0 || a->id > CU_LAUNCH_ATTRIBUTE_MAX_KNOWN)
-            return CUDA_ERROR_INVALID_VALUE;
+        const CUlaunchAttributeValue *v = &a->value;
+        switch (a->id) {
+        case CU_LAUNCH_ATTRIBUTE_COOPERATIVE: *coop = v->cooperative != 0; break;
+        case CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
+            *has_cluster = 1;
+            cluster[0] = v->clusterDim.x;
+            cluster[1] = v->clusterDim.y;
+            cluster[2] = v->clusterDim.z;
+            break;
+        case CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION:
+            if (v->programmaticStreamSerializationAllowed != 0 && v->programmaticStreamSerializationAllowed != 1)
+                return CUDA_ERROR_INVALID_VALUE;
+            break;
+        case CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN:
+            if (v->memSyncDomain != 0 && v->memSyncDomain != 1) return CUDA_ERROR_INVALID_VALUE;
+            break;
+        case CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW:
+            if (v->accessPolicyWindow.num_bytes > (size_t)134213632 || !(v->accessPolicyWindow.hitRatio >= 0.0f) ||
+                v->accessPolicyWindow.hitRatio > 1.0f || (unsigned)v->accessPolicyWindow.hitProp > 2u ||
+                (unsigned)v->accessPolicyWindow.missProp > 2u)
+                return CUDA_ERROR_INVALID_VALUE;
+            break;
+        case CU_LAUNCH_ATTRIBUTE_PREFERRED_CLUSTER_DIMENSION: pref = a; break;
+        default:
+            if (a->id < 0 || a->id > CU_LAUNCH_ATTRIBUTE_MAX_KNOWN) return CUDA_ERROR_INVALID_VALUE;
+        }
     }
-    return launch("cuLaunchKernelEx", f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
-                  config->blockDimY, config->blockDimZ, config->sharedMemBytes, config->hStream, kernelParams,
-                  extra, coop, has_cluster ? cluster : NULL);
+    if (pref) {
+        unsigned p[3] = {pref->value.preferredClusterDim.x, pref->value.preferredClusterDim.y,
+                         pref->value.preferredClusterDim.z};
+        unsigned g[3] = {config->gridDimX, config->gridDimY, config->gridDimZ};
+        if (!*has_cluster) return CUDA_ERROR_INVALID_VALUE;
+        for (i = 0; i < 3; i++)
+            if (!p[i] || !cluster[i] || p[i] % cluster[i] || !g[i] || g[i] % p[i]) return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+API_11060 cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
+    unsigned cluster[3];
+    int coop, has_cluster;
+    CUresult r;
+    ENTER("cuLaunchKernelEx");
+    r = check_launch_attrs(config, &coop, cluster, &has_cluster);
+    if (r) return r;
+    tl_launch_config = config;
+    r = launch("cuLaunchKernelEx", f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
+               config->blockDimY, config->blockDimZ, config->sharedMemBytes, config->hStream, kernelParams, extra,
+               coop, has_cluster ? cluster : NULL);
+    tl_launch_config = NULL;
+    return r;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* API extensions: JIT options, the linker, libraries, launch attributes and cluster occupancy,     */
+/* pitched memory and 2D/3D copies and memsets, managed-memory prefetch and advice, pointer          */
+/* attributes, IPC (events, legacy memory handles, pool export and import)                          */
+/* ------------------------------------------------------------------------------------------------ */
+
+/* ---- shared memory (IPC) ---- */
+#ifdef _WIN32
+static unsigned long fk_pid(void) { return (unsigned long)GetCurrentProcessId(); }
+static int shm_map(fk_shm *s, int create) {
+    char name[80];
+    snprintf(name, sizeof name, "Local\\%s", s->name);
+    if (create)
+        s->h = CreateFileMappingA(INVALID_HANDLE_VALUE, NULL, PAGE_READWRITE, (DWORD)(s->size >> 32), (DWORD)s->size,
+                                  name);
+    else s->h = OpenFileMappingA(FILE_MAP_ALL_ACCESS, FALSE, name);
+    if (!s->h) return 0;
+    s->p = MapViewOfFile(s->h, FILE_MAP_ALL_ACCESS, 0, 0, (SIZE_T)s->size);
+    if (!s->p) {
+        CloseHandle(s->h);
+        return 0;
+    }
+    return 1;
+}
+static void shm_release(fk_shm *s) {
+    UnmapViewOfFile(s->p);
+    CloseHandle(s->h);
+    free(s);
+}
+#else
+static unsigned long fk_pid(void) { return (unsigned long)getpid(); }
+static void shm_path(const fk_shm *s, char *path, size_t len) {
+    const char *dir = getenv("TMPDIR");
+    if (!dir || !*dir) dir = "/tmp";
+    snprintf(path, len, "%s/%s", dir, s->name);
+}
+static int shm_map(fk_shm *s, int create) {
+    char path[600];
+    struct stat st;
+    void *p;
+    int fd;
+    shm_path(s, path, sizeof path);
+    fd = open(path, create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
+    if (fd < 0) return 0;
+    if ((create && ftruncate(fd, (off_t)s->size) != 0) || fstat(fd, &st) != 0 || (uint64_t)st.st_size < s->size) {
+        close(fd);
+        if (create) unlink(path);
+        return 0;
+    }
+    p = mmap(NULL, (size_t)s->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        if (create) unlink(path);
+        return 0;
+    }
+    s->p = p;
+    return 1;
+}
+static void shm_release(fk_shm *s) {
+    char path[600];
+    munmap(s->p, (size_t)s->size);
+    if (s->owner) {
+        shm_path(s, path, sizeof path);
+        unlink(path);
+    }
+    free(s);
+}
+#endif
+
+/* A new zeroed mapping of `size` bytes, named after this process, `kind` and a serial (lock held). */
+static fk_shm *shm_new(char kind, uint64_t size) {
+    fk_shm *s = (fk_shm *)calloc(1, sizeof *s);
+    if (!s) return NULL;
+    snprintf(s->name, sizeof s->name, "cudrv-%c%lu-%" PRIu64, kind, fk_pid(), ++GX.shm_serial);
+    s->size = size;
+    s->owner = 1;
+    if (!shm_map(s, 1)) {
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+/* Opens another process's mapping (NULL when it is gone). */
+static fk_shm *shm_attach(const char *name, uint64_t size) {
+    fk_shm *s = (fk_shm *)calloc(1, sizeof *s);
+    if (!s) return NULL;
+    snprintf(s->name, sizeof s->name, "%s", name);
+    s->size = size;
+    if (!shm_map(s, 0)) {
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+/* What an IPC handle carries (the 64 bytes of CUipcMemHandle, CUipcEventHandle and
+   CUmemPoolPtrExportData): a magic, the exporting process, its device, the size and the mapping. */
+typedef struct {
+    char magic[8];
+    uint32_t pid;
+    int32_t dev;
+    uint64_t size;
+    char name[40];
+} fk_wire;
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle, CUipcEventHandle;
+typedef struct {
+    unsigned char reserved[64];
+} CUmemPoolPtrExportData;
+_Static_assert(sizeof(fk_wire) == 64, "IPC handle layout");
+
+static void wire_write(void *out, const char *magic, int dev, uint64_t size, const char *name) {
+    fk_wire w;
+    memset(&w, 0, sizeof w);
+    memcpy(w.magic, magic, 8);
+    w.pid = (uint32_t)fk_pid();
+    w.dev = dev;
+    w.size = size;
+    snprintf(w.name, sizeof w.name, "%s", name);
+    memcpy(out, &w, sizeof w);
+}
+
+/* Reads a handle of kind `magic`; 0 if it is not one. */
+static int wire_read(const void *in, const char *magic, fk_wire *w) {
+    memcpy(w, in, sizeof *w);
+    w->name[sizeof w->name - 1] = 0;
+    return !memcmp(w->magic, magic, 8) && w->size > 0 && w->name[0];
+}
+
+/* Makes the backing of device block `b` shared memory, keeping its contents, for an IPC export
+   (lock held; waits until no op uses the block). 0 if no shared memory could be made. */
+static int block_share_locked(fk_block *b) {
+    fk_shm *s;
+    while (!b->shm && b->pins) fk_wait(&G.cv, &G.lock);
+    if (b->shm) return 1;
+    if (!(s = shm_new('m', b->size))) return 0;
+    if (b->backing) {
+        memcpy(s->p, b->backing, (size_t)b->size);
+        if (b->owns_backing == 1) free(b->backing);
+    }
+    b->backing = (unsigned char *)s->p;
+    b->owns_backing = 3;
+    b->shm = s;
+    return 1;
+}
+
+/* Maps another process's shared memory `name` of `size` bytes at a new address of device `dev`, as
+   an AK_IPC allocation of kind `ipc` (lock held). */
+static CUresult map_shared_locked(int dev, const char *name, uint64_t size, int ipc, CUdeviceptr *out) {
+    fk_block *b;
+    fk_alloc *a;
+    fk_shm *s = shm_attach(name, size);
+    CUresult r;
+    if (!s) return CUDA_ERROR_INVALID_HANDLE; /* the exporter freed it, or never made it */
+    r = reserve_block_locked(dev, size, &b);
+    if (r) {
+        shm_release(s);
+        return r;
+    }
+    b->backing = (unsigned char *)s->p;
+    b->owns_backing = 4;
+    b->shm = s;
+    a = new_alloc(b->base, size, AK_IPC, dev, b);
+    a->ipc = ipc;
+    tab_insert(&G.dtab, a);
+    *out = a->base;
+    return CUDA_SUCCESS;
+}
+
+/* ---- IPC: legacy memory handles ---- */
+static int ipc_supported(int dev) { return G.dev[dev].mode == MODE_LINUX; /* IPC_EVENT_SUPPORTED (125) */ }
+
+API_OLD cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr) {
+    fk_ctx *c;
+    fk_alloc *a = NULL;
+    CUresult r;
+    ENTER("cuIpcGetMemHandle");
+    if (!pHandle) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r && !ipc_supported(c->dev)) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r) {
+        a = tab_exact(&G.dtab, dptr, NULL);
+        if (!a || a->kind != AK_DEVICE || a->free_pending) r = CUDA_ERROR_INVALID_VALUE; /* cuMemAlloc bases only */
+    }
+    if (!r && !block_share_locked(a->blk)) r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (!r) wire_write(pHandle, "FKIPCMEM", a->dev, a->blk->size, a->blk->shm->name);
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11000 cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags) {
+    fk_ctx *c;
+    fk_wire w;
+    CUresult r;
+    ENTER("cuIpcOpenMemHandle_v2");
+    if (!pdptr || (Flags & ~1u) || !wire_read(&handle, "FKIPCMEM", &w)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r && !ipc_supported(c->dev)) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r && w.pid == (uint32_t)fk_pid()) r = CUDA_ERROR_INVALID_CONTEXT; /* a handle of this very process */
+    if (!r) r = map_shared_locked(c->dev, w.name, w.size, 1, pdptr);
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuIpcCloseMemHandle(CUdeviceptr dptr) {
+    fk_ctx *c;
+    fk_alloc *a;
+    CUresult r;
+    ENTER("cuIpcCloseMemHandle");
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) {
+        a = tab_exact(&G.dtab, dptr, NULL);
+        if (!a || a->kind != AK_IPC || a->ipc != 1) r = CUDA_ERROR_INVALID_VALUE;
+        else free_alloc_locked(a);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ---- IPC: events ---- */
+static fk_ipc_shared *ipc_shared(const fk_event *e) { return (fk_ipc_shared *)e->ipc->shm->p; }
+
+static fk_ipc_event *ipc_event_new(void) {
+    fk_ipc_event *ie = (fk_ipc_event *)calloc(1, sizeof *ie);
+    if (!ie) return NULL;
+    if (!(ie->shm = shm_new('e', 4096))) {
+        free(ie);
+        return NULL;
+    }
+    return ie;
+}
+static void ipc_event_free(fk_ipc_event *ie) {
+    shm_release(ie->shm);
+    free(ie);
+}
+static uint64_t ipc_event_ticket(fk_event *e) { return atomic_fetch_add(&ipc_shared(e)->recorded, 1) + 1; }
+static void ipc_event_complete(fk_event *e, uint64_t ticket) {
+    fk_ipc_shared *sh = ipc_shared(e);
+    uint64_t c = atomic_load(&sh->completed);
+    while (c < ticket && !atomic_compare_exchange_weak(&sh->completed, &c, ticket)) {
+    }
+}
+static int ipc_event_done(const fk_event *e) {
+    fk_ipc_shared *sh = ipc_shared(e);
+    return atomic_load(&sh->completed) >= atomic_load(&sh->recorded);
+}
+static void push_ipc_wait_locked(fk_stream *s, fk_event *e) {
+    uint64_t target = atomic_load(&ipc_shared(e)->recorded);
+    fk_op *op;
+    if (atomic_load(&ipc_shared(e)->completed) >= target) return;
+    op = new_op(OP_IPC_WAIT, "cuStreamWaitEvent");
+    op->ev = e;
+    e->refs++;
+    op->ipc_ticket = target;
+    enqueue_locked(s, op);
+}
+
+API_OLD cuIpcGetEventHandle(CUipcEventHandle *pHandle, CUevent event) {
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuIpcGetEventHandle");
+    if (!pHandle) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if (!valid_event(event)) r = CUDA_ERROR_INVALID_HANDLE;
+    else if (!event->ipc) r = CUDA_ERROR_INVALID_VALUE; /* not created with CU_EVENT_INTERPROCESS */
+    else if (!ipc_supported(event->ctx->dev)) r = CUDA_ERROR_NOT_SUPPORTED;
+    else wire_write(pHandle, "FKIPCEVT", event->ctx->dev, event->ipc->shm->size, event->ipc->shm->name);
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle) {
+    fk_ctx *c;
+    fk_wire w;
+    CUresult r;
+    ENTER("cuIpcOpenEventHandle");
+    if (!phEvent || !wire_read(&handle, "FKIPCEVT", &w)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r && !ipc_supported(c->dev)) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r && w.pid == (uint32_t)fk_pid()) r = CUDA_ERROR_INVALID_CONTEXT;
+    if (!r) {
+        fk_ipc_event *ie = (fk_ipc_event *)calloc(1, sizeof *ie);
+        fk_event *e = (fk_event *)calloc(1, sizeof *e);
+        if (!ie || !e) abort();
+        if (!(ie->shm = shm_attach(w.name, w.size))) {
+            free(ie);
+            free(e);
+            r = CUDA_ERROR_INVALID_HANDLE; /* the exporter destroyed it */
+        } else {
+            ie->imported = 1;
+            e->magic = FK_MAGIC_EVENT;
+            e->ctx = c;
+            e->flags = CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING;
+            e->refs = 1;
+            e->ipc = ie;
+            vec_push(&G.events, e);
+            *phEvent = e;
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ---- IPC: memory pools ---- */
+API_11020 cuMemPoolExportToShareableHandle(void *handle_out, CUmemoryPool pool, int handleType,
+                                           unsigned long long flags) {
+    CUresult r;
+    ENTER("cuMemPoolExportToShareableHandle");
+    if (!handle_out || flags || !single_handle_type(handleType)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = pool_entry_locked(pool);
+    if (!r && (pool->imported || !(pool->handle_types & handleType))) r = CUDA_ERROR_INVALID_VALUE;
+    if (!r) {
+        uint64_t v = FK_SHARED_BASE + 4 * ++GX.shared_serial;
+        if (handleType == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) *(int *)handle_out = (int)v;
+        else if (handleType == CU_MEM_HANDLE_TYPE_WIN32) *(void **)handle_out = (void *)(uintptr_t)v;
+        else *(unsigned int *)handle_out = (unsigned int)v;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11020 cuMemPoolImportFromShareableHandle(CUmemoryPool *pool_out, void *handle, int handleType,
+                                             unsigned long long flags) {
+    fk_ctx *c;
+    CUresult r;
+    ENTER("cuMemPoolImportFromShareableHandle");
+    if (!pool_out || flags || !single_handle_type(handleType)) return CUDA_ERROR_INVALID_VALUE;
+    if ((uint64_t)(uintptr_t)handle < FK_SHARED_BASE) return CUDA_ERROR_INVALID_VALUE; /* not a pool's */
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r && G.dev[c->dev].mode == MODE_TCC) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r && !(attr_value(c->dev, 119) & handleType)) r = CUDA_ERROR_NOT_SUPPORTED;
+    if (!r) {
+        fk_pool *p = new_pool_locked(c->dev, 0);
+        p->imported = 1;
+        p->handle_types = handleType;
+        *pool_out = p;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11020 cuMemPoolExportPointer(CUmemPoolPtrExportData *shareData_out, CUdeviceptr ptr) {
+    fk_alloc *a;
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuMemPoolExportPointer");
+    if (!shareData_out) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    a = tab_exact(&G.dtab, ptr, NULL);
+    if (!a || a->kind != AK_POOL || a->free_pending || !a->pool->handle_types) r = CUDA_ERROR_INVALID_VALUE;
+    else if (!block_share_locked(a->blk)) r = CUDA_ERROR_OUT_OF_MEMORY;
+    else wire_write(shareData_out, "FKPOOLPT", a->dev, a->blk->size, a->blk->shm->name);
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_11020 cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool, CUmemPoolPtrExportData *shareData) {
+    fk_wire w;
+    CUresult r;
+    ENTER("cuMemPoolImportPointer");
+    if (!ptr_out || !shareData || !wire_read(shareData, "FKPOOLPT", &w)) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = pool_entry_locked(pool);
+    if (!r && (!pool->imported || w.pid == (uint32_t)fk_pid())) r = CUDA_ERROR_INVALID_VALUE;
+    if (!r) r = map_shared_locked(pool->dev, w.name, w.size, 2, ptr_out);
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ---- pointer attributes ---- */
+#define CU_POINTER_ATTRIBUTE_CONTEXT 1
+#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
+#define CU_POINTER_ATTRIBUTE_DEVICE_POINTER 3
+#define CU_POINTER_ATTRIBUTE_HOST_POINTER 4
+#define CU_POINTER_ATTRIBUTE_IS_MANAGED 8
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE 10
+#define CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11
+#define CU_POINTER_ATTRIBUTE_RANGE_SIZE 12
+#define CU_POINTER_ATTRIBUTE_MAPPED 13
+#define CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES 14
+#define CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE 17
+
+/* The allocation (or VMM mapping) holding `ptr` (lock held), or NULL. */
+static fk_alloc *alloc_of_locked(uint64_t ptr) {
+    fk_alloc *a = tab_containing(&G.dtab, ptr);
+    if (!a) a = tab_containing(&G.htab, ptr);
+    if (!a) a = tab_containing(&G.mtab, ptr);
+    return a;
+}
+
+API_OLD cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+    fk_alloc *a;
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuPointerGetAttribute");
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    a = alloc_of_locked(ptr);
+    if (!a) r = CUDA_ERROR_INVALID_VALUE;
+    else {
+        int host = a->kind == AK_HOSTALLOC || a->kind == AK_REGISTERED;
+        switch (attribute) {
+        case CU_POINTER_ATTRIBUTE_CONTEXT: *(CUcontext *)data = a->dev >= 0 ? &G.dev[a->dev].ctx : tl_ctx; break;
+        case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *(unsigned *)data = host ? 1u : 2u; break;
+        case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *(CUdeviceptr *)data = ptr; break;
+        case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+            if (host || a->kind == AK_MANAGED) *(void **)data = (void *)(uintptr_t)ptr;
+            else r = CUDA_ERROR_INVALID_VALUE;
+            break;
+        case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(int *)data = a->kind == AK_MANAGED; break;
+        case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *(int *)data = a->dev >= 0 ? a->dev : tl_ctx ? tl_ctx->dev : 0; break;
+        case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: *(int *)data = a->kind == AK_DEVICE; break;
+        case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(CUdeviceptr *)data = a->base; break;
+        case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = (size_t)a->size; break;
+        case CU_POINTER_ATTRIBUTE_MAPPED: *(int *)data = 1; break;
+        case CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES:
+            *(unsigned long long *)data = a->kind == AK_POOL     ? (unsigned long long)a->pool->handle_types
+                                          : a->kind == AK_MAPPED ? (unsigned long long)a->phys->handle_types
+                                                                 : 0;
+            break;
+        case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: *(CUmemoryPool *)data = a->kind == AK_POOL ? a->pool : NULL; break;
+        default: r = CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr) {
+    fk_ctx *c;
+    fk_alloc *a;
+    CUresult r;
+    ENTER("cuMemGetAddressRange_v2");
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) {
+        a = alloc_of_locked(dptr);
+        if (!a) r = CUDA_ERROR_NOT_FOUND;
+        else {
+            if (pbase) *pbase = a->base;
+            if (psize) *psize = (size_t)a->size;
+        }
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ---- pitched memory, 2D and 3D copies and memsets ---- */
+typedef struct CUDA_MEMCPY2D_st {
+    size_t srcXInBytes, srcY;
+    int srcMemoryType; /* CUmemorytype */
+    const void *srcHost;
+    CUdeviceptr srcDevice;
+    void *srcArray;
+    size_t srcPitch;
+    size_t dstXInBytes, dstY;
+    int dstMemoryType;
+    void *dstHost;
+    CUdeviceptr dstDevice;
+    void *dstArray;
+    size_t dstPitch;
+    size_t WidthInBytes, Height;
+} CUDA_MEMCPY2D;
+typedef struct CUDA_MEMCPY3D_st {
+    size_t srcXInBytes, srcY, srcZ, srcLOD;
+    int srcMemoryType;
+    const void *srcHost;
+    CUdeviceptr srcDevice;
+    void *srcArray;
+    void *reserved0;
+    size_t srcPitch, srcHeight;
+    size_t dstXInBytes, dstY, dstZ, dstLOD;
+    int dstMemoryType;
+    void *dstHost;
+    CUdeviceptr dstDevice;
+    void *dstArray;
+    void *reserved1;
+    size_t dstPitch, dstHeight;
+    size_t WidthInBytes, Height, Depth;
+} CUDA_MEMCPY3D;
+_Static_assert(sizeof(CUDA_MEMCPY2D) == 128, "CUDA_MEMCPY2D layout");
+_Static_assert(sizeof(CUDA_MEMCPY3D) == 200, "CUDA_MEMCPY3D layout");
+enum { CU_MEMORYTYPE_HOST = 1, CU_MEMORYTYPE_DEVICE = 2, CU_MEMORYTYPE_ARRAY = 3, CU_MEMORYTYPE_UNIFIED = 4 };
+
+/* One side of a region copy: its first byte, memory type (1 host, 2 device), pitch, rows per slice. */
+typedef struct {
+    int mt;
+    uint64_t p;
+    size_t pitch, height;
+} fk_side;
+
+static CUresult make_side(int mt, const void *host, CUdeviceptr dev, const void *array, size_t x, size_t y, size_t z,
+                          size_t pitch, size_t height, fk_side *out) {
+    uint64_t base;
+    if (array || mt == CU_MEMORYTYPE_ARRAY) return CUDA_ERROR_INVALID_VALUE; /* CUDA arrays are not emulated */
+    if (mt == CU_MEMORYTYPE_HOST) base = (uint64_t)(uintptr_t)host, out->mt = 1;
+    else if (mt == CU_MEMORYTYPE_DEVICE || mt == CU_MEMORYTYPE_UNIFIED) base = dev, out->mt = 2;
+    else return CUDA_ERROR_INVALID_VALUE;
+    if (!base) return CUDA_ERROR_INVALID_VALUE;
+    out->p = base + ((uint64_t)z * height + y) * pitch + x;
+    out->pitch = pitch;
+    out->height = height;
+    return CUDA_SUCCESS;
+}
+
+/* Bytes from a region's first byte to its last, inclusive: 0 for an empty region. */
+static uint64_t region_span(size_t pitch, size_t height, size_t w, size_t rows, size_t depth) {
+    if (!w || !rows || !depth) return 0;
+    return ((uint64_t)(depth - 1) * height + (rows - 1)) * pitch + w;
+}
+
+static CUresult submit_region(const char *api, fk_side d, fk_side s, size_t w, size_t rows, size_t depth, CUstream h) {
+    fk_stream *st;
+    CUresult r;
+    uint64_t dspan, sspan;
+    if ((rows > 1 || depth > 1) && (d.pitch < w || s.pitch < w)) return CUDA_ERROR_INVALID_VALUE;
+    if (depth > 1 && (d.height < rows || s.height < rows)) return CUDA_ERROR_INVALID_VALUE;
+    dspan = region_span(d.pitch, d.height, w, rows, depth);
+    sspan = region_span(s.pitch, s.height, w, rows, depth);
+    fk_lock(&G.lock);
+    r = get_stream_locked(h, &st);
+    if (!r && dspan) {
+        fk_op *op = new_op(OP_REGION, api);
+        uint64_t seq;
+        int sync = 0;
+        op->dst = d.p, op->dmt = d.mt, op->dpitch = d.pitch, op->dheight = d.height;
+        op->src = s.p, op->smt = s.mt, op->spitch = s.pitch, op->sheight = s.height;
+        op->wbytes = w, op->rows = rows, op->depth = depth;
+        if (s.mt == 1 && !host_is_pinned_locked((const void *)(uintptr_t)s.p, (size_t)sspan)) {
+            /* pageable source: staged at the call, packed, as the real driver stages it */
+            unsigned char *snap = (unsigned char *)malloc(w * rows * depth);
+            size_t z, y;
+            if (!snap) abort();
+            for (z = 0; z < depth; z++)
+                for (y = 0; y < rows; y++)
+                    memcpy(snap + (z * rows + y) * w,
+                           (const unsigned char *)(uintptr_t)s.p + ((uint64_t)z * s.height + y) * s.pitch, w);
+            op->src = (uint64_t)(uintptr_t)snap, op->src_snapshot = 1, op->spitch = w, op->sheight = rows;
+        }
+        if (d.mt == 1 && !host_is_pinned_locked((const void *)(uintptr_t)d.p, (size_t)dspan))
+            sync = 1; /* pageable destination: synchronous, as in the real driver */
+        seq = enqueue_locked(st, op);
+        if (sync) wait_seq_locked(st, seq);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                           unsigned int ElementSizeBytes) {
+    fk_ctx *c;
+    fk_block *b;
+    CUresult r;
+    uint64_t pitch;
+    ENTER("cuMemAllocPitch_v2");
+    if (!dptr || !pPitch || !WidthInBytes || !Height || WidthInBytes > 2147483647u ||
+        (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    pitch = round_up(WidthInBytes, 512);
+    if (Height > UINT64_MAX / pitch) return CUDA_ERROR_OUT_OF_MEMORY;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) r = reserve_block_locked(c->dev, pitch * Height, &b);
+    if (!r) {
+        fk_alloc *a = new_alloc(b->base, pitch * Height, AK_DEVICE, c->dev, b);
+        tab_insert(&G.dtab, a);
+        *dptr = a->base;
+        *pPitch = (size_t)pitch;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_OLD cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, CUstream hStream) {
+    fk_side d, s;
+    CUresult r;
+    ENTER("cuMemcpy2DAsync_v2");
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    r = make_side(p->dstMemoryType, p->dstHost, p->dstDevice, p->dstArray, p->dstXInBytes, p->dstY, 0, p->dstPitch,
+                  p->Height, &d);
+    if (!r)
+        r = make_side(p->srcMemoryType, p->srcHost, p->srcDevice, p->srcArray, p->srcXInBytes, p->srcY, 0, p->srcPitch,
+                      p->Height, &s);
+    if (!r) r = submit_region("cuMemcpy2DAsync_v2", d, s, p->WidthInBytes, p->Height, 1, hStream);
+    return r;
+}
+
+API_OLD cuMemcpy3DAsync_v2(const CUDA_MEMCPY3D *p, CUstream hStream) {
+    fk_side d, s;
+    CUresult r;
+    ENTER("cuMemcpy3DAsync_v2");
+    if (!p || p->srcLOD || p->dstLOD || p->reserved0 || p->reserved1) return CUDA_ERROR_INVALID_VALUE;
+    r = make_side(p->dstMemoryType, p->dstHost, p->dstDevice, p->dstArray, p->dstXInBytes, p->dstY, p->dstZ,
+                  p->dstPitch, p->dstHeight, &d);
+    if (!r)
+        r = make_side(p->srcMemoryType, p->srcHost, p->srcDevice, p->srcArray, p->srcXInBytes, p->srcY, p->srcZ,
+                      p->srcPitch, p->srcHeight, &s);
+    if (!r) r = submit_region("cuMemcpy3DAsync_v2", d, s, p->WidthInBytes, p->Height, p->Depth, hStream);
+    return r;
+}
+
+/* sync: 1 = the synchronous API (legacy stream, waits for completion). */
+static CUresult submit_memset2d(const char *api, CUdeviceptr dst, size_t pitch, uint32_t value, size_t width,
+                                size_t height, int elem, CUstream h, int sync) {
+    fk_stream *s;
+    CUresult r;
+    ENTER(api);
+    if ((elem == 2 && ((dst | pitch) & 1)) || (elem == 4 && ((dst | pitch) & 3))) return CUDA_ERROR_INVALID_VALUE;
+    if (height > 1 && pitch < width * (size_t)elem) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = sync ? get_stream_locked(NULL, &s) : get_stream_locked(h, &s);
+    if (!r && width && height) {
+        fk_op *op = new_op(OP_MEMSET2D, api);
+        uint64_t seq;
+        op->dst = dst, op->dmt = 2, op->dpitch = pitch, op->dheight = height;
+        op->wbytes = width * (size_t)elem, op->rows = height, op->depth = 1;
+        op->value = value, op->elem = elem;
+        seq = enqueue_locked(s, op);
+        if (sync) wait_seq_locked(s, seq);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuMemsetD2D8_v2(CUdeviceptr dst, size_t pitch, unsigned char uc, size_t Width, size_t Height) {
+    return submit_memset2d("cuMemsetD2D8_v2", dst, pitch, uc, Width, Height, 1, NULL, 1);
+}
+API_OLD cuMemsetD2D16_v2(CUdeviceptr dst, size_t pitch, unsigned short us, size_t Width, size_t Height) {
+    return submit_memset2d("cuMemsetD2D16_v2", dst, pitch, us, Width, Height, 2, NULL, 1);
+}
+API_OLD cuMemsetD2D32_v2(CUdeviceptr dst, size_t pitch, unsigned int ui, size_t Width, size_t Height) {
+    return submit_memset2d("cuMemsetD2D32_v2", dst, pitch, ui, Width, Height, 4, NULL, 1);
+}
+API_OLD cuMemsetD2D8Async(CUdeviceptr dst, size_t pitch, unsigned char uc, size_t Width, size_t Height, CUstream h) {
+    return submit_memset2d("cuMemsetD2D8Async", dst, pitch, uc, Width, Height, 1, h, 0);
+}
+API_OLD cuMemsetD2D16Async(CUdeviceptr dst, size_t pitch, unsigned short us, size_t Width, size_t Height,
+                           CUstream h) {
+    return submit_memset2d("cuMemsetD2D16Async", dst, pitch, us, Width, Height, 2, h, 0);
+}
+API_OLD cuMemsetD2D32Async(CUdeviceptr dst, size_t pitch, unsigned int ui, size_t Width, size_t Height, CUstream h) {
+    return submit_memset2d("cuMemsetD2D32Async", dst, pitch, ui, Width, Height, 4, h, 0);
+}
+
+static void run_region(fk_op *op, fk_stream *s) {
+    uint64_t dspan = region_span(op->dpitch, op->dheight, op->wbytes, op->rows, op->depth);
+    uint64_t sspan = region_span(op->spitch, op->sheight, op->wbytes, op->rows, op->depth);
+    fk_view dv, sv;
+    int ok = 1;
+    view_host(&dv, NULL, 0);
+    view_host(&sv, NULL, 0);
+    fk_lock(&G.lock);
+    if (op->kind == OP_MEMSET2D || op->dmt == 2) ok = pin_range_locked(op->api, "write", op->dst, dspan, s, &dv);
+    else view_host(&dv, (void *)(uintptr_t)op->dst, dspan);
+    if (ok && op->kind == OP_REGION) {
+        if (op->smt == 2) ok = pin_range_locked(op->api, "read", op->src, sspan, s, &sv);
+        else view_host(&sv, (void *)(uintptr_t)op->src, sspan);
+    }
+    fk_unlock(&G.lock);
+    if (ok && dspan) {
+        unsigned char *row = (unsigned char *)malloc(op->wbytes);
+        size_t z, y, k;
+        if (!row) abort();
+        if (op->kind == OP_MEMSET2D) {
+            unsigned char pat[4];
+            uint16_t v16 = (uint16_t)op->value;
+            if (op->elem == 2) memcpy(pat, &v16, 2);
+            else memcpy(pat, &op->value, 4);
+            for (k = 0; k < op->wbytes; k++) row[k] = op->elem == 1 ? (unsigned char)op->value : pat[k % (size_t)op->elem];
+        }
+        for (z = 0; z < op->depth; z++)
+            for (y = 0; y < op->rows; y++) {
+                if (op->kind == OP_REGION) view_read(&sv, ((uint64_t)z * op->sheight + y) * op->spitch, row, op->wbytes);
+                view_write(&dv, ((uint64_t)z * op->dheight + y) * op->dpitch, row, op->wbytes);
+            }
+        free(row);
+    }
+    fk_lock(&G.lock);
+    unpin_view_locked(&dv);
+    unpin_view_locked(&sv);
+    fk_unlock(&G.lock);
+}
+
+/* ---- managed memory: advice, prefetch, range attributes ---- */
+#define CU_MEM_LOCATION_TYPE_HOST 2
+#define CU_MEM_LOCATION_TYPE_HOST_NUMA 3
+#define CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT 4
+
+/* The managed allocation holding all of [ptr, ptr + count) (lock held), or NULL. */
+static fk_alloc *managed_range_locked(CUdeviceptr ptr, size_t count) {
+    fk_alloc *a = tab_containing(&G.htab, ptr);
+    if (!a || a->kind != AK_MANAGED || !count || ptr + count < ptr || ptr + count > a->base + a->size) return NULL;
+    return a;
+}
+
+/* Locations as fk_alloc keeps them: 0 none, 1 the host, d + 2 device d; -1 invalid. */
+static int loc_of_device(int d) { return d == -1 ? 1 : valid_dev(d) ? d + 2 : -1; }
+static int loc_of(CUmemLocation l) {
+    if (l.type == CU_MEM_LOCATION_TYPE_DEVICE) return valid_dev(l.id) ? l.id + 2 : -1;
+    if (l.type == CU_MEM_LOCATION_TYPE_HOST || l.type == CU_MEM_LOCATION_TYPE_HOST_NUMA ||
+        l.type == CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT)
+        return 1;
+    return -1;
+}
+static int loc_legacy(int loc) { return loc == 0 ? -2 : loc == 1 ? -1 : loc - 2; }
+static unsigned loc_bit(int loc) { return loc == 1 ? 1u << 31 : 1u << (loc - 2); }
+
+static CUresult advise(const char *api, CUdeviceptr p, size_t count, int advice, int loc) {
+    fk_alloc *a;
+    CUresult r = CUDA_SUCCESS;
+    ENTER(api);
+    if (advice < 1 || advice > 6) return CUDA_ERROR_INVALID_VALUE;
+    if ((advice == 3 || advice == 5 || advice == 6) && loc < 1) return CUDA_ERROR_INVALID_DEVICE;
+    fk_lock(&G.lock);
+    a = managed_range_locked(p, count);
+    if (!a) r = CUDA_ERROR_INVALID_VALUE;
+    else switch (advice) {
+        case 1: a->adv_read_mostly = 1; break;
+        case 2: a->adv_read_mostly = 0; break;
+        case 3: a->adv_pref = loc; break;
+        case 4: a->adv_pref = 0; break;
+        case 5: a->adv_accessed |= loc_bit(loc); break;
+        default: a->adv_accessed &= ~loc_bit(loc); break;
+        }
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuMemAdvise(CUdeviceptr devPtr, size_t count, int advice, CUdevice device) {
+    return advise("cuMemAdvise", devPtr, count, advice, loc_of_device(device));
+}
+API_12000 cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, int advice, CUmemLocation location) {
+    return advise("cuMemAdvise_v2", devPtr, count, advice, loc_of(location));
+}
+
+static CUresult prefetch(const char *api, CUdeviceptr p, size_t count, int loc, unsigned flags, CUstream h) {
+    fk_stream *s;
+    CUresult r;
+    ENTER(api);
+    if (flags) return CUDA_ERROR_INVALID_VALUE;
+    if (loc < 1) return CUDA_ERROR_INVALID_DEVICE;
+    fk_lock(&G.lock);
+    r = get_stream_locked(h, &s);
+    if (!r && !managed_range_locked(p, count)) r = CUDA_ERROR_INVALID_VALUE;
+    /* prefetching needs concurrent managed access (attribute 89), on the target and the stream's device */
+    if (!r && ((loc >= 2 && G.dev[loc - 2].mode != MODE_LINUX) || G.dev[s->ctx->dev].mode != MODE_LINUX))
+        r = CUDA_ERROR_INVALID_DEVICE;
+    if (!r) {
+        fk_op *op = new_op(OP_PREFETCH, api);
+        op->dst = p;
+        op->count = count;
+        op->elem = 1;
+        op->prefetch_loc = loc;
+        enqueue_locked(s, op);
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+API_OLD cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream) {
+    return prefetch("cuMemPrefetchAsync", devPtr, count, loc_of_device(dstDevice), 0, hStream);
+}
+API_12000 cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags,
+                                CUstream hStream) {
+    return prefetch("cuMemPrefetchAsync_v2", devPtr, count, loc_of(location), flags, hStream);
+}
+
+static void run_prefetch(fk_op *op, fk_stream *s) {
+    fk_view v;
+    fk_lock(&G.lock);
+    if (pin_range_locked(op->api, "read", op->dst, op->count, s, &v)) {
+        fk_alloc *a = tab_containing(&G.htab, op->dst);
+        if (a && a->kind == AK_MANAGED) a->adv_last_prefetch = op->prefetch_loc;
+        unpin_view_locked(&v);
+    }
+    fk_unlock(&G.lock);
+}
+
+API_OLD cuMemRangeGetAttribute(void *data, size_t dataSize, int attribute, CUdeviceptr devPtr, size_t count) {
+    fk_alloc *a;
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuMemRangeGetAttribute");
+    if (!data || !dataSize) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    a = managed_range_locked(devPtr, count);
+    if (!a) r = CUDA_ERROR_INVALID_VALUE;
+    else if (attribute == 3) { /* ACCESSED_BY: every location, then CU_DEVICE_INVALID (-2) */
+        size_t n = dataSize / 4, i = 0;
+        int d;
+        if (dataSize % 4) r = CUDA_ERROR_INVALID_VALUE;
+        else {
+            for (d = 0; d < G.ndev && i < n; d++)
+                if (a->adv_accessed & (1u << d)) ((int *)data)[i++] = d;
+            if ((a->adv_accessed & (1u << 31)) && i < n) ((int *)data)[i++] = -1;
+            while (i < n) ((int *)data)[i++] = -2;
+        }
+    } else if (dataSize != 4) r = CUDA_ERROR_INVALID_VALUE;
+    else if (attribute == 1) *(int *)data = a->adv_read_mostly; /* READ_MOSTLY */
+    else if (attribute == 2) *(int *)data = loc_legacy(a->adv_pref); /* PREFERRED_LOCATION */
+    else if (attribute == 4) *(int *)data = loc_legacy(a->adv_last_prefetch); /* LAST_PREFETCH_LOCATION */
+    else r = CUDA_ERROR_INVALID_VALUE;
+    fk_unlock(&G.lock);
+    return r;
+}
+
+/* ---- the worker side of the extension ops ---- */
+static void run_ext_op(fk_op *op, fk_stream *s) {
+    switch (op->kind) {
+    case OP_REGION:
+    case OP_MEMSET2D: run_region(op, s); break;
+    case OP_PREFETCH: run_prefetch(op, s); break;
+    case OP_IPC_WAIT: {
+        fk_ipc_shared *sh = ipc_shared(op->ev); /* the op holds a reference on the event */
+        while (atomic_load(&sh->completed) < op->ipc_ticket) fk_sleep_us(50);
+        break;
+    }
+    default: break;
+    }
+}
+
+/* ---- JIT options, shared by module loads, links and libraries ---- */
+#define CU_JIT_MAX_REGISTERS 0
+#define CU_JIT_WALL_TIME 2
+#define CU_JIT_OPTIMIZATION_LEVEL 7
+#define CU_JIT_TARGET 9
+#define CU_JIT_FALLBACK_STRATEGY 10
+#define CU_JIT_GENERATE_DEBUG_INFO 11
+#define CU_JIT_GENERATE_LINE_INFO 13
+#define CU_JIT_CACHE_MODE 14
+#define CU_JIT_NUM_OPTIONS 35
+
+/* Whether `t` is a CUjit_target of cuda.h 13.0 (compute_30 to compute_121, with the 'a' (1 << 16)
+   and 'f' (2 << 16) variants). */
+static int valid_target(unsigned t) {
+    static const unsigned cc[] = {30, 32, 35, 37, 50, 52, 53, 60, 61, 62, 70, 72, 75,
+                                  80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121};
+    size_t i;
+    if ((t >> 16) > 2) return 0;
+    for (i = 0; i < sizeof cc / sizeof cc[0]; i++)
+        if (cc[i] == (t & 0xFFFF)) return 1;
+    return 0;
+}
+
+/* Checks the options (CUDA_ERROR_INVALID_VALUE for a value out of range or an unknown option) and
+   describes those that change the code, for the information log. */
+static CUresult jit_options(unsigned n, CUjit_option *options, void **values, fk_jit *j) {
+    unsigned i;
+    size_t len = 0;
+    memset(j, 0, sizeof *j);
+    j->opt_level = j->fallback = j->cache_mode = -1;
+    j->wall_time_at = -1;
+    for (i = 0; i < n; i++) {
+        uintptr_t v = (uintptr_t)values[i];
+        switch (options[i]) {
+        case CU_JIT_MAX_REGISTERS:
+            if (v < 1 || v > 255) return CUDA_ERROR_INVALID_VALUE;
+            j->max_regs = (int)v;
+            break;
+        case CU_JIT_WALL_TIME: j->wall_time_at = (long)i; break;
+        case CU_JIT_OPTIMIZATION_LEVEL:
+            if (v > 4) return CUDA_ERROR_INVALID_VALUE;
+            j->opt_level = (int)v;
+            break;
+        case CU_JIT_TARGET:
+            if (!valid_target((unsigned)v)) return CUDA_ERROR_INVALID_VALUE;
+            j->target = (int)v;
+            break;
+        case CU_JIT_FALLBACK_STRATEGY:
+            if (v > 1) return CUDA_ERROR_INVALID_VALUE;
+            j->fallback = (int)v;
+            break;
+        case CU_JIT_GENERATE_DEBUG_INFO: j->debug_info = v != 0; break;
+        case CU_JIT_GENERATE_LINE_INFO: j->line_info = v != 0; break;
+        case CU_JIT_CACHE_MODE:
+            if (v > 2) return CUDA_ERROR_INVALID_VALUE;
+            j->cache_mode = (int)v;
+            break;
+        default:
+            if ((unsigned)options[i] >= CU_JIT_NUM_OPTIONS) return CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+#define DESC(...) len += (size_t)snprintf(j->desc + len, len < sizeof j->desc ? sizeof j->desc - len : 0, __VA_ARGS__)
+    if (j->max_regs) DESC("%smax registers %d", len ? ", " : "", j->max_regs);
+    if (j->opt_level >= 0) DESC("%soptimisation level %d", len ? ", " : "", j->opt_level);
+    if (j->target)
+        DESC("%starget compute_%d%s", len ? ", " : "", j->target & 0xFFFF,
+             (j->target >> 16) == 1 ? "a" : (j->target >> 16) == 2 ? "f" : "");
+    if (j->fallback >= 0) DESC("%sprefer %s", len ? ", " : "", j->fallback ? "binary" : "PTX");
+    if (j->line_info) DESC("%sline info", len ? ", " : "");
+    if (j->debug_info) DESC("%sdebug info", len ? ", " : "");
+    if (j->cache_mode >= 0) DESC("%scache mode %s", len ? ", " : "", j->cache_mode == 1 ? "cg" : j->cache_mode == 2 ? "ca" : "default");
+#undef DESC
+    return CUDA_SUCCESS;
+}
+
+/* Writes `msg` into the error (error = 1) or information log named by the options, and the used
+   size into its size slot; the other log is emptied. */
+static void jit_logs(unsigned n, CUjit_option *options, void **values, int error, const char *msg) {
+    char *errbuf = NULL, *infobuf = NULL;
+    size_t errsz = 0, infosz = 0;
+    unsigned i;
+    for (i = 0; i < n; i++) {
+        if (options[i] == CU_JIT_ERROR_LOG_BUFFER) errbuf = (char *)values[i];
+        if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) errsz = (size_t)(uintptr_t)values[i];
+        if (options[i] == CU_JIT_INFO_LOG_BUFFER) infobuf = (char *)values[i];
+        if (options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES) infosz = (size_t)(uintptr_t)values[i];
+    }
+    if (error) {
+        write_log(errbuf, &errsz, msg);
+        if (infobuf && infosz) infobuf[0] = 0, infosz = 1;
+    } else {
+        if (errbuf && errsz) errbuf[0] = 0, errsz = 1;
+        write_log(infobuf, &infosz, msg);
+    }
+    for (i = 0; i < n; i++) {
+        if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) values[i] = (void *)(uintptr_t)errsz;
+        if (options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES) values[i] = (void *)(uintptr_t)infosz;
+    }
+}
+
+/* The compiler's wall time, a float of milliseconds in the first bytes of the option's slot. */
+static void jit_wall_time(void **values, const fk_jit *j) {
+    float ms = 0.25f;
+    if (j->wall_time_at >= 0) memcpy(&values[j->wall_time_at], &ms, sizeof ms);
+}
+
+static CUresult jit_compile(const void *image, unsigned int numOptions, CUjit_option *options, void **optionValues,
+                            int *kernels, int *nk, int *max_regs) {
+    fk_jit j;
+    char msg[512];
+    CUresult r;
+    if (numOptions && (!options || !optionValues)) return CUDA_ERROR_INVALID_VALUE;
+    r = jit_options(numOptions, options, optionValues, &j);
+    if (r) return r;
+    r = parse_image(image, kernels, nk, msg, sizeof msg);
+    if (!r && j.target && ((j.target & 0xFFFF) > 90 || ((j.target >> 16) && (j.target & 0xFFFF) != 90))) {
+        snprintf(msg, sizeof msg, "fake ptxas: code for compute_%d%s cannot run on the device (sm_90)",
+                 j.target & 0xFFFF, (j.target >> 16) == 1 ? "a" : (j.target >> 16) == 2 ? "f" : "");
+        r = CUDA_ERROR_NO_BINARY_FOR_GPU;
+    }
+    if (!r && j.desc[0]) {
+        size_t len = strlen(msg);
+        snprintf(msg + len, sizeof msg - len, " (%s)", j.desc);
+    }
+    jit_logs(numOptions, options, optionValues, r != CUDA_SUCCESS, msg);
+    if (r) return r;
+    jit_wall_time(optionValues, &j);
+    *max_regs = j.max_regs;
+    return CUDA_SUCCESS;
+}
+
+/* ---- the linker ---- */
+#define FK_MAGIC_LINK 0x4c494e4bU
+#define CUDA_ERROR_FILE_NOT_FOUND 301
+static const char FK_IMAGE_MARK[8] = {'F', 'K', 'L', 'I', 'N', 'K', 0, 0};
+
+/* Whether `u` is an image the fake linker made: a 64-byte ELF header marked FKLINK, then the text of
+   its entries (see cuLinkComplete). */
+static int is_fake_image(const unsigned char *u) {
+    return u[0] == 0x7f && u[1] == 'E' && u[2] == 'L' && u[3] == 'F' && !memcmp(u + 8, FK_IMAGE_MARK, 8);
+}
+
+typedef struct fk_link {
+    uint32_t magic;
+    fk_ctx *ctx;
+    /* the caller's option arrays, which the driver keeps (and writes the logs through) until
+       cuLinkDestroy */
+    unsigned nopts;
+    CUjit_option *options;
+    void **values;
+    fk_jit jit;
+    size_t errcap, infocap; /* the log buffers' sizes, as given to cuLinkCreate */
+    int kernels[K_COUNT], nk, ninputs;
+    char dup[160]; /* the first duplicate definition, reported by cuLinkComplete */
+    unsigned char *image;
+    size_t image_size;
+} fk_link;
+typedef fk_link *CUlinkState;
+enum { CU_JIT_INPUT_CUBIN, CU_JIT_INPUT_PTX, CU_JIT_INPUT_FATBINARY, CU_JIT_INPUT_OBJECT, CU_JIT_INPUT_LIBRARY };
+
+static fk_link *valid_link_locked(CUlinkState l) { return l && vec_find(&GX.links, l) >= 0 ? l : NULL; }
+
+/* Writes a log of the link: the size slots, which earlier writes set to the used sizes, get the
+   buffers' sizes back first (the driver keeps those itself). */
+static void link_log(fk_link *l, int error, const char *msg) {
+    unsigned i;
+    for (i = 0; i < l->nopts; i++) {
+        if (l->options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) l->values[i] = (void *)(uintptr_t)l->errcap;
+        if (l->options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES) l->values[i] = (void *)(uintptr_t)l->infocap;
+    }
+    jit_logs(l->nopts, l->options, l->values, error, msg);
+}
+
+API_OLD cuLinkCreate_v2(unsigned int numOptions, CUjit_option *options, void **optionValues, CUlinkState *stateOut) {
+    fk_ctx *c;
+    fk_jit j;
+    CUresult r;
+    ENTER("cuLinkCreate_v2");
+    if (!stateOut || (numOptions && (!options || !optionValues))) return CUDA_ERROR_INVALID_VALUE;
+    r = jit_options(numOptions, options, optionValues, &j);
+    if (r) return r;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r) {
+        fk_link *l = (fk_link *)calloc(1, sizeof *l);
+        if (!l) abort();
+        l->magic = FK_MAGIC_LINK;
+        l->ctx = c;
+        unsigned i;
+        l->nopts = numOptions;
+        l->options = options;
+        l->values = optionValues;
+        l->jit = j;
+        for (i = 0; i < numOptions; i++) {
+            if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) l->errcap = (size_t)(uintptr_t)optionValues[i];
+            if (options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES) l->infocap = (size_t)(uintptr_t)optionValues[i];
+        }
+        vec_push(&GX.links, l);
+        *stateOut = l;
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+static CUresult link_add(fk_link *l, int type, const void *data, size_t size, const char *name) {
+    int kernels[K_COUNT], nk = 0, k, i;
+    char msg[512], log[700];
+    CUresult r;
+    if (type < CU_JIT_INPUT_CUBIN || type > CU_JIT_INPUT_LIBRARY) return CUDA_ERROR_INVALID_VALUE;
+    if (!memchr(data, 0, size)) return CUDA_ERROR_INVALID_VALUE; /* the fake reads text: it must end */
+    if (type != CU_JIT_INPUT_PTX && (size < FK_IMAGE_HEADER + 1 || !is_fake_image((const unsigned char *)data))) {
+        snprintf(log, sizeof log,
+                 "fake nvlink: %s: not an image of the fake linker (it links PTX text and its own output)", name);
+        link_log(l, 1, log);
+        return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    }
+    if (type == CU_JIT_INPUT_PTX && is_fake_image((const unsigned char *)data)) return CUDA_ERROR_INVALID_VALUE;
+    r = parse_image(data, kernels, &nk, msg, sizeof msg);
+    if (r) {
+        snprintf(log, sizeof log, "%s: %s", name, msg);
+        link_log(l, 1, log);
+        return r;
+    }
+    for (i = 0; i < nk; i++) {
+        for (k = 0; k < l->nk && l->kernels[k] != kernels[i]; k++) {
+        }
+        if (k < l->nk) {
+            if (!l->dup[0])
+                snprintf(l->dup, sizeof l->dup, "fake nvlink: duplicate definition of '%s' in %s",
+                         KERNELS[kernels[i]].name, name);
+        } else l->kernels[l->nk++] = kernels[i];
+    }
+    l->ninputs++;
+    snprintf(log, sizeof log, "fake nvlink: added %s (%d entr%s)", name, nk, nk == 1 ? "y" : "ies");
+    link_log(l, 0, log);
+    return CUDA_SUCCESS;
+}
+
+API_OLD cuLinkAddData_v2(CUlinkState state, int type, void *data, size_t size, const char *name,
+                         unsigned int numOptions, CUjit_option *options, void **optionValues) {
+    fk_link *l;
+    CUresult r;
+    ENTER("cuLinkAddData_v2");
+    (void)options;
+    (void)optionValues;
+    if (!data || !size || (numOptions && (!options || !optionValues))) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    l = valid_link_locked(state);
+    fk_unlock(&G.lock);
+    if (!l) return CUDA_ERROR_INVALID_HANDLE;
+    r = link_add(l, type, data, size, name ? name : "(unnamed)");
+    return r;
+}
+
+API_OLD cuLinkAddFile_v2(CUlinkState state, int type, const char *path, unsigned int numOptions,
+                         CUjit_option *options, void **optionValues) {
+    fk_link *l;
+    FILE *f;
+    unsigned char *buf;
+    long len;
+    CUresult r;
+    ENTER("cuLinkAddFile_v2");
+    if (!path || (numOptions && (!options || !optionValues))) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    l = valid_link_locked(state);
+    fk_unlock(&G.lock);
+    if (!l) return CUDA_ERROR_INVALID_HANDLE;
+    if (!(f = fopen(path, "rb"))) return CUDA_ERROR_FILE_NOT_FOUND;
+    if (fseek(f, 0, SEEK_END) != 0 || (len = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0) {
+        fclose(f);
+        return CUDA_ERROR_FILE_NOT_FOUND;
+    }
+    buf = (unsigned char *)calloc(1, (size_t)len + 1);
+    if (!buf) abort();
+    if (fread(buf, 1, (size_t)len, f) != (size_t)len) {
+        fclose(f);
+        free(buf);
+        return CUDA_ERROR_FILE_NOT_FOUND;
+    }
+    fclose(f);
+    r = len ? link_add(l, type, buf, (size_t)len + 1, path) : CUDA_ERROR_INVALID_VALUE;
+    free(buf);
+    return r;
+}
+
+API_OLD cuLinkComplete(CUlinkState state, void **cubinOut, size_t *sizeOut) {
+    fk_link *l;
+    CUresult r = CUDA_SUCCESS;
+    ENTER("cuLinkComplete");
+    if (!cubinOut || !sizeOut) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    l = valid_link_locked(state);
+    fk_unlock(&G.lock);
+    if (!l) return CUDA_ERROR_INVALID_HANDLE;
+    if (!l->ninputs) return CUDA_ERROR_INVALID_VALUE;
+    if (l->dup[0]) {
+        link_log(l, 1, l->dup);
+        return CUDA_ERROR_INVALID_IMAGE;
+    }
+    if (!l->image) {
+        size_t len = FK_IMAGE_HEADER + 1, at;
+        int k;
+        char info[160];
+        for (k = 0; k < l->nk; k++) len += 8 + strlen(KERNELS[l->kernels[k]].name);
+        l->image = (unsigned char *)calloc(1, len);
+        if (!l->image) abort();
+        memcpy(l->image, "\x7f" "ELF", 4);
+        l->image[4] = 2; /* 64-bit */
+        l->image[5] = 1; /* little-endian */
+        l->image[6] = 1; /* ELF version */
+        memcpy(l->image + 8, FK_IMAGE_MARK, 8);
+        at = FK_IMAGE_HEADER;
+        for (k = 0; k < l->nk; k++)
+            at += (size_t)sprintf((char *)l->image + at, ".entry %s\n", KERNELS[l->kernels[k]].name);
+        l->image_size = at + 1;
+        snprintf(info, sizeof info, "fake nvlink: linked %d input%s into %d entr%s", l->ninputs,
+                 l->ninputs == 1 ? "" : "s", l->nk, l->nk == 1 ? "y" : "ies");
+        link_log(l, 0, info);
+        jit_wall_time(l->values, &l->jit);
+    }
+    *cubinOut = l->image;
+    *sizeOut = l->image_size;
+    return r;
+}
+
+API_OLD cuLinkDestroy(CUlinkState state) {
+    fk_link *l;
+    ENTER("cuLinkDestroy");
+    fk_lock(&G.lock);
+    l = valid_link_locked(state);
+    if (l) vec_remove(&GX.links, l);
+    fk_unlock(&G.lock);
+    if (!l) return CUDA_ERROR_INVALID_HANDLE;
+    free(l->image);
+    l->magic = 0;
+    free(l);
+    return CUDA_SUCCESS;
+}
+
+/* ---- context-independent libraries ---- */
+#define FK_MAGIC_LIBRARY 0x4c494252U
+#define FK_MAGIC_KERNEL 0x4b524e4cU
+struct fk_library;
+typedef struct fk_kernel {
+    uint32_t magic;
+    struct fk_library *lib;
+    int index; /* in the library's kernels */
+} fk_kernel;
+typedef struct fk_library {
+    uint32_t magic;
+    int nk, max_regs;
+    int kernels[K_COUNT];
+    fk_kernel kern[K_COUNT];
+    fk_module *mods[FK_MAX_DEVICES]; /* its code in each device's context, made on first use */
+} fk_library;
+typedef fk_library *CUlibrary;
+typedef fk_kernel *CUkernel;
+
+static fk_library *valid_library_locked(CUlibrary l) { return l && vec_find(&GX.libraries, l) >= 0 ? l : NULL; }
+static fk_kernel *valid_kernel_locked(CUkernel k) {
+    size_t i;
+    for (i = 0; k && i < GX.libraries.n; i++) {
+        fk_library *l = (fk_library *)GX.libraries.v[i];
+        if (k >= l->kern && k < l->kern + l->nk) return k;
+    }
+    return NULL;
+}
+
+API_12000 cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions, void **jitOptionsValues,
+                            unsigned int numJitOptions, int *libraryOptions, void **libraryOptionValues,
+                            unsigned int numLibraryOptions) {
+    int kernels[K_COUNT], nk = 0, max_regs = 0, k;
+    unsigned i;
+    CUresult r;
+    ENTER("cuLibraryLoadData");
+    (void)libraryOptionValues;
+    if (!library || !code || (numLibraryOptions && (!libraryOptions || !libraryOptionValues)))
+        return CUDA_ERROR_INVALID_VALUE;
+    for (i = 0; i < numLibraryOptions; i++)
+        if (libraryOptions[i] < 0 || libraryOptions[i] > 1) return CUDA_ERROR_INVALID_VALUE;
+    r = jit_compile(code, numJitOptions, jitOptions, jitOptionsValues, kernels, &nk, &max_regs);
+    if (r) return r;
+    {
+        fk_library *l = (fk_library *)calloc(1, sizeof *l);
+        if (!l) abort();
+        l->magic = FK_MAGIC_LIBRARY;
+        l->nk = nk;
+        l->max_regs = max_regs;
+        for (k = 0; k < nk; k++) {
+            l->kernels[k] = kernels[k];
+            l->kern[k].magic = FK_MAGIC_KERNEL;
+            l->kern[k].lib = l;
+            l->kern[k].index = k;
+        }
+        fk_lock(&G.lock);
+        vec_push(&GX.libraries, l);
+        fk_unlock(&G.lock);
+        *library = l;
+    }
+    return CUDA_SUCCESS;
+}
+
+API_12000 cuLibraryUnload(CUlibrary library) {
+    fk_library *l;
+    int d;
+    ENTER("cuLibraryUnload");
+    fk_lock(&G.lock);
+    l = valid_library_locked(library);
+    if (l) {
+        vec_remove(&GX.libraries, l);
+        for (d = 0; d < FK_MAX_DEVICES; d++)
+            if (l->mods[d]) {
+                vec_remove(&G.modules, l->mods[d]);
+                l->mods[d]->magic = 0;
+                free(l->mods[d]);
+            }
+        l->magic = 0;
+        free(l);
+    }
+    fk_unlock(&G.lock);
+    return l ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+API_12000 cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *name) {
+    fk_library *l;
+    CUresult r = CUDA_ERROR_NOT_FOUND;
+    int k;
+    ENTER("cuLibraryGetKernel");
+    if (!pKernel || !name) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if (!(l = valid_library_locked(library))) r = CUDA_ERROR_INVALID_HANDLE;
+    else
+        for (k = 0; k < l->nk; k++)
+            if (!strcmp(KERNELS[l->kernels[k]].name, name)) {
+                *pKernel = &l->kern[k];
+                r = CUDA_SUCCESS;
+            }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_12000 cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
+    fk_ctx *c;
+    fk_kernel *k = NULL;
+    CUresult r;
+    ENTER("cuKernelGetFunction");
+    if (!pFunc) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    r = cur_ctx_locked(&c);
+    if (!r && !(k = valid_kernel_locked(kernel))) r = CUDA_ERROR_INVALID_HANDLE;
+    if (!r) {
+        fk_library *l = k->lib;
+        fk_module *m = l->mods[c->dev];
+        if (!m) { /* the library's code in this context, loaded at first use */
+            int i;
+            m = (fk_module *)calloc(1, sizeof *m);
+            if (!m) abort();
+            m->magic = FK_MAGIC_MODULE;
+            m->ctx = c;
+            m->nfuncs = l->nk;
+            m->max_regs = l->max_regs;
+            m->lib = l;
+            for (i = 0; i < l->nk; i++) {
+                m->funcs[i].magic = FK_MAGIC_FUNC;
+                m->funcs[i].mod = m;
+                m->funcs[i].kernel = l->kernels[i];
+                m->funcs[i].max_dyn_smem = FK_SMEM_DEFAULT;
+                m->funcs[i].carveout = -1;
+            }
+            vec_push(&G.modules, m);
+            l->mods[c->dev] = m;
+        }
+        *pFunc = &m->funcs[k->index];
+    }
+    fk_unlock(&G.lock);
+    return r;
+}
+
+API_12000 cuLibraryGetKernelCount(unsigned int *count, CUlibrary lib) {
+    fk_library *l;
+    ENTER("cuLibraryGetKernelCount");
+    if (!count) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if ((l = valid_library_locked(lib))) *count = (unsigned)l->nk;
+    fk_unlock(&G.lock);
+    return l ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+API_12000 cuLibraryEnumerateKernels(CUkernel *kernels, unsigned int numKernels, CUlibrary lib) {
+    fk_library *l;
+    unsigned i;
+    ENTER("cuLibraryEnumerateKernels");
+    if (!kernels && numKernels) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if ((l = valid_library_locked(lib)))
+        for (i = 0; i < numKernels && i < (unsigned)l->nk; i++) kernels[i] = &l->kern[i];
+    fk_unlock(&G.lock);
+    return l ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+API_12000 cuKernelGetName(const char **name, CUkernel hfunc) {
+    fk_kernel *k;
+    ENTER("cuKernelGetName");
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    fk_lock(&G.lock);
+    if ((k = valid_kernel_locked(hfunc))) *name = KERNELS[k->lib->kernels[k->index]].name;
+    fk_unlock(&G.lock);
+    return k ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* ---- cluster occupancy ---- */
+/* The cluster size a query names (its CLUSTER_DIMENSION attribute, else the kernel's required
+   size; 0 if neither), the most the kernel allows, and the blocks per SM of its configuration. */
+static CUresult cluster_query(const char *api, CUfunction func, const CUlaunchConfig *config, int *size, int *limit,
+                              int *blocks) {
+    unsigned cluster[3];
+    int coop, has_cluster;
+    CUresult r = CUDA_SUCCESS;
+    ENTER(api);
+    fk_lock(&G.lock);
+    if (!valid_func(func)) r = CUDA_ERROR_INVALID_HANDLE;
+    fk_unlock(&G.lock);
+    if (r) return r;
+    r = check_launch_attrs(config, &coop, cluster, &has_cluster);
+    if (r) return r;
+    *limit = func->nonportable ? 16 : 8;
+    *size = 0;
+    if (has_cluster) *size = (int)(cluster[0] * cluster[1] * cluster[2]);
+    else if (func->cluster[0])
+        *size = func->cluster[0] * (func->cluster[1] ? func->cluster[1] : 1) * (func->cluster[2] ? func->cluster[2] : 1);
+    *blocks =
+        blocks_per_sm((int)(config->blockDimX * config->blockDimY * config->blockDimZ), config->sharedMemBytes);
+    return CUDA_SUCCESS;
+}
+
+API_11060 cuOccupancyMaxActiveClusters(int *numClusters, CUfunction func, const CUlaunchConfig *config) {
+    int size, limit, blocks;
+    CUresult r;
+    if (!numClusters || !config) return CUDA_ERROR_INVALID_VALUE;
+    r = cluster_query("cuOccupancyMaxActiveClusters", func, config, &size, &limit, &blocks);
+    if (r) return r;
+    if (!size) return CUDA_ERROR_INVALID_VALUE; /* no cluster size given */
+    *numClusters = size > limit ? 0 : blocks * FK_SM_COUNT / size;
+    return CUDA_SUCCESS;
+}
+
+API_11060 cuOccupancyMaxPotentialClusterSize(int *clusterSize, CUfunction func, const CUlaunchConfig *config) {
+    int size, limit, blocks;
+    CUresult r;
+    if (!clusterSize || !config) return CUDA_ERROR_INVALID_VALUE;
+    r = cluster_query("cuOccupancyMaxPotentialClusterSize", func, config, &size, &limit, &blocks);
+    if (r) return r;
+    *clusterSize = !blocks ? 0 : size ? (size > limit ? 0 : size) : limit;
+    return CUDA_SUCCESS;
+}
+
+/* ---- the record of the last launch ---- */
+static void record_launch_locked(const char *api, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                 unsigned bz, unsigned smem, int cooperative, const unsigned *cluster) {
+    struct CudrvFakeLaunch *l = &GX.last;
+    uint64_t n = l->launches + 1;
+    unsigned i;
+    memset(l, 0, sizeof *l);
+    l->launches = n;
+    l->grid[0] = gx, l->grid[1] = gy, l->grid[2] = gz;
+    l->block[0] = bx, l->block[1] = by, l->block[2] = bz;
+    l->shared_mem_bytes = smem;
+    l->cooperative = cooperative;
+    if (cluster) l->cluster[0] = cluster[0], l->cluster[1] = cluster[1], l->cluster[2] = cluster[2];
+    l->mem_sync_domain = -1;
+    snprintf(l->api, sizeof l->api, "%s", api);
+    for (i = 0; tl_launch_config && i < tl_launch_config->numAttrs; i++) {
+        const CUlaunchAttribute *a = &tl_launch_config->attrs[i];
+        switch (a->id) {
+        case CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION:
+            l->programmatic_stream_serialization = a->value.programmaticStreamSerializationAllowed;
+            break;
+        case CU_LAUNCH_ATTRIBUTE_PRIORITY:
+            l->has_priority = 1;
+            l->priority = a->value.priority;
+            break;
+        case CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN: l->mem_sync_domain = a->value.memSyncDomain; break;
+        case CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW:
+            l->has_access_policy_window = 1;
+            l->apw_base = (uint64_t)(uintptr_t)a->value.accessPolicyWindow.base_ptr;
+            l->apw_bytes = a->value.accessPolicyWindow.num_bytes;
+            l->apw_hit_ratio = a->value.accessPolicyWindow.hitRatio;
+            l->apw_hit = a->value.accessPolicyWindow.hitProp;
+            l->apw_miss = a->value.accessPolicyWindow.missProp;
+            break;
+        case CU_LAUNCH_ATTRIBUTE_PREFERRED_CLUSTER_DIMENSION:
+            l->preferred_cluster[0] = a->value.preferredClusterDim.x;
+            l->preferred_cluster[1] = a->value.preferredClusterDim.y;
+            l->preferred_cluster[2] = a->value.preferredClusterDim.z;
+            break;
+        default: break;
+        }
+    }
+}
+
+/* Fake-only: copies the record of the last successful launch into *out. Returns 0. */
+FK_EXPORT int cudrvFakeLastLaunch(struct CudrvFakeLaunch *out) {
+    if (!out) return -1;
+    fk_lock(&G.lock);
+    *out = GX.last;
+    fk_unlock(&G.lock);
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -4073,6 +5815,47 @@ static const fk_proc PROC_TABLE[] = {
     P("cuLaunchKernelEx", 11060, cuLaunchKernelEx),
     P("cuOccupancyMaxActiveBlocksPerMultiprocessor", 6050, cuOccupancyMaxActiveBlocksPerMultiprocessor),
     P("cuOccupancyMaxPotentialBlockSize", 6050, cuOccupancyMaxPotentialBlockSize),
+    FK_GRAPH_PROCS /* fake_graph.c */
+    /* API extensions */
+    P("cuLinkCreate", 6050, cuLinkCreate_v2),
+    P("cuLinkAddData", 6050, cuLinkAddData_v2),
+    P("cuLinkAddFile", 6050, cuLinkAddFile_v2),
+    P("cuLinkComplete", 5050, cuLinkComplete),
+    P("cuLinkDestroy", 5050, cuLinkDestroy),
+    P("cuLibraryLoadData", 12000, cuLibraryLoadData),
+    P("cuLibraryUnload", 12000, cuLibraryUnload),
+    P("cuLibraryGetKernel", 12000, cuLibraryGetKernel),
+    P("cuKernelGetFunction", 12000, cuKernelGetFunction),
+    P("cuKernelGetName", 12030, cuKernelGetName),
+    P("cuLibraryGetKernelCount", 12040, cuLibraryGetKernelCount),
+    P("cuLibraryEnumerateKernels", 12040, cuLibraryEnumerateKernels),
+    P("cuOccupancyMaxActiveClusters", 11080, cuOccupancyMaxActiveClusters),
+    P("cuOccupancyMaxPotentialClusterSize", 11080, cuOccupancyMaxPotentialClusterSize),
+    P("cuMemAllocPitch", 3020, cuMemAllocPitch_v2),
+    P("cuMemcpy2DAsync", 3020, cuMemcpy2DAsync_v2),
+    P("cuMemcpy3DAsync", 3020, cuMemcpy3DAsync_v2),
+    P("cuMemsetD2D8", 3020, cuMemsetD2D8_v2),
+    P("cuMemsetD2D16", 3020, cuMemsetD2D16_v2),
+    P("cuMemsetD2D32", 3020, cuMemsetD2D32_v2),
+    P("cuMemsetD2D8Async", 3020, cuMemsetD2D8Async),
+    P("cuMemsetD2D16Async", 3020, cuMemsetD2D16Async),
+    P("cuMemsetD2D32Async", 3020, cuMemsetD2D32Async),
+    P("cuMemPrefetchAsync", 8000, cuMemPrefetchAsync),
+    P("cuMemPrefetchAsync", 12020, cuMemPrefetchAsync_v2),
+    P("cuMemAdvise", 8000, cuMemAdvise),
+    P("cuMemAdvise", 12020, cuMemAdvise_v2),
+    P("cuMemRangeGetAttribute", 8000, cuMemRangeGetAttribute),
+    P("cuPointerGetAttribute", 4000, cuPointerGetAttribute),
+    P("cuMemGetAddressRange", 3020, cuMemGetAddressRange_v2),
+    P("cuIpcGetEventHandle", 4010, cuIpcGetEventHandle),
+    P("cuIpcOpenEventHandle", 4010, cuIpcOpenEventHandle),
+    P("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle),
+    P("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2),
+    P("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle),
+    P("cuMemPoolExportToShareableHandle", 11020, cuMemPoolExportToShareableHandle),
+    P("cuMemPoolImportFromShareableHandle", 11020, cuMemPoolImportFromShareableHandle),
+    P("cuMemPoolExportPointer", 11020, cuMemPoolExportPointer),
+    P("cuMemPoolImportPointer", 11020, cuMemPoolImportPointer),
 };
 #undef P
 
@@ -4154,7 +5937,10 @@ static void report_locked(struct CudrvFakeReport *out) {
     out->live_allocations += G.vres.n; /* address reservations hold no memory */
     out->live_streams = G.streams.n;
     out->live_events = G.events.n;
-    out->live_modules = G.modules.n;
+    /* a library counts as one module; its code in each context does not count */
+    out->live_modules = GX.libraries.n;
+    for (i = 0; i < G.modules.n; i++)
+        if (!((const fk_module *)G.modules.v[i])->lib) out->live_modules++;
     out->violation_count = G.nviolations;
 }
 
@@ -4226,6 +6012,7 @@ __attribute__((destructor)) static void fk_report_at_exit(void) {
             "cudrv fake driver report: live_allocations=%" PRIu64 " live_bytes=%" PRIu64 " live_streams=%" PRIu64
             " live_events=%" PRIu64 " live_modules=%" PRIu64 " violations=%" PRIu64 "\n",
             r.live_allocations, r.live_bytes, r.live_streams, r.live_events, r.live_modules, r.violation_count);
+    graph_report_at_exit_locked(); /* fake_graph.c */
     for (i = 0; i < G.nviolations && i < FK_MAX_VIOLATIONS; i++)
         fprintf(stderr, "  violation %" PRIu64 ": %s\n", i, G.violations[i] ? G.violations[i] : "?");
     fk_unlock(&G.lock);

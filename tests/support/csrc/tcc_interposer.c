@@ -8,8 +8,10 @@
  *
  *   - cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) reads 0;
  *   - cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_TCC_DRIVER) reads 1;
- *   - every memory-pool entry point (INTERCEPTED below) returns CUDA_ERROR_NOT_SUPPORTED (801)
- *     without calling the real driver.
+ *   - every memory-pool entry point, and every entry point of graph memory nodes (the
+ *     stream-ordered allocator inside graphs: cuGraphAddMemAllocNode and its family, INTERCEPTED
+ *     below) returns CUDA_ERROR_NOT_SUPPORTED (801) without calling the real driver. (A graph
+ *     memory node added through the generic cuGraphAddNode is not intercepted.)
  *
  * and, with `CUDRV_TCC_NO_VMM=1` (TCC devices are reported to lack virtual memory management too),
  * two more:
@@ -296,6 +298,37 @@ static CUresult tcc_cuMemSetMemPool(UNUSED CUmemLocation *location, UNUSED CUmem
     return CUDA_ERROR_NOT_SUPPORTED;
 }
 
+/* Graph memory nodes: the stream-ordered allocator inside graphs, missing with it. */
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_v1_st CUDA_MEM_ALLOC_NODE_PARAMS;
+typedef int CUgraphMem_attribute; /* enum CUgraphMem_attribute_enum */
+static CUresult tcc_cuGraphAddMemAllocNode(UNUSED CUgraphNode *node, UNUSED CUgraph graph,
+                                           UNUSED const CUgraphNode *deps, UNUSED size_t ndeps,
+                                           UNUSED CUDA_MEM_ALLOC_NODE_PARAMS *params) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuGraphMemAllocNodeGetParams(UNUSED CUgraphNode node, UNUSED CUDA_MEM_ALLOC_NODE_PARAMS *params) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuGraphAddMemFreeNode(UNUSED CUgraphNode *node, UNUSED CUgraph graph,
+                                          UNUSED const CUgraphNode *deps, UNUSED size_t ndeps,
+                                          UNUSED CUdeviceptr dptr) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuGraphMemFreeNodeGetParams(UNUSED CUgraphNode node, UNUSED CUdeviceptr *dptr) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuDeviceGraphMemTrim(UNUSED CUdevice device) { return CUDA_ERROR_NOT_SUPPORTED; }
+static CUresult tcc_cuDeviceGetGraphMemAttribute(UNUSED CUdevice device, UNUSED CUgraphMem_attribute attr,
+                                                 UNUSED void *value) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static CUresult tcc_cuDeviceSetGraphMemAttribute(UNUSED CUdevice device, UNUSED CUgraphMem_attribute attr,
+                                                 UNUSED void *value) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 /* The cuMemCreate family, with CUDRV_TCC_NO_VMM=1. */
 static CUresult tcc_cuMemAddressReserve(UNUSED CUdeviceptr *ptr, UNUSED size_t size, UNUSED size_t alignment,
                                         UNUSED CUdeviceptr addr, UNUSED unsigned long long flags) {
@@ -414,7 +447,14 @@ static CUresult tcc_cuGetErrorString(CUresult error, const char **pStr) {
     X(cuMemPoolImportPointer, tcc_cuMemPoolImportPointer)                                              \
     X(cuMemGetDefaultMemPool, tcc_cuMemGetDefaultMemPool)                                              \
     X(cuMemGetMemPool, tcc_cuMemGetMemPool)                                                            \
-    X(cuMemSetMemPool, tcc_cuMemSetMemPool)
+    X(cuMemSetMemPool, tcc_cuMemSetMemPool)                                                            \
+    X(cuGraphAddMemAllocNode, tcc_cuGraphAddMemAllocNode)                                              \
+    X(cuGraphMemAllocNodeGetParams, tcc_cuGraphMemAllocNodeGetParams)                                  \
+    X(cuGraphAddMemFreeNode, tcc_cuGraphAddMemFreeNode)                                                \
+    X(cuGraphMemFreeNodeGetParams, tcc_cuGraphMemFreeNodeGetParams)                                    \
+    X(cuDeviceGraphMemTrim, tcc_cuDeviceGraphMemTrim)                                                  \
+    X(cuDeviceGetGraphMemAttribute, tcc_cuDeviceGetGraphMemAttribute)                                  \
+    X(cuDeviceSetGraphMemAttribute, tcc_cuDeviceSetGraphMemAttribute)
 #define INTERCEPTED_PTSZ(X)                                                                            \
     X(cuMemAllocAsync_ptsz, tcc_cuMemAllocAsync)                                                       \
     X(cuMemFreeAsync_ptsz, tcc_cuMemFreeAsync)                                                         \
@@ -584,9 +624,7 @@ EXPORT_ERROR_TEXT(cuGetErrorString, tcc_cuGetErrorString)
     X(cuGraphExternalSemaphoresWaitNodeGetParams) X(cuGraphExternalSemaphoresWaitNodeSetParams) \
     X(cuGraphAddBatchMemOpNode) X(cuGraphBatchMemOpNodeGetParams) \
     X(cuGraphBatchMemOpNodeSetParams) X(cuGraphExecBatchMemOpNodeSetParams) \
-    X(cuGraphAddMemAllocNode) X(cuGraphMemAllocNodeGetParams) X(cuGraphAddMemFreeNode) \
-    X(cuGraphMemFreeNodeGetParams) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) \
-    X(cuDeviceSetGraphMemAttribute) X(cuGraphClone) X(cuGraphNodeFindInClone) \
+    X(cuGraphClone) X(cuGraphNodeFindInClone) \
     X(cuGraphNodeGetType) X(cuGraphGetNodes) X(cuGraphGetRootNodes) X(cuGraphGetEdges_v2) \
     X(cuGraphNodeGetDependencies_v2) X(cuGraphNodeGetDependentNodes_v2) \
     X(cuGraphAddDependencies_v2) X(cuGraphRemoveDependencies_v2) X(cuGraphDestroyNode) \

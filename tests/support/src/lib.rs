@@ -36,6 +36,12 @@
 //!   value: u32, n: u64)`, `add_f32(a, b, out, n: u64)`, `spin_fill_u32(out, value: u32, n: u64,
 //!   spin_us: u64)`, `empty()`, `fill_pattern_u8(out, n: u64, seed: u64)` which writes
 //!   [`fill_pattern_u8`]`(seed, i)` to `out[i]`.
+//! - **Graphs and stream capture** (`csrc/fake_graph.c`). Work queued on a capturing stream becomes
+//!   graph nodes (events fork and join streams into the capture, as in the real driver, with its
+//!   capture errors); graphs are built node by node, instantiated, launched (nodes run in creation
+//!   order on the stream's worker, launches of one executable graph ordered), updated; graph memory
+//!   nodes keep one address for the graph's life. [`live_graphs`] and [`live_graph_execs`] count
+//!   what is not destroyed.
 //! - **Versions.** `CUDRV_FAKE_DRIVER_VERSION` (default 13000) is reported by `cuDriverGetVersion`;
 //!   functions introduced later are not served by `cuGetProcAddress`.
 //! - **Faults.** `CUDRV_FAKE_FAIL=<function>:<n>[+]:<code>[,...]` makes the n-th call (and with `+`
@@ -403,12 +409,16 @@ pub fn fake_report() -> FakeReport {
     }
 }
 
-/// Panics, listing what leaked, if the fake driver holds any live allocation, stream, event or
-/// module.
+/// Panics, listing what leaked, if the fake driver holds any live allocation, stream, event,
+/// module, graph or executable graph.
 pub fn assert_no_leaks() {
     let report = fake_report();
     if !report.is_clean() {
         panic!("the fake CUDA driver reports leaks: {report}");
+    }
+    let (graphs, execs) = (live_graphs(), live_graph_execs());
+    if graphs != 0 || execs != 0 {
+        panic!("the fake CUDA driver reports leaks: {graphs} graph(s), {execs} executable graph(s) live");
     }
 }
 
@@ -425,6 +435,22 @@ pub fn fake_shutdown() {
 pub fn fake_per_thread_streams() -> u64 {
     let f: unsafe extern "C" fn() -> u64 = fake_fn("cudrvFakePerThreadStreams");
     // SAFETY: cudrvFakePerThreadStreams takes no arguments and reads a counter under the fake's lock.
+    unsafe { f() }
+}
+
+/// How many CUDA graphs the fake holds: made by `cuGraphCreate`, `cuGraphClone` or a stream capture
+/// (ended or not) and not destroyed. [`assert_no_leaks`] checks it is 0.
+pub fn live_graphs() -> u64 {
+    let f: unsafe extern "C" fn() -> u64 = fake_fn("cudrvFakeLiveGraphs");
+    // SAFETY: cudrvFakeLiveGraphs takes no arguments and reads a counter under the fake's lock.
+    unsafe { f() }
+}
+
+/// How many executable graphs (`cuGraphInstantiate*`) the fake holds, not destroyed.
+/// [`assert_no_leaks`] checks it is 0.
+pub fn live_graph_execs() -> u64 {
+    let f: unsafe extern "C" fn() -> u64 = fake_fn("cudrvFakeLiveGraphExecs");
+    // SAFETY: cudrvFakeLiveGraphExecs takes no arguments and reads a counter under the fake's lock.
     unsafe { f() }
 }
 
