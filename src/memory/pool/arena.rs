@@ -75,6 +75,8 @@ pub(crate) struct Arena<B: Backend> {
     next_epoch: u64,
     /// Live allocations whose stream was forgotten before they were freed.
     pub(crate) orphans: FastMap<u64, Live>,
+    /// Blocks reserved for graphs (see [`super::graph`]).
+    pub(crate) graphs: super::graph::GraphBlocks,
     pub(crate) stats: ArenaStats,
 }
 
@@ -88,6 +90,7 @@ impl<B: Backend> Arena<B> {
             stream_slots: FastMap::default(),
             next_epoch: 1,
             orphans: FastMap::default(),
+            graphs: super::graph::GraphBlocks::default(),
             stats: ArenaStats::default(),
         }
     }
@@ -97,10 +100,16 @@ impl<B: Backend> Arena<B> {
         if let Some(&s) = self.stream_slots.get(stream) {
             return s;
         }
-        self.next_epoch += 1;
-        let s = self.streams.insert(StreamState::new(stream.clone(), self.next_epoch));
+        let epoch = self.new_epoch();
+        let s = self.streams.insert(StreamState::new(Some(stream.clone()), epoch));
         self.stream_slots.insert(stream.clone(), s);
         s
+    }
+
+    /// A number that tells a stream state from any earlier one in the same slot.
+    pub(crate) fn new_epoch(&mut self) -> u64 {
+        self.next_epoch += 1;
+        self.next_epoch
     }
 
     /// The streams the arena knows and has not forgotten.
@@ -132,7 +141,7 @@ impl<B: Backend> Arena<B> {
         Ok(Some(self.handout(blk, size)))
     }
 
-    fn handout(&mut self, blk: u32, size: usize) -> Handout {
+    pub(crate) fn handout(&mut self, blk: u32, size: usize) -> Handout {
         let (ptr, size) = self.hand_out(blk, size);
         Handout { ptr, blk, size }
     }
@@ -235,13 +244,16 @@ impl<B: Backend> Arena<B> {
     /// of the arena is live. Growing past `(1 + headroom) × the most live at once` first takes
     /// out whole free chunks whose frees the GPU has completed (asked without blocking), and
     /// grows by exactly the request.
-    /// With `headroom` false the check is skipped (after rounds that could not take enough out).
+    /// With `headroom` false the check is skipped (after rounds that could not take enough out);
+    /// with `may_release` false nothing is taken out at all (during a stream capture, where
+    /// `cuMemFree` is not allowed).
     pub(crate) fn grow(
         &mut self,
         b: &B,
         s: u32,
         size: usize,
         headroom: bool,
+        may_release: bool,
     ) -> Result<Grow, super::PoolError<B::Error>> {
         let kind = self.kind_for(size);
         let (mut chunk, exact) = self.chunk_sizes(kind, size).ok_or(super::PoolError::TooLarge { requested: size })?;
@@ -263,7 +275,7 @@ impl<B: Backend> Arena<B> {
         }
         if self.stats.reserved.saturating_add(chunk) > limit {
             chunk = exact;
-            if self.stats.reserved.saturating_add(chunk) > limit {
+            if may_release && self.stats.reserved.saturating_add(chunk) > limit {
                 let target = limit.saturating_sub(chunk);
                 let detached = self.detach_free_chunks(b, target, super::release::Completion::Poll)?;
                 if !detached.is_empty() {
@@ -289,7 +301,7 @@ impl<B: Backend> Arena<B> {
     }
 
     /// Records a new chunk; returns its single block (free, host-safe, owned by `s`, unlisted).
-    fn add_chunk(&mut self, s: u32, kind: Kind, ptr: u64, size: usize) -> u32 {
+    pub(crate) fn add_chunk(&mut self, s: u32, kind: Kind, ptr: u64, size: usize) -> u32 {
         debug_assert!(ptr.is_multiple_of(256), "the driver aligns chunks to 256 bytes");
         // The chunk's slot is taken first so that the block can name it.
         let c = self.chunks.insert(Chunk { ptr, size, first: NIL, out: 0, releasing: false });

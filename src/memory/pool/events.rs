@@ -29,9 +29,11 @@ pub(crate) struct StreamState<B: Backend> {
 }
 
 impl<B: Backend> StreamState<B> {
-    pub(crate) fn new(key: B::Stream, epoch: u64) -> Self {
+    /// A state for `key`, or, with `None`, for blocks of no stream that are all host-safe (given
+    /// back by graphs).
+    pub(crate) fn new(key: Option<B::Stream>, epoch: u64) -> Self {
         Self {
-            key: Some(key),
+            key,
             epoch,
             event: None,
             seq: 0,

@@ -64,6 +64,7 @@ pub(crate) mod cache;
 pub(crate) mod config;
 pub(crate) mod error;
 pub(crate) mod events;
+pub(crate) mod graph;
 pub(crate) mod release;
 pub(crate) mod sim;
 pub(crate) mod slots;
@@ -235,7 +236,7 @@ fn grow<H: Host>(h: &H, slot: u32, size: usize) -> Result<Option<Handout>, PoolE
     // Each round frees what the previous one took out; the headroom check then passes, or nothing
     // more can be taken out. Past a few rounds the arena grows beyond its headroom.
     for round in 0..5 {
-        match h.arena(|a| a.grow(b, slot, size, round < 4))? {
+        match h.arena(|a| a.grow(b, slot, size, round < 4, true))? {
             Grow::Block(handout) => return Ok(Some(handout)),
             Grow::Release(chunks) => free_chunks(h, &chunks)?,
             Grow::OutOfMemory => return Ok(None),
@@ -290,8 +291,9 @@ pub(crate) fn deallocate<H: Host>(
     }
 }
 
-/// A free on another stream than the allocation's: find it in the other caches, or among the
-/// orphans of forgotten streams, and cache its block on `stream`.
+/// A free on another stream than the allocation's: find it among the blocks reserved for graphs,
+/// in the other caches, or among the orphans of forgotten streams, and cache its block on
+/// `stream`.
 #[inline(never)]
 fn deallocate_elsewhere<H: Host>(
     h: &H,
@@ -299,6 +301,9 @@ fn deallocate_elsewhere<H: Host>(
     bytes: usize,
     stream: &StreamOf<H>,
 ) -> Result<(), PoolError<ErrorOf<H>>> {
+    if let Some(freed) = graph::free_graph_block(h, ptr, bytes) {
+        return freed;
+    }
     let invalid = PoolError::InvalidFree { ptr, bytes };
     for key in h.arena(|a| a.stream_keys()) {
         if key == *stream {
@@ -435,7 +440,7 @@ pub(crate) fn owns<H: Host>(h: &H, ptr: u64, stream: &StreamOf<H>) -> bool {
         return true;
     }
     h.arena(|a| a.stream_keys()).iter().any(|k| h.existing_cache(k, live) == Some(true))
-        || h.arena(|a| a.orphans.contains_key(&ptr))
+        || h.arena(|a| a.orphans.contains_key(&ptr) || a.owns_graph_block(ptr))
 }
 
 /// The pool's figures: the arena's, plus every stream's summed.
@@ -455,8 +460,9 @@ pub(crate) fn stats<H: Host>(h: &H) -> PoolStats {
         });
     }
     h.arena(|a| {
-        let orphan_bytes: usize = a.orphans.values().map(|l| l.requested).sum();
-        let orphan_blocks: usize = a.orphans.values().map(|l| l.size).sum();
+        let graphs = a.graph_use();
+        let orphan_bytes: usize = a.orphans.values().map(|l| l.requested).sum::<usize>() + graphs.bytes;
+        let orphan_blocks: usize = a.orphans.values().map(|l| l.size).sum::<usize>() + graphs.block_bytes;
         let in_use = sum.live_bytes + orphan_bytes;
         a.note_in_use(in_use);
         let s = &a.stats;
@@ -466,7 +472,7 @@ pub(crate) fn stats<H: Host>(h: &H) -> PoolStats {
             in_use,
             peak_in_use: s.peak_in_use.max(peak_one),
             in_use_blocks: sum.live_block_bytes + orphan_blocks,
-            live_allocations: sum.live + a.orphans.len(),
+            live_allocations: sum.live + a.orphans.len() + graphs.allocations,
             cached: sum.free_bytes,
             chunks: s.chunks,
             streams: a.streams.len(),

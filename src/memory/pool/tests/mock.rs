@@ -176,6 +176,27 @@ impl Mock {
         st.live.insert(p, (bytes, s));
     }
 
+    /// Checks a block handed to a graph: every earlier free of its memory must be complete as the
+    /// host sees it (a graph may launch on any stream, any time later).
+    pub(super) fn check_host_safe(&self, p: u64, bytes: usize) {
+        let st = self.st();
+        let end = p + bytes.max(1) as u64;
+        for &(fp, fl, fs, ft) in &st.frees {
+            if fp < end && p < fp + fl as u64 {
+                assert!(
+                    at(&st.host, fs) >= ft,
+                    "graph block {p:#x} overlaps a free on stream {fs} the host has not seen complete"
+                );
+            }
+        }
+        if let Some((&q, &(n, _))) = st.live.range(..=p).next_back() {
+            assert!(q + n.max(1) as u64 <= p, "overlaps a live allocation");
+        }
+        if let Some((&q, _)) = st.live.range(p..).next() {
+            assert!(end <= q, "overlaps a live allocation");
+        }
+    }
+
     /// Issues the free of `p` on stream `s` (after every use); returns its size. A correct user
     /// orders the freeing stream after every use on the allocating stream: modelled here.
     pub(super) fn freeing(&self, p: u64, s: usize) -> usize {
@@ -239,6 +260,11 @@ impl Mock {
 }
 
 impl State {
+    /// (records, waits, syncs, queries, chunk frees), to check that a call made none.
+    pub(super) fn clone_counts(&self) -> (u64, u64, u64, u64, u64) {
+        (self.records, self.waits, self.syncs, self.queries, self.chunk_frees)
+    }
+
     /// Enqueues one operation on stream `s`; returns its time there.
     fn tick(&mut self, s: usize) -> u64 {
         assert!(!self.destroyed[s], "operation on destroyed stream {s}");

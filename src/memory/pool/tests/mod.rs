@@ -2,6 +2,7 @@
 //! harness that runs the pool on it (with threads where a test wants them), unit tests, property
 //! tests, and trace replays.
 
+mod graph;
 mod mock;
 mod props;
 mod traces;
@@ -160,6 +161,9 @@ impl Harness {
             for (&p, l) in &a.orphans {
                 assert!(live.insert(p, l.blk).is_none(), "an orphan also live in a cache");
             }
+            for (p, blk) in a.graph_blocks() {
+                assert!(live.insert(p, blk).is_none(), "a graph's block also live elsewhere");
+            }
             let (mut reserved, mut out_bytes, mut free_blocks) = (0, 0, 0);
             for (c, chunk) in a.chunks.iter() {
                 reserved += chunk.size;
@@ -216,7 +220,8 @@ impl Harness {
         });
         let st = self.stats();
         assert_eq!(st.live_allocations, live.len());
-        assert_eq!(st.live_allocations, self.mock.live_allocations().len());
+        let graph_blocks = self.arena(|a| a.graph_blocks().len());
+        assert_eq!(st.live_allocations, self.mock.live_allocations().len() + graph_blocks);
     }
 }
 
