@@ -162,6 +162,31 @@ impl Device {
         Ok(bytes)
     }
 
+    /// Free and total device memory, in bytes, as the driver sees them now (`cuMemGetInfo`).
+    ///
+    /// `free` counts what no allocation holds, in this process or any other: memory that a pool
+    /// ([`crate::memory::DriverPool`], [`crate::memory::StreamOrderedPool`]) keeps cached for
+    /// reuse is not free here. `total` is what the device offers (slightly less than
+    /// [`Device::total_memory`] on some systems).
+    ///
+    /// ```no_run
+    /// let info = cudrv::Device::get(0)?.memory_info()?;
+    /// println!("{info}"); // "1.3 GiB free of 139.8 GiB"
+    /// assert!(info.free <= info.total);
+    /// # Ok::<(), cudrv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn memory_info(&self) -> Result<MemoryInfo> {
+        let ctx = self.primary_context()?;
+        let _b = ctx.bind()?;
+        let (mut free, mut total) = (0, 0);
+        // SAFETY: valid out-pointers; the device's context is current.
+        unsafe { drv!(cuMemGetInfo_v2(&mut free, &mut total)) }?;
+        Ok(MemoryInfo { free, total })
+    }
+
     /// A raw attribute (`cuDeviceGetAttribute`).
     ///
     /// # Errors
@@ -342,6 +367,35 @@ impl Device {
     }
 }
 
+/// Free and total device memory, as [`Device::memory_info`] reads them.
+///
+/// ```
+/// let info = cudrv::device::MemoryInfo { free: 3 << 29, total: 4 << 30 };
+/// assert_eq!(info.used(), 2_684_354_560);
+/// assert_eq!(info.to_string(), "1.5 GiB free of 4.0 GiB");
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MemoryInfo {
+    /// Bytes no allocation holds.
+    pub free: usize,
+    /// Bytes the device offers.
+    pub total: usize,
+}
+
+impl MemoryInfo {
+    /// Bytes in use: `total - free`.
+    pub fn used(&self) -> usize {
+        self.total.saturating_sub(self.free)
+    }
+}
+
+impl fmt::Display for MemoryInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let gib = |n: usize| n as f64 / f64::from(1u32 << 30);
+        write!(f, "{:.1} GiB free of {:.1} GiB", gib(self.free), gib(self.total))
+    }
+}
+
 /// What a device supports, as [`Device::capabilities`] reads it. Every cudrv API that needs one
 /// of these checks it first and returns [`Error::Unsupported`] when it is missing.
 ///
@@ -384,6 +438,35 @@ pub struct Capabilities {
     pub unified_addressing: bool,
     /// An integrated GPU, sharing memory with the host.
     pub integrated: bool,
+    /// Prefetching managed memory (`cuMemPrefetchAsync`, [`crate::memory::ManagedBuffer::prefetch_to`]):
+    /// managed memory with concurrent managed access (the driver refuses prefetches without it:
+    /// on Windows, and on TCC devices). A driver without the function gives
+    /// [`crate::Error::MissingSymbol`] when it is called.
+    pub managed_prefetch: bool,
+    /// Programmatic dependent launch (`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`,
+    /// [`crate::launch::LaunchAttributes::programmatic_stream_serialization`]): compute capability
+    /// 9.0 or newer and a driver with `cuLaunchKernelEx`.
+    pub programmatic_dependent_launch: bool,
+    /// Memory synchronisation domains (`CU_DEVICE_ATTRIBUTE_MEM_SYNC_DOMAIN_COUNT`; 4 on an H200,
+    /// 1 or 0 where a launch cannot choose one).
+    pub mem_sync_domain_count: u32,
+    /// The largest access-policy window in bytes (`CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE`;
+    /// 0 where L2 access policies are not supported, before compute capability 8.0).
+    pub max_access_policy_window_size: usize,
+    /// The most L2 cache that can be set aside for persisting accesses, in bytes
+    /// (`CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE`).
+    pub max_persisting_l2_cache_size: usize,
+    /// A preferred cluster dimension for launches (`CU_LAUNCH_ATTRIBUTE_PREFERRED_CLUSTER_DIMENSION`):
+    /// thread-block clusters, a driver of CUDA 12.8 or newer, and cudrv built against headers that
+    /// have it.
+    pub preferred_cluster_dimension: bool,
+    /// Interprocess events (`cuIpcGetEventHandle`): `CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED`, the
+    /// driver's documented test for IPC (0 under WSL; on drivers before 12.0, which lack the
+    /// attribute: Linux with unified addressing).
+    pub ipc_events: bool,
+    /// Legacy IPC of device memory (`cuIpcGetMemHandle` on `cuMemAlloc` memory, see
+    /// [`crate::ipc`]): as [`Capabilities::ipc_events`], and unified addressing.
+    pub legacy_ipc: bool,
 }
 
 impl Capabilities {
@@ -398,6 +481,24 @@ impl Capabilities {
             // SAFETY: valid out-pointers; the device's context is current.
             unsafe { drv!(cuCtxGetStreamPriorityRange(&mut least, &mut greatest)) }?;
         }
+        let unified_addressing = f(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)?;
+        let managed_memory = f(A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY)?;
+        let concurrent_managed_access = f(A::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)?;
+        let cluster_launch = cc.0 >= 9 && f(A::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH)? && d.has(LAUNCH_EX);
+        let usize_attr = |a| device.attribute_or_zero(a).map(|v| usize::try_from(v).unwrap_or(0));
+        // The attribute is of CUDA 12.0 (drivers and headers); before, IPC was Linux's.
+        #[cfg(cuda_12000)]
+        let ipc_events = if d.version() >= 12000 {
+            f(A::CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED)?
+        } else {
+            cfg!(target_os = "linux") && unified_addressing
+        };
+        #[cfg(not(cuda_12000))]
+        let ipc_events = cfg!(target_os = "linux") && unified_addressing;
+        #[cfg(cuda_12000)]
+        let mem_sync_domain_count = device.attribute_or_zero(A::CU_DEVICE_ATTRIBUTE_MEM_SYNC_DOMAIN_COUNT)?;
+        #[cfg(not(cuda_12000))]
+        let mem_sync_domain_count = 0;
         Ok(Capabilities {
             device: device.ordinal(),
             driver_model: device.driver_model()?,
@@ -409,15 +510,23 @@ impl Capabilities {
             memory_pool_handle_types: device.attribute_or_zero(A::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES)?
                 as u32,
             virtual_memory_management: f(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)?,
-            managed_memory: f(A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY)?,
-            concurrent_managed_access: f(A::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)?,
+            managed_memory,
+            concurrent_managed_access,
             pageable_memory_access: f(A::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS)?,
             host_register: f(A::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED)?,
             stream_priority_range: (least, greatest),
             cooperative_launch: f(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)?,
-            cluster_launch: cc.0 >= 9 && f(A::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH)? && d.has(LAUNCH_EX),
-            unified_addressing: f(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)?,
+            cluster_launch,
+            unified_addressing,
             integrated: f(A::CU_DEVICE_ATTRIBUTE_INTEGRATED)?,
+            managed_prefetch: managed_memory && concurrent_managed_access,
+            programmatic_dependent_launch: cc.0 >= 9 && d.has(LAUNCH_EX),
+            mem_sync_domain_count: u32::try_from(mem_sync_domain_count).unwrap_or(0),
+            max_access_policy_window_size: usize_attr(A::CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE)?,
+            max_persisting_l2_cache_size: usize_attr(A::CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE)?,
+            preferred_cluster_dimension: cfg!(cuda_12080) && cluster_launch && d.version() >= 12080,
+            ipc_events,
+            legacy_ipc: ipc_events && unified_addressing,
         })
     }
 }
@@ -446,7 +555,24 @@ impl fmt::Display for Capabilities {
         writeln!(f, "cooperative launch          {}", yes(self.cooperative_launch))?;
         writeln!(f, "thread-block clusters       {}", yes(self.cluster_launch))?;
         writeln!(f, "unified addressing          {}", yes(self.unified_addressing))?;
-        write!(f, "integrated                  {}", yes(self.integrated))
+        writeln!(f, "integrated                  {}", yes(self.integrated))?;
+        writeln!(f, "managed prefetch            {}", yes(self.managed_prefetch))?;
+        writeln!(f, "dependent launch (PDL)      {}", yes(self.programmatic_dependent_launch))?;
+        writeln!(f, "memory sync domains         {}", self.mem_sync_domain_count)?;
+        writeln!(f, "access-policy window        {}", bytes(self.max_access_policy_window_size))?;
+        writeln!(f, "persisting L2 cache         {}", bytes(self.max_persisting_l2_cache_size))?;
+        writeln!(f, "preferred cluster dimension {}", yes(self.preferred_cluster_dimension))?;
+        writeln!(f, "IPC events                  {}", yes(self.ipc_events))?;
+        write!(f, "legacy IPC memory           {}", yes(self.legacy_ipc))
+    }
+}
+
+/// A byte count for the report: `0` as "none", else in KiB or MiB.
+fn bytes(n: usize) -> String {
+    match n {
+        0 => "none".into(),
+        n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / f64::from(1u32 << 20)),
+        n => format!("{:.1} KiB", n as f64 / 1024.0),
     }
 }
 

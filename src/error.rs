@@ -84,6 +84,14 @@ pub enum Error {
         /// The operation.
         call: &'static str,
     },
+    /// The operation is refused on a stream that is capturing a graph (or on memory that a
+    /// capture gave to its graph): the graph would run it later, possibly many times, pointing at
+    /// memory Rust may free meanwhile. See [`crate::graph`]. Nothing was done.
+    #[error("{what} is refused during a stream capture (see cudrv::graph)")]
+    Capturing {
+        /// The operation.
+        what: &'static str,
+    },
     /// An argument is invalid. Nothing was done.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

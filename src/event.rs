@@ -85,6 +85,11 @@ impl Event {
         self.raw
     }
 
+    /// The event's device.
+    pub fn device(&self) -> Device {
+        self.ctx.device()
+    }
+
     /// The flags the event was created with.
     pub fn flags(&self) -> EventFlags {
         self.flags

@@ -72,6 +72,9 @@ fn queue() -> Option<&'static Queue> {
 }
 
 fn run(q: &'static Queue) {
+    // This thread never captures, and its waits and frees are never part of a capture: the
+    // driver must not refuse them while another thread captures in global mode.
+    let _relaxed = crate::graph::RelaxedCaptureMode::always();
     loop {
         let job = {
             let mut jobs = q.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -107,8 +110,8 @@ pub(crate) fn defer(job: impl FnOnce() + Send + 'static) {
 /// resource's statistics, or trimming it, after work whose host functions dropped buffers.
 ///
 /// # Errors
-/// [`Error::InHostFunction`] inside a host function (waiting there could deadlock: the deferred
-/// work may itself wait for the host function).
+/// [`Error::InHostFunction`](crate::Error::InHostFunction) inside a host function (waiting
+/// there could deadlock: the deferred work may itself wait for the host function).
 pub fn flush_deferred_drops() -> crate::Result<()> {
     if in_host_fn() {
         return Err(crate::Error::InHostFunction { call: "flush_deferred_drops" });

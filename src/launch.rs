@@ -1,5 +1,16 @@
-//! Launching kernels: [`LaunchConfig`], argument marshalling ([`KernelArg`], [`KernelArgs`]), and
-//! the `launch*` methods of [`Function`].
+//! Launching kernels: [`LaunchConfig`], argument marshalling ([`KernelArg`], [`KernelArgs`]),
+//! launch attributes ([`LaunchAttributes`]), and the `launch*` methods of [`Function`].
+//!
+//! | method | driver call | what |
+//! |---|---|---|
+//! | [`Function::launch`] | `cuLaunchKernel` | a plain launch |
+//! | [`Function::launch_cooperative`] | `cuLaunchCooperativeKernel` | all blocks resident at once |
+//! | [`Function::launch_cluster`] | `cuLaunchKernelEx` | thread-block clusters |
+//! | [`Function::launch_with`] | `cuLaunchKernelEx` | any [`LaunchAttributes`]: programmatic dependent launch, priority, access-policy window, clusters and preferred clusters, memory synchronisation domain, cooperative |
+//! | [`Function::launch_raw`] | `cuLaunchKernel` | a prepared `kernelParams` array |
+//!
+//! Cluster occupancy: [`Function::max_active_clusters`] and
+//! [`Function::max_potential_cluster_size`].
 //!
 //! # Arguments
 //!
@@ -10,6 +21,9 @@
 //! | a [`DeviceRepr`] value (`u32`, `f32`, `u64`, arrays, your `#[repr(C)]` structs) | the value, bit for bit |
 //! | `&DeviceBuffer<T>`, `&mut DeviceBuffer<T>` | a `T*` (the device address, 64 bits) |
 //! | `DeviceView<T>`, `&DeviceView<T>` | a `T*` to the view's first element |
+//! | `&DeviceBuffer2D<T>`, `&mut DeviceBuffer2D<T>`, `DeviceView2D<T>` (and 3D) | a `T*` to the first element (pass the pitch, [`DeviceBuffer2D::pitch`](crate::memory::DeviceBuffer2D::pitch), as another argument) |
+//! | `&ManagedBuffer<T>`, `&mut ManagedBuffer<T>` | a `T*` (managed memory) |
+//! | `&IpcBuffer<T>`, `&mut IpcBuffer<T>` | a `T*` into memory of another process ([`crate::ipc`]) |
 //!
 //! Use `()` for a kernel without parameters and `(x,)` for one parameter. Marshalling allocates
 //! nothing: the values live in a stack array whose addresses go to `cuLaunchKernel` as
@@ -28,6 +42,7 @@ use std::ffi::c_void;
 
 use cudrv_sys::{CUfunction_attribute as FA, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig, CUresult};
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DevicePtr, DeviceRepr, DeviceView};
 use crate::module::Function;
@@ -85,6 +100,249 @@ impl LaunchConfig {
         u64::from(self.grid.0).saturating_mul(u64::from(self.grid.1)).saturating_mul(u64::from(self.grid.2))
     }
 }
+
+/// How a launch's accesses to an [`AccessPolicyWindow`] use the L2 cache (`CUaccessProperty`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AccessProperty {
+    /// Normal caching (`CU_ACCESS_PROPERTY_NORMAL`).
+    Normal,
+    /// Likely to be used once: evicted first (`CU_ACCESS_PROPERTY_STREAMING`).
+    Streaming,
+    /// Kept in the L2 set-aside for persisting accesses (`CU_ACCESS_PROPERTY_PERSISTING`; the
+    /// set-aside is `cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE)`, at most
+    /// [`crate::Capabilities::max_persisting_l2_cache_size`]).
+    Persisting,
+}
+
+impl AccessProperty {
+    fn raw(self) -> cudrv_sys::CUaccessProperty {
+        match self {
+            AccessProperty::Normal => cudrv_sys::CUaccessProperty::CU_ACCESS_PROPERTY_NORMAL,
+            AccessProperty::Streaming => cudrv_sys::CUaccessProperty::CU_ACCESS_PROPERTY_STREAMING,
+            AccessProperty::Persisting => cudrv_sys::CUaccessProperty::CU_ACCESS_PROPERTY_PERSISTING,
+        }
+    }
+}
+
+/// An L2 access-policy window of a launch (`CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW`): a fraction
+/// `hit_ratio` of the accesses to `[base, base + num_bytes)` get the `hit` property, the rest the
+/// `miss` property. A hint to the cache only: it changes no result, and touches no memory.
+///
+/// ```no_run
+/// use cudrv::{Device, Stream, launch::{AccessPolicyWindow, LaunchAttributes}, memory::DeviceBuffer};
+/// let stream = Stream::new(&Device::get(0)?)?;
+/// let table = DeviceBuffer::<f32>::zeroed(1 << 20, &stream)?;
+/// let attrs = LaunchAttributes::new().access_policy_window(AccessPolicyWindow::persisting(&table, 0.6));
+/// # Ok::<(), cudrv::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AccessPolicyWindow {
+    /// The window's first byte.
+    pub base: DevicePtr,
+    /// Its size: at most [`crate::Capabilities::max_access_policy_window_size`].
+    pub num_bytes: usize,
+    /// The fraction of accesses that get `hit`, 0.0 to 1.0.
+    pub hit_ratio: f32,
+    /// The property of that fraction.
+    pub hit: AccessProperty,
+    /// The property of the others.
+    pub miss: AccessProperty,
+}
+
+impl AccessPolicyWindow {
+    /// `[base, base + num_bytes)`: every access persisting, none streaming.
+    pub fn new(base: DevicePtr, num_bytes: usize) -> AccessPolicyWindow {
+        AccessPolicyWindow {
+            base,
+            num_bytes,
+            hit_ratio: 1.0,
+            hit: AccessProperty::Persisting,
+            miss: AccessProperty::Streaming,
+        }
+    }
+
+    /// The whole of `buffer`: `hit_ratio` of the accesses persisting, the rest streaming.
+    pub fn persisting<T: DeviceRepr>(buffer: &DeviceBuffer<T>, hit_ratio: f32) -> AccessPolicyWindow {
+        AccessPolicyWindow { hit_ratio, ..AccessPolicyWindow::new(buffer.as_raw(), buffer.byte_len()) }
+    }
+}
+
+/// The memory synchronisation domain of a launch (`CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN`): memory
+/// fences of kernels in one domain do not wait for the writes of kernels in another, so that a
+/// communication kernel (NCCL's) does not slow compute kernels' fences down. Needs
+/// [`crate::Capabilities::mem_sync_domain_count`] of 2 or more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemSyncDomain {
+    /// The default domain (`CU_LAUNCH_MEM_SYNC_DOMAIN_DEFAULT`).
+    Default,
+    /// The remote domain (`CU_LAUNCH_MEM_SYNC_DOMAIN_REMOTE`), meant for kernels that communicate
+    /// with other devices.
+    Remote,
+}
+
+/// Launch attributes for [`Function::launch_with`] (`cuLaunchKernelEx`). Each one left at its
+/// default is not passed. Each is checked against the device and the driver before the launch,
+/// and refused with [`Error::Unsupported`] (or [`Error::MissingSymbol`] without
+/// `cuLaunchKernelEx`) where they lack it.
+///
+/// ```
+/// use cudrv::launch::{LaunchAttributes, MemSyncDomain};
+/// let attrs = LaunchAttributes::new()
+///     .programmatic_stream_serialization(true)
+///     .priority(-1)
+///     .cluster_dim((2, 1, 1))
+///     .mem_sync_domain(MemSyncDomain::Remote);
+/// assert_eq!(attrs.priority, Some(-1));
+/// assert!(!attrs.is_empty());
+/// assert!(LaunchAttributes::new().is_empty());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct LaunchAttributes {
+    /// Programmatic dependent launch (`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`):
+    /// the kernel may start before the previous kernel on the stream has finished, once every
+    /// block of that kernel has called `griddepcontrol.launch_dependents`
+    /// (`cudaTriggerProgrammaticLaunchCompletion`) or exited. The kernel must call
+    /// `griddepcontrol.wait` (`cudaGridDependencySynchronize`) before it touches anything the
+    /// previous kernel may still use; see [`Function::launch_with`]. Needs
+    /// [`crate::Capabilities::programmatic_dependent_launch`].
+    pub programmatic_stream_serialization: bool,
+    /// The launch's priority (`CU_LAUNCH_ATTRIBUTE_PRIORITY`), within the device's
+    /// [`crate::Capabilities::stream_priority_range`] (lower is higher), instead of the stream's.
+    /// Needs a driver of CUDA 12.0 or newer.
+    pub priority: Option<i32>,
+    /// An L2 access-policy window (`CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW`). Needs
+    /// [`crate::Capabilities::max_access_policy_window_size`] above 0.
+    pub access_policy_window: Option<AccessPolicyWindow>,
+    /// Thread-block clusters of this shape (`CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`), as
+    /// [`Function::launch_cluster`].
+    pub cluster_dim: Option<(u32, u32, u32)>,
+    /// A preferred, larger cluster shape (`CU_LAUNCH_ATTRIBUTE_PREFERRED_CLUSTER_DIMENSION`): the
+    /// device groups blocks into clusters of this shape where it can, and of `cluster_dim`
+    /// otherwise. Each dimension must be a multiple of `cluster_dim`'s (which must be set) and
+    /// divide the grid's. Needs [`crate::Capabilities::preferred_cluster_dimension`].
+    pub preferred_cluster_dim: Option<(u32, u32, u32)>,
+    /// The memory synchronisation domain (`CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN`). Needs
+    /// [`crate::Capabilities::mem_sync_domain_count`] of 2 or more and a driver of CUDA 12.0.
+    pub mem_sync_domain: Option<MemSyncDomain>,
+    /// A cooperative launch (`CU_LAUNCH_ATTRIBUTE_COOPERATIVE`), as
+    /// [`Function::launch_cooperative`].
+    pub cooperative: bool,
+}
+
+impl LaunchAttributes {
+    /// No attributes: a launch with these is a plain launch through `cuLaunchKernelEx`.
+    pub fn new() -> LaunchAttributes {
+        LaunchAttributes::default()
+    }
+
+    /// With or without programmatic stream serialization.
+    pub fn programmatic_stream_serialization(self, allowed: bool) -> LaunchAttributes {
+        LaunchAttributes { programmatic_stream_serialization: allowed, ..self }
+    }
+
+    /// With a priority.
+    pub fn priority(self, priority: i32) -> LaunchAttributes {
+        LaunchAttributes { priority: Some(priority), ..self }
+    }
+
+    /// With an access-policy window.
+    pub fn access_policy_window(self, window: AccessPolicyWindow) -> LaunchAttributes {
+        LaunchAttributes { access_policy_window: Some(window), ..self }
+    }
+
+    /// With clusters of this shape.
+    pub fn cluster_dim(self, dim: (u32, u32, u32)) -> LaunchAttributes {
+        LaunchAttributes { cluster_dim: Some(dim), ..self }
+    }
+
+    /// With a preferred cluster shape.
+    pub fn preferred_cluster_dim(self, dim: (u32, u32, u32)) -> LaunchAttributes {
+        LaunchAttributes { preferred_cluster_dim: Some(dim), ..self }
+    }
+
+    /// In a memory synchronisation domain.
+    pub fn mem_sync_domain(self, domain: MemSyncDomain) -> LaunchAttributes {
+        LaunchAttributes { mem_sync_domain: Some(domain), ..self }
+    }
+
+    /// Cooperative, or not.
+    pub fn cooperative(self, cooperative: bool) -> LaunchAttributes {
+        LaunchAttributes { cooperative, ..self }
+    }
+
+    /// Whether no attribute is set.
+    pub fn is_empty(&self) -> bool {
+        *self == LaunchAttributes::default()
+    }
+
+    /// The driver's attribute array: up to [`MAX_ATTRS`] entries, and how many are used. The
+    /// values were checked (and refused where the headers lack them) before.
+    fn to_raw(self) -> ([CUlaunchAttribute; MAX_ATTRS], usize) {
+        let mut out: [CUlaunchAttribute; MAX_ATTRS] = Default::default();
+        let mut n = 0;
+        let mut put = |a: CUlaunchAttribute| {
+            out[n] = a;
+            n += 1;
+        };
+        let new = |id: CUlaunchAttributeID| CUlaunchAttribute { id, ..Default::default() };
+        if self.programmatic_stream_serialization {
+            let mut a = new(CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+            a.value.programmaticStreamSerializationAllowed = 1;
+            put(a);
+        }
+        #[cfg(cuda_12000)]
+        if let Some(p) = self.priority {
+            let mut a = new(CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY);
+            a.value.priority = p;
+            put(a);
+        }
+        if let Some(w) = self.access_policy_window {
+            let mut a = new(CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW);
+            a.value.accessPolicyWindow = cudrv_sys::CUaccessPolicyWindow {
+                base_ptr: std::ptr::without_provenance_mut(w.base as usize),
+                num_bytes: w.num_bytes,
+                hitRatio: w.hit_ratio,
+                hitProp: w.hit.raw(),
+                missProp: w.miss.raw(),
+            };
+            put(a);
+        }
+        if let Some((x, y, z)) = self.cluster_dim {
+            let mut a = new(CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);
+            a.value.clusterDim.x = x;
+            a.value.clusterDim.y = y;
+            a.value.clusterDim.z = z;
+            put(a);
+        }
+        #[cfg(cuda_12080)]
+        if let Some((x, y, z)) = self.preferred_cluster_dim {
+            let mut a = new(CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PREFERRED_CLUSTER_DIMENSION);
+            a.value.preferredClusterDim.x = x;
+            a.value.preferredClusterDim.y = y;
+            a.value.preferredClusterDim.z = z;
+            put(a);
+        }
+        #[cfg(cuda_12000)]
+        if let Some(d) = self.mem_sync_domain {
+            let mut a = new(CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN);
+            a.value.memSyncDomain = match d {
+                MemSyncDomain::Default => cudrv_sys::CUlaunchMemSyncDomain::CU_LAUNCH_MEM_SYNC_DOMAIN_DEFAULT,
+                MemSyncDomain::Remote => cudrv_sys::CUlaunchMemSyncDomain::CU_LAUNCH_MEM_SYNC_DOMAIN_REMOTE,
+            };
+            put(a);
+        }
+        if self.cooperative {
+            let mut a = new(CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE);
+            a.value.cooperative = 1;
+            put(a);
+        }
+        (out, n)
+    }
+}
+
+/// The most attributes a launch passes.
+const MAX_ATTRS: usize = 8;
 
 /// A value that can be passed to a kernel parameter. See the [module documentation](self) for the
 /// implementations.
@@ -214,10 +472,11 @@ kernel_args!(12; A a 0, B b 1, C c 2, D d 3, E e 4, F f_ 5, G g 6, H h 7, I i_ 8
 
 /// Which driver entry point a launch goes through.
 #[derive(Clone, Copy)]
-enum Kind {
+enum Kind<'a> {
     Plain,
     Cooperative,
-    Cluster(u32, u32, u32),
+    /// `cuLaunchKernelEx` with these (checked) attributes.
+    Ex(&'a LaunchAttributes),
 }
 
 impl Function {
@@ -340,6 +599,13 @@ impl Function {
     pub unsafe fn launch_cooperative<A: KernelArgs>(&self, cfg: LaunchConfig, stream: &Stream, args: A) -> Result<()> {
         self.validate(&cfg)?;
         self.check_stream(stream)?;
+        self.check_cooperative(&cfg)?;
+        // SAFETY: forwarded to the caller.
+        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Cooperative) })?
+    }
+
+    /// Checks that the device can launch cooperatively and that the grid fits on it at once.
+    fn check_cooperative(&self, cfg: &LaunchConfig) -> Result<()> {
         let device = self.device();
         if !device.capabilities()?.cooperative_launch {
             return Err(device.unsupported(
@@ -363,8 +629,7 @@ impl Function {
                 device.ordinal()
             )));
         }
-        // SAFETY: forwarded to the caller.
-        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Cooperative) })?
+        Ok(())
     }
 
     /// Launches the kernel with thread-block clusters of `cluster` blocks
@@ -391,9 +656,17 @@ impl Function {
         stream: &Stream,
         args: A,
     ) -> Result<()> {
-        self.check_cluster_support()?;
         self.validate(&cfg)?;
         self.check_stream(stream)?;
+        self.check_cluster(&cfg, cluster)?;
+        let attrs = LaunchAttributes::new().cluster_dim(cluster);
+        // SAFETY: forwarded to the caller.
+        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Ex(&attrs)) })?
+    }
+
+    /// Checks cluster support, and that `cluster` fits the grid and the kernel.
+    fn check_cluster(&self, cfg: &LaunchConfig, cluster: (u32, u32, u32)) -> Result<()> {
+        self.check_cluster_support()?;
         let dims = [cluster.0, cluster.1, cluster.2];
         let grid = [cfg.grid.0, cfg.grid.1, cfg.grid.2];
         let bad = |why: String| {
@@ -419,9 +692,192 @@ impl Function {
                  Function::set_non_portable_cluster_size_allowed(true)"
             )));
         }
-        let kind = Kind::Cluster(cluster.0, cluster.1, cluster.2);
+        Ok(())
+    }
+
+    /// Launches the kernel with launch `attrs` (`cuLaunchKernelEx`). Returns once the launch is
+    /// queued.
+    ///
+    /// `cfg` is checked as in [`Function::launch`]; every attribute is checked against the device
+    /// and the driver first ([`LaunchAttributes`] says what each needs), and a cluster shape or
+    /// cooperative grid as in [`Function::launch_cluster`] and [`Function::launch_cooperative`].
+    ///
+    /// ```no_run
+    /// use cudrv::{Device, Stream, launch::{LaunchAttributes, LaunchConfig}, memory::DeviceBuffer, module::Module};
+    /// let device = Device::get(0)?;
+    /// let module = Module::from_ptx(&device, include_str!("../examples/kernels/vector_add.ptx"))?;
+    /// let fill = module.function("fill_u32")?;
+    /// let stream = Stream::new(&device)?;
+    /// let mut out = DeviceBuffer::<u32>::zeroed(4096, &stream)?;
+    /// let (_, highest) = device.capabilities()?.stream_priority_range;
+    /// let attrs = LaunchAttributes::new().priority(highest);
+    /// // SAFETY: fill_u32 takes (u32* out, u32 value, u64 n) and writes out[0..n].
+    /// unsafe { fill.launch_with(LaunchConfig::for_num_elems(4096), &attrs, &stream, (&mut out, 7u32, 4096u64))? };
+    /// # Ok::<(), cudrv::Error>(())
+    /// ```
+    ///
+    /// # Safety
+    /// As [`Function::launch`], and, with
+    /// [`programmatic_stream_serialization`](LaunchAttributes::programmatic_stream_serialization):
+    /// the kernel may run while the kernel queued before it on `stream` still runs, so before it
+    /// touches memory that kernel may read or write it must wait for it (`griddepcontrol.wait`,
+    /// `cudaGridDependencySynchronize()`). That includes memory freed on `stream` after that
+    /// kernel and allocated again for this one: cudrv's memory resources reuse memory in stream
+    /// order, which the overlap relaxes.
+    ///
+    /// # Errors
+    /// [`Error::MissingSymbol`] without `cuLaunchKernelEx`; [`Error::Unsupported`] for an attribute
+    /// the device or the driver lacks; [`Error::InvalidPriority`] for a priority outside the
+    /// device's range; [`Error::InvalidArgument`] for a value out of range (nothing is launched);
+    /// as [`Function::launch`].
+    pub unsafe fn launch_with<A: KernelArgs>(
+        &self,
+        cfg: LaunchConfig,
+        attrs: &LaunchAttributes,
+        stream: &Stream,
+        args: A,
+    ) -> Result<()> {
+        self.validate(&cfg)?;
+        self.check_stream(stream)?;
+        self.check_attributes(&cfg, attrs)?;
         // SAFETY: forwarded to the caller.
-        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, kind) })?
+        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Ex(attrs)) })?
+    }
+
+    /// Checks every attribute against the device, the driver and the headers.
+    fn check_attributes(&self, cfg: &LaunchConfig, attrs: &LaunchAttributes) -> Result<()> {
+        let d = driver()?;
+        if !d.has("cuLaunchKernelEx") {
+            return Err(Error::MissingSymbol { name: "cuLaunchKernelEx", driver_version: d.version() });
+        }
+        let device = self.device();
+        let caps = device.capabilities()?;
+        let (major, minor) = caps.compute_capability;
+        let bad = |why: String| Error::InvalidArgument(format!("launch of `{}`: {why}", self.name()));
+        if attrs.programmatic_stream_serialization && !caps.programmatic_dependent_launch {
+            return Err(device.unsupported(
+                "programmatic dependent launch",
+                format!("it needs compute capability 9.0 or newer; the device has {major}.{minor}"),
+                Some("a launch without it (the kernel then starts once the previous one is done)"),
+            ));
+        }
+        if let Some(p) = attrs.priority {
+            needs_cuda_12(&device, "launch priority", d.version(), Some("Stream::with_priority"))?;
+            let (least, greatest) = caps.stream_priority_range;
+            if p < greatest || p > least {
+                return Err(Error::InvalidPriority { requested: p, device: device.ordinal_i32(), least, greatest });
+            }
+        }
+        if let Some(w) = attrs.access_policy_window {
+            let max = caps.max_access_policy_window_size;
+            if max == 0 {
+                return Err(device.unsupported(
+                    "L2 access-policy windows",
+                    format!(
+                        "CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE is 0 (they need compute capability 8.0; \
+                         the device has {major}.{minor})"
+                    ),
+                    Some("a launch without one (it is only a cache hint)"),
+                ));
+            }
+            if w.base == 0 || w.num_bytes == 0 || w.num_bytes > max {
+                return Err(bad(format!(
+                    "the access-policy window {:#x} + {} bytes must be non-empty, start at a device address, \
+                     and span at most {max} bytes on device {}",
+                    w.base,
+                    w.num_bytes,
+                    device.ordinal()
+                )));
+            }
+            if !(0.0..=1.0).contains(&w.hit_ratio) {
+                return Err(bad(format!("the access-policy hit ratio {} is not within 0.0..=1.0", w.hit_ratio)));
+            }
+        }
+        if let Some(c) = attrs.cluster_dim {
+            self.check_cluster(cfg, c)?;
+        }
+        if let Some(p) = attrs.preferred_cluster_dim {
+            if !caps.preferred_cluster_dimension {
+                let reason = if !cfg!(cuda_12080) {
+                    "cudrv was built against headers older than CUDA 12.8, which lack it".to_string()
+                } else if !caps.cluster_launch {
+                    "the device has no thread-block clusters".to_string()
+                } else {
+                    format!("the driver ({}) predates CUDA 12.8", crate::version_string(d.version()))
+                };
+                return Err(device.unsupported(
+                    "a preferred cluster dimension",
+                    reason,
+                    Some("LaunchAttributes::cluster_dim alone"),
+                ));
+            }
+            let Some(c) = attrs.cluster_dim else {
+                return Err(bad("a preferred cluster dimension needs a cluster dimension (cluster_dim) too".into()));
+            };
+            let (pd, cd, grid) = ([p.0, p.1, p.2], [c.0, c.1, c.2], [cfg.grid.0, cfg.grid.1, cfg.grid.2]);
+            if (0..3).any(|i| pd[i] == 0 || !pd[i].is_multiple_of(cd[i]) || !grid[i].is_multiple_of(pd[i])) {
+                return Err(bad(format!(
+                    "the preferred cluster {p:?} must be a multiple of the cluster {c:?} and divide the grid {:?}",
+                    cfg.grid
+                )));
+            }
+        }
+        if attrs.mem_sync_domain.is_some() {
+            needs_cuda_12(&device, "memory synchronisation domains", d.version(), None)?;
+            if caps.mem_sync_domain_count < 2 {
+                return Err(device.unsupported(
+                    "memory synchronisation domains",
+                    format!(
+                        "CU_DEVICE_ATTRIBUTE_MEM_SYNC_DOMAIN_COUNT is {} (they need compute capability 9.0; \
+                         the device has {major}.{minor})",
+                        caps.mem_sync_domain_count
+                    ),
+                    Some("a launch in the default domain"),
+                ));
+            }
+        }
+        if attrs.cooperative {
+            self.check_cooperative(cfg)?;
+        }
+        Ok(())
+    }
+
+    /// The most clusters of `cluster` blocks (each block as `cfg` says) that can be resident on
+    /// the device at once (`cuOccupancyMaxActiveClusters`).
+    ///
+    /// # Errors
+    /// As [`Function::launch_cluster`] for the configuration and the cluster (without a stream);
+    /// [`Error::MissingSymbol`] with a driver older than CUDA 12.0; the driver's error.
+    pub fn max_active_clusters(&self, cfg: LaunchConfig, cluster: (u32, u32, u32)) -> Result<u32> {
+        self.validate(&cfg)?;
+        self.check_cluster(&cfg, cluster)?;
+        let (mut attrs, n) = LaunchAttributes::new().cluster_dim(cluster).to_raw();
+        let config = raw_config(&cfg, std::ptr::null_mut(), &mut attrs, n);
+        let _b = self.context().bind()?;
+        let mut clusters = 0;
+        // SAFETY: valid out-pointer; a function of live code; a configuration whose attribute
+        // array lives during the call; the context is current.
+        unsafe { crate::result::drv!(cuOccupancyMaxActiveClusters(&mut clusters, self.raw, &config)) }?;
+        Ok(u32::try_from(clusters).unwrap_or(0))
+    }
+
+    /// The largest cluster (in blocks) that a launch of `cfg` could use, given the kernel's
+    /// resources and the device (`cuOccupancyMaxPotentialClusterSize`): 8 on most devices, up to
+    /// 16 where the kernel allows non-portable sizes.
+    ///
+    /// # Errors
+    /// As [`Function::max_active_clusters`].
+    pub fn max_potential_cluster_size(&self, cfg: LaunchConfig) -> Result<u32> {
+        self.check_cluster_support()?;
+        self.validate(&cfg)?;
+        let mut attrs: [CUlaunchAttribute; MAX_ATTRS] = Default::default();
+        let config = raw_config(&cfg, std::ptr::null_mut(), &mut attrs, 0);
+        let _b = self.context().bind()?;
+        let mut size = 0;
+        // SAFETY: valid out-pointer; a function of live code; a configuration without
+        // attributes; the context is current.
+        unsafe { crate::result::drv!(cuOccupancyMaxPotentialClusterSize(&mut size, self.raw, &config)) }?;
+        Ok(u32::try_from(size).unwrap_or(0))
     }
 
     /// Lets launches of this kernel use clusters of more than 8 blocks (up to 16, on devices that
@@ -499,7 +955,13 @@ impl Function {
     /// the call; the launch satisfies [`Function::launch`]'s promises; `cfg` was validated and the
     /// stream belongs to the kernel's context.
     #[inline]
-    unsafe fn enqueue(&self, cfg: &LaunchConfig, stream: &Stream, params: *mut *mut c_void, kind: Kind) -> Result<()> {
+    unsafe fn enqueue(
+        &self,
+        cfg: &LaunchConfig,
+        stream: &Stream,
+        params: *mut *mut c_void,
+        kind: Kind<'_>,
+    ) -> Result<()> {
         let _b = self.context().bind()?;
         let d = driver()?;
         let (g, b, s) = (cfg.grid, cfg.block, stream.as_raw());
@@ -525,26 +987,9 @@ impl Function {
             Kind::Cooperative => ("cuLaunchCooperativeKernel", unsafe {
                 d.cuLaunchCooperativeKernel(self.raw, g.0, g.1, g.2, b.0, b.1, b.2, cfg.shared_mem_bytes, s, params)
             }),
-            Kind::Cluster(x, y, z) => {
-                let mut attr = CUlaunchAttribute {
-                    id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                    ..Default::default()
-                };
-                attr.value.clusterDim.x = x;
-                attr.value.clusterDim.y = y;
-                attr.value.clusterDim.z = z;
-                let config = CUlaunchConfig {
-                    gridDimX: g.0,
-                    gridDimY: g.1,
-                    gridDimZ: g.2,
-                    blockDimX: b.0,
-                    blockDimY: b.1,
-                    blockDimZ: b.2,
-                    sharedMemBytes: cfg.shared_mem_bytes,
-                    hStream: s,
-                    attrs: &mut attr,
-                    numAttrs: 1,
-                };
+            Kind::Ex(attrs) => {
+                let (mut raw, n) = attrs.to_raw();
+                let config = raw_config(cfg, s, &mut raw, n);
                 ("cuLaunchKernelEx", unsafe { d.cuLaunchKernelEx(&config, self.raw, params, std::ptr::null_mut()) })
             }
         };
@@ -581,4 +1026,45 @@ impl Function {
         }
         err
     }
+}
+
+/// A `CUlaunchConfig` for `cfg` on `stream` with the first `n` of `attrs`.
+fn raw_config(
+    cfg: &LaunchConfig,
+    stream: cudrv_sys::CUstream,
+    attrs: &mut [CUlaunchAttribute; MAX_ATTRS],
+    n: usize,
+) -> CUlaunchConfig {
+    CUlaunchConfig {
+        gridDimX: cfg.grid.0,
+        gridDimY: cfg.grid.1,
+        gridDimZ: cfg.grid.2,
+        blockDimX: cfg.block.0,
+        blockDimY: cfg.block.1,
+        blockDimZ: cfg.block.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream,
+        attrs: if n == 0 { std::ptr::null_mut() } else { attrs.as_mut_ptr() },
+        numAttrs: n as u32,
+    }
+}
+
+/// Refuses `feature` where the headers or the driver predate CUDA 12.0.
+fn needs_cuda_12(
+    device: &Device,
+    feature: &'static str,
+    version: i32,
+    alternative: Option<&'static str>,
+) -> Result<()> {
+    if !cfg!(cuda_12000) {
+        return Err(device.unsupported(feature, "cudrv was built against headers older than CUDA 12.0", alternative));
+    }
+    if version < 12000 {
+        return Err(device.unsupported(
+            feature,
+            format!("the driver ({}) predates CUDA 12.0", crate::version_string(version)),
+            alternative,
+        ));
+    }
+    Ok(())
 }

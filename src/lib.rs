@@ -7,7 +7,13 @@
 //! * [`memory`]: stream-ordered [`memory::MemoryResource`]s chosen per device (the driver's pool,
 //!   or cudrv's [`memory::StreamOrderedPool`] where pools are missing), [`memory::DeviceBuffer`],
 //!   [`memory::PinnedBuffer`] and copies.
-//! * [`Module`], [`Function`], [`LaunchConfig`]: loading PTX/cubin/fatbin and launching kernels.
+//! * [`Module`], [`Function`], [`LaunchConfig`]: loading PTX/cubin/fatbin and launching kernels;
+//!   [`JitOptions`], the driver's [`Linker`], context-independent [`module::Library`] (CUDA 12.0),
+//!   and launch attributes ([`LaunchAttributes`]: programmatic dependent launch, priority, L2
+//!   access-policy window, clusters, memory synchronisation domain).
+//! * [`memory::DeviceBuffer2D`] and [`memory::DeviceBuffer3D`] (pitched memory, 2D/3D copies and
+//!   memsets), [`memory::ManagedBuffer`] (prefetch and advice), [`Device::memory_info`].
+//! * [`ipc`]: events and device memory shared with other processes.
 //!
 //! Everything a device may lack is checked first, and reported as [`Error::Unsupported`] with
 //! the reason and an alternative, never as a bare driver code.
@@ -25,18 +31,23 @@ pub mod context;
 pub mod device;
 pub mod error;
 pub mod event;
+pub mod graph;
+pub mod ipc;
 pub mod launch;
 pub mod memory;
 pub mod module;
 pub mod stream;
 
 pub use context::{Context, set_drop_error_hook};
-pub use device::{Capabilities, Device, DriverModel};
+pub use device::{Capabilities, Device, DriverModel, MemoryInfo};
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags};
+pub use graph::{Graph, GraphExec};
 pub use host_fn::flush_deferred_drops;
-pub use launch::{KernelArg, KernelArgs, LaunchConfig};
-pub use module::{Function, Module};
+pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
+pub use module::{Function, JitOptions, Linker, Module};
+#[cfg(cuda_12000)]
+pub use module::{Kernel, Library};
 pub use stream::Stream;
 
 /// The version of the loaded driver (`cuDriverGetVersion`: `13000` for 13.0), loading it if

@@ -14,6 +14,7 @@ use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::Event;
+use crate::graph::CaptureSession;
 use crate::host_fn;
 use crate::result::{check, driver, drv};
 
@@ -80,6 +81,29 @@ impl fmt::Debug for StreamKey {
 }
 
 impl StreamKey {
+    /// The capture session the stream takes part in, if cudrv started one that is still active
+    /// (see [`CaptureSession`]).
+    #[inline]
+    pub(crate) fn capture(&self) -> Option<Arc<CaptureSession>> {
+        match self.capture_id() {
+            0 => None,
+            id => CaptureSession::active(id),
+        }
+    }
+
+    /// The id of the capture cudrv last saw the stream take part in; 0 for none. A capture that
+    /// ended may still show here for joined streams until [`CaptureSession`] clears it: use
+    /// [`StreamKey::capture`] to know for sure.
+    #[inline]
+    pub(crate) fn capture_id(&self) -> u64 {
+        self.0.capture.load(Ordering::Acquire)
+    }
+
+    /// Notes that the stream takes part in capture `id` (0: none).
+    pub(crate) fn set_capture_id(&self, id: u64) {
+        self.0.capture.store(id, Ordering::Release);
+    }
+
     /// Runs `f` on the attachment of `owner`, made with `make` if the stream has none. The
     /// stream's attachments are behind one lock of its own, held while `f` runs.
     #[inline]
@@ -157,6 +181,9 @@ struct Inner {
     /// For the per-thread default stream: the [`thread_token`] of the thread whose stream this
     /// is. 0 for every other stream.
     per_thread_owner: u64,
+    /// The driver's id of the capture this stream takes part in (see [`CaptureSession`]); 0 when
+    /// none is known to cudrv.
+    capture: AtomicU64,
     /// What other layers keep on the stream (see [`Attachment`]), on cache lines of their own:
     /// threads that allocate on different streams must not share one.
     attachments: CachePadded<Mutex<Attachments>>,
@@ -259,8 +286,15 @@ impl Stream {
 
     fn wrap(raw: CUstream, ctx: Arc<Context>, owned: bool, per_thread_owner: u64) -> Stream {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        let inner =
-            Arc::new(Inner { raw, ctx, owned, id, per_thread_owner, attachments: CachePadded(Mutex::new(Vec::new())) });
+        let inner = Arc::new(Inner {
+            raw,
+            ctx,
+            owned,
+            id,
+            per_thread_owner,
+            capture: AtomicU64::new(0),
+            attachments: CachePadded(Mutex::new(Vec::new())),
+        });
         Stream { handle: Arc::new(Handle { key: StreamKey(inner) }) }
     }
 
@@ -328,6 +362,22 @@ impl Stream {
         &self.handle.key
     }
 
+    /// The capture session the stream takes part in, if cudrv started one that is still active.
+    #[inline]
+    pub(crate) fn capture(&self) -> Option<Arc<CaptureSession>> {
+        self.handle.key.capture()
+    }
+
+    /// Refuses `what` on a stream that takes part in a capture cudrv started (see
+    /// [`crate::graph`]).
+    #[inline]
+    pub(crate) fn refuse_in_capture(&self, what: &'static str) -> Result<()> {
+        if self.key().capture_id() != 0 && self.capture().is_some() {
+            return Err(Error::Capturing { what });
+        }
+        Ok(())
+    }
+
     /// The raw `CUstream` that means this stream on the calling thread: the stream's handle,
     /// except for the per-thread default stream used on another thread than its own, where it is
     /// `CU_STREAM_LEGACY` (see [`Stream::per_thread`]).
@@ -364,8 +414,10 @@ impl Stream {
     ///
     /// # Errors
     /// The driver's error (an asynchronous error of earlier work shows up here), else
-    /// [`Error::Deferred`].
+    /// [`Error::Deferred`]; [`Error::Capturing`] while the stream captures a graph.
     pub fn synchronize(&self) -> Result<()> {
+        // The driver would refuse it too, and invalidate the capture.
+        self.refuse_in_capture("Stream::synchronize")?;
         {
             let _b = self.inner().ctx.bind()?;
             // SAFETY: the stream is valid while `self` lives; its context is current.
@@ -379,6 +431,9 @@ impl Stream {
     /// failed (a failed stream runs nothing more), so that it never returns while the work may
     /// still run. Reports no kept `Drop` error.
     pub(crate) fn wait_for_memory(&self) -> Result<()> {
+        // A capturing stream cannot be waited for (the driver would refuse, and invalidate the
+        // capture): the caller keeps the memory (leaks it), which is sound.
+        self.refuse_in_capture("waiting for a capturing stream")?;
         let synced = self.inner().ctx.bind().and_then(|_b| {
             // SAFETY: the stream is valid while `self` lives; its context is current.
             unsafe { drv!(cuStreamSynchronize(self.as_raw())) }
@@ -422,13 +477,26 @@ impl Stream {
     /// # Errors
     /// The driver's error.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
+        // If `event` was recorded in a capture, this wait makes the stream join it: note where
+        // the stream stood before, for the graph's first launch (see `crate::graph`).
+        let before = crate::graph::before_join(self)?;
+        self.wait_event_untracked(event)?;
+        if let Some(before) = before {
+            crate::graph::note_join(self, before);
+        }
+        Ok(())
+    }
+
+    /// `cuStreamWaitEvent`, for an event known not to be of a capture.
+    pub(crate) fn wait_event_untracked(&self, event: &Event) -> Result<()> {
         let _b = self.inner().ctx.bind()?;
         // SAFETY: both handles are valid while their owners live; the context is current.
         unsafe { drv!(cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)) }
     }
 
     /// Makes work queued on this stream after this call wait for all work queued on `other` so
-    /// far (of any device). Returns at once.
+    /// far (of any device). Returns at once. If `other` is capturing a graph, this stream joins
+    /// the capture (as the driver does).
     ///
     /// # Errors
     /// The driver's error.
@@ -436,8 +504,17 @@ impl Stream {
         if other.id() == self.id() {
             return Ok(());
         }
+        let joins = other.capture().filter(|s| s.id != self.key().capture_id());
+        let before = match &joins {
+            Some(_) => Some(crate::graph::mark_before_join(self)?),
+            None => None,
+        };
         // The event must be of `other`'s context (the waiter may be of another device).
-        other.context().order_after(self.as_raw(), other.as_raw())
+        other.context().order_after(self.as_raw(), other.as_raw())?;
+        if let (Some(session), Some(before)) = (joins, before) {
+            session.join(self.key(), before);
+        }
+        Ok(())
     }
 
     /// Records `event` at this point of the stream.
@@ -478,6 +555,7 @@ impl Stream {
                 eprintln!("cudrv: a host function queued with Stream::launch_host_fn panicked");
             }
         }
+        self.refuse_in_capture("Stream::launch_host_fn (in a graph, use Graph::add_host_node)")?;
         let _b = self.inner().ctx.bind()?;
         let data = Box::into_raw(Box::new(Box::new(f) as Boxed));
         // SAFETY: the stream is valid, the trampoline has the driver's CUhostFn signature and

@@ -4,6 +4,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::mem::{align_of, size_of};
 use std::ops::{Bound as RangeBound, RangeBounds};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::host::PinnedBuffer;
@@ -11,6 +12,7 @@ use super::{DevicePtr, MemoryResource, check_stream};
 use crate::context::report_drop_error;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::graph::{CaptureSession, GraphOwned, GraphUse};
 use crate::result::drv;
 use crate::stream::Stream;
 
@@ -81,8 +83,27 @@ pub struct DeviceBuffer<T: DeviceRepr> {
     len: usize,
     resource: ResourceRef,
     stream: Stream,
-    used_on: Mutex<Vec<Stream>>,
+    /// The capture the buffer was allocated in (its memory then belongs to that capture's graph),
+    /// or 0.
+    capture: u64,
+    uses: Mutex<Uses>,
     _t: PhantomData<T>,
+}
+
+/// What a buffer's free must wait for besides its own stream.
+#[derive(Default)]
+struct Uses {
+    /// Other streams it was used on.
+    streams: Vec<Stream>,
+    /// Graphs whose capture used it (allocated before the capture).
+    graphs: Vec<GraphUse>,
+}
+
+impl Uses {
+    #[inline]
+    fn is_empty(&self) -> bool {
+        self.streams.is_empty() && self.graphs.is_empty()
+    }
 }
 
 /// Where a buffer's memory came from: the device's resource (which lives for the rest of the
@@ -163,6 +184,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             )));
         }
         let bytes = byte_len::<T>(len)?;
+        let capture = stream.key().capture_id();
+        let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
         let ptr = resource.allocate(bytes, stream)?;
         if ptr % MAX_ALIGN as u64 != 0 {
             // A resource outside cudrv broke its contract; give the memory back unused.
@@ -173,14 +196,36 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 resource.kind()
             )));
         }
+        let capture = match session {
+            Some(s) => {
+                s.live_buffers.fetch_add(1, Ordering::AcqRel);
+                s.id
+            }
+            None => 0,
+        };
         Ok(DeviceBuffer {
             ptr,
             len,
             resource,
             stream: stream.clone(),
-            used_on: Mutex::new(Vec::new()),
+            capture,
+            uses: Mutex::new(Uses::default()),
             _t: PhantomData,
         })
+    }
+
+    /// The capture an allocation on `stream` takes part in (`stream` showed a capture id), if
+    /// cudrv tracks it; refused for resources that cannot allocate inside a graph.
+    #[cold]
+    fn capture_for_allocation(resource: &ResourceRef, stream: &Stream) -> Result<Option<Arc<CaptureSession>>> {
+        let Some(session) = stream.capture() else { return Ok(None) };
+        if !resource.supports_capture() {
+            return Err(Error::Capturing {
+                what: "allocating from a resource that cannot allocate inside a graph (use DriverPool or \
+                       StreamOrderedPool)",
+            });
+        }
+        Ok(Some(session))
     }
 
     /// A buffer of `len` zeroed elements (a memset queued on `stream`).
@@ -277,11 +322,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// [`Error::DeviceMismatch`] for a stream of another device; the driver's error (then
     /// nothing was recorded).
     pub fn record_use(&self, stream: &Stream) -> Result<()> {
-        if stream.id() == self.stream.id() {
-            return Ok(());
+        if stream.id() != self.stream.id() {
+            check_stream("DeviceBuffer::record_use", self.device(), stream)?;
         }
-        check_stream("DeviceBuffer::record_use", self.device(), stream)?;
-        self.record_use_any(stream)
+        self.use_on(stream)
     }
 
     /// A view of the elements in `range`.
@@ -303,6 +347,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// The driver's error.
     pub fn memset(&mut self, byte: u8) -> Result<()> {
+        self.use_on(&self.stream)?;
         memset_range(self.ptr, self.byte_len(), byte, &self.stream)
     }
 
@@ -315,6 +360,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
+        self.use_on(&self.stream)?;
         let _b = self.stream.context().bind()?;
         let s = self.stream.as_raw();
         // SAFETY: `value` is plain data of the matched size; reading its bytes is sound.
@@ -331,6 +377,125 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 unsafe { drv!(cuMemsetD32Async(self.ptr, u32::from_ne_bytes([b[0], b[1], b[2], b[3]]), self.len, s)) }
             }
             n => Err(Error::InvalidArgument(format!("fill needs 1-, 2- or 4-byte elements, not {n}-byte ones"))),
+        }
+    }
+
+    /// Sets every byte to `byte` and returns once it is done (`cuMemsetD8`), after the work queued
+    /// on the buffer's stream before the call. The driver's synchronous memsets run on the legacy
+    /// default stream and may return before they finish on device memory, so cudrv waits for that
+    /// stream too: work queued on the buffer's stream afterwards sees the new contents.
+    ///
+    /// ```no_run
+    /// use cudrv::{Device, Stream, memory::DeviceBuffer};
+    /// let stream = Stream::new(&Device::get(0)?)?;
+    /// let mut buf = DeviceBuffer::<u8>::zeroed(1024, &stream)?;
+    /// buf.memset_sync(0xAB)?;
+    /// assert_eq!(buf.to_vec()?, vec![0xAB; 1024]);
+    /// # Ok::<(), cudrv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn memset_sync(&mut self, byte: u8) -> Result<()> {
+        self.host_access("DeviceBuffer::memset_sync")?;
+        memset_sync_range(self.ptr, self.byte_len(), u32::from(byte), 1, &self.stream)
+    }
+
+    /// Sets every element to `value` and returns once it is done, for element sizes of 1, 2 or 4
+    /// bytes (`cuMemsetD8`, `cuMemsetD16`, `cuMemsetD32`), ordered as [`DeviceBuffer::memset_sync`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for other sizes; the driver's error.
+    pub fn fill_sync(&mut self, value: T) -> Result<()> {
+        let bits = element_bits(&value)?;
+        self.host_access("DeviceBuffer::fill_sync")?;
+        memset_sync_range(self.ptr, self.len, bits, size_of::<T>(), &self.stream)
+    }
+
+    /// Copies the elements of `src` (a view of another buffer of the same device) into this buffer
+    /// from element `offset` on, queued on `stream` (`cuMemcpyDtoDAsync`). Both buffers' uses on
+    /// `stream` are recorded ([`DeviceBuffer::record_use`]), so neither is freed before the copy
+    /// has run. The borrows keep the source and destination apart (use
+    /// [`DeviceBuffer::copy_within`] inside one buffer).
+    ///
+    /// ```no_run
+    /// use cudrv::{Device, Stream, memory::DeviceBuffer};
+    /// let device = Device::get(0)?;
+    /// let (a, b) = (Stream::new(&device)?, Stream::new(&device)?);
+    /// let src = DeviceBuffer::from_slice(&[1u32, 2, 3, 4, 5, 6], &a)?;
+    /// let mut dst = DeviceBuffer::<u32>::zeroed(8, &b)?;
+    /// b.wait_stream(&a)?; // the data of `src` is ready on `a`: order `b` after it
+    /// dst.copy_from_view(2, &src.view(1..4)?, &b)?;
+    /// assert_eq!(dst.to_vec()?, [0, 0, 2, 3, 4, 0, 0, 0]);
+    /// # Ok::<(), cudrv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the view does not fit from `offset`;
+    /// [`Error::DeviceMismatch`] when `src` or `stream` belongs to another device (use
+    /// [`DeviceBuffer::copy_to_peer`] across devices); the driver's error.
+    pub fn copy_from_view(&mut self, offset: usize, src: &DeviceView<'_, T>, stream: &Stream) -> Result<()> {
+        if offset.checked_add(src.len).is_none_or(|end| end > self.len) {
+            return Err(Error::InvalidArgument(format!(
+                "a view of {} elements does not fit at offset {offset} of a buffer of {} elements",
+                src.len, self.len
+            )));
+        }
+        if src.buffer.device() != self.device() {
+            return Err(Error::DeviceMismatch {
+                what: "DeviceBuffer::copy_from_view (use copy_to_peer across devices)",
+                expected: self.device().ordinal_i32(),
+                found: src.buffer.device().ordinal_i32(),
+            });
+        }
+        check_stream("DeviceBuffer::copy_from_view", self.device(), stream)?;
+        if src.len == 0 {
+            return Ok(());
+        }
+        self.record_use(stream)?;
+        src.buffer.record_use(stream)?;
+        let dst = self.ptr + (offset * size_of::<T>()) as u64;
+        let _b = stream.context().bind()?;
+        // SAFETY: both ranges lie in live buffers of this device (checked above), ordered on
+        // `stream` after both buffers' allocation (record_use); `&mut self` and `&src` do not alias.
+        unsafe { drv!(cuMemcpyDtoDAsync_v2(dst, src.ptr, src.len * size_of::<T>(), stream.as_raw())) }
+    }
+
+    /// Copies the elements in `src` to the elements from `dst_offset` on, inside this buffer,
+    /// queued on the buffer's stream. The two ranges must not overlap.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range outside the buffer, or overlapping ranges; the
+    /// driver's error.
+    pub fn copy_within(&mut self, src: impl RangeBounds<usize>, dst_offset: usize) -> Result<()> {
+        let (start, end) = bounds(src, self.len)?;
+        let n = end - start;
+        if dst_offset.checked_add(n).is_none_or(|e| e > self.len) {
+            return Err(Error::InvalidArgument(format!(
+                "copy_within: {n} elements do not fit at offset {dst_offset} of a buffer of {} elements",
+                self.len
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if start < dst_offset + n && dst_offset < end {
+            return Err(Error::InvalidArgument(format!(
+                "copy_within: the ranges {start}..{end} and {dst_offset}..{} overlap",
+                dst_offset + n
+            )));
+        }
+        self.use_on(&self.stream)?;
+        let t = size_of::<T>() as u64;
+        let _b = self.stream.context().bind()?;
+        // SAFETY: both ranges lie in this buffer and do not overlap; ordered on its stream.
+        unsafe {
+            drv!(cuMemcpyDtoDAsync_v2(
+                self.ptr + dst_offset as u64 * t,
+                self.ptr + start as u64 * t,
+                n * size_of::<T>(),
+                self.stream.as_raw()
+            ))
         }
     }
 
@@ -368,6 +533,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
+        self.host_access("DeviceBuffer::copy_from_pinned_async")?;
         let copy = src.prepare(&self.stream)?;
         {
             let _b = self.stream.context().bind()?;
@@ -392,6 +558,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
+        self.host_access("DeviceBuffer::copy_to_pinned_async")?;
         let copy = dst.prepare(&self.stream)?;
         {
             let _b = self.stream.context().bind()?;
@@ -427,7 +594,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        src.record_use(&self.stream)?;
+        self.use_on(&self.stream)?;
+        src.use_on(&self.stream)?;
         let _b = self.stream.context().bind()?;
         // SAFETY: both ranges are live device memory of `byte_len` bytes, ordered on the stream.
         unsafe { drv!(cuMemcpyDtoDAsync_v2(self.ptr, src.ptr, self.byte_len(), self.stream.as_raw())) }
@@ -454,26 +622,89 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         }
         // Record on the buffer of the stream's device directly; the other buffer's free waits on
         // an event, which works across devices.
-        self.record_use_any(stream)?;
-        dst.record_use_any(stream)?;
+        self.use_on(stream)?;
+        dst.use_on(stream)?;
         let _b = stream.context().bind()?;
         let (dctx, sctx) = (dst.stream.context().as_raw(), self.stream.context().as_raw());
         // SAFETY: both ranges are live memory of their contexts, ordered on `stream`.
         unsafe { drv!(cuMemcpyPeerAsync(dst.ptr, dctx, self.ptr, sctx, self.byte_len(), stream.as_raw())) }
     }
 
-    /// [`DeviceBuffer::record_use`] for a stream of any device (peer copies): events order
-    /// streams across devices too.
-    fn record_use_any(&self, stream: &Stream) -> Result<()> {
+    /// Notes that work queued on `stream` (of any device: events order streams across devices
+    /// too) uses the buffer, as [`DeviceBuffer::record_use`] describes; and, during a capture,
+    /// what the graph needs (see [`crate::graph`]).
+    #[inline]
+    fn use_on(&self, stream: &Stream) -> Result<()> {
+        let capture = stream.key().capture_id();
+        if capture | self.capture != 0 {
+            return self.use_in_capture(stream, capture);
+        }
+        self.order_use(stream)
+    }
+
+    /// The cross-stream part of [`DeviceBuffer::use_on`]: the first use on another stream orders
+    /// that stream after the buffer's, and the free after that stream.
+    #[inline]
+    fn order_use(&self, stream: &Stream) -> Result<()> {
         if stream.id() == self.stream.id() {
             return Ok(());
         }
-        let mut used = self.used_on.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !used.contains(stream) {
-            stream.wait_stream(&self.stream)?;
-            used.push(stream.clone());
+        super::note_use(
+            &mut self.uses.lock().unwrap_or_else(std::sync::PoisonError::into_inner).streams,
+            &self.stream,
+            stream,
+        )
+    }
+
+    /// A use on `stream`, which shows capture id `capture`, of a buffer that may belong to a
+    /// capture itself.
+    #[cold]
+    fn use_in_capture(&self, stream: &Stream, capture: u64) -> Result<()> {
+        let session = if capture == 0 { None } else { stream.capture() };
+        let Some(session) = session else {
+            if self.capture == 0 {
+                // A capture that has ended.
+                return self.order_use(stream);
+            }
+            return Err(Error::Capturing {
+                what: "using a buffer allocated during a capture outside that capture (its memory \
+                       belongs to the graph)",
+            });
+        };
+        if session.id == self.capture {
+            // Allocated in this capture: ordered inside the graph like any stream-ordered use.
+            return self.order_use(stream);
         }
+        if self.capture != 0 {
+            return Err(Error::Capturing { what: "using a buffer allocated during another capture" });
+        }
+        // Allocated before the capture: the graph's launches keep it alive, and its first launch
+        // waits for the allocation.
+        let mut uses = self.uses.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if uses.graphs.iter().any(|g| g.is(&session.res)) {
+            return Ok(());
+        }
+        let allocated = match self.stream.key().capture_id() {
+            // The buffer's stream takes part in the capture: the session noted where it stood
+            // when it began or joined, after the allocation.
+            id if id == session.id => None,
+            _ if self.stream.capture().is_some() => {
+                return Err(Error::Capturing { what: "using a buffer whose stream is capturing another graph" });
+            }
+            _ => Some(crate::graph::mark_before_join(&self.stream)?),
+        };
+        uses.graphs.push(session.res.use_buffer(allocated));
         Ok(())
+    }
+
+    /// Refuses `what` (host access: synchronous or pinned copies) on a buffer of a capture, or
+    /// while its stream is capturing.
+    #[inline]
+    fn host_access(&self, what: &'static str) -> Result<()> {
+        if self.capture != 0 {
+            return Err(Error::Capturing { what });
+        }
+        self.stream.refuse_in_capture(what)
     }
 }
 
@@ -481,9 +712,9 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     #[inline]
     fn drop(&mut self) {
         let bytes = self.byte_len();
-        let used_on = self.used_on.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if used_on.is_empty() && !crate::host_fn::in_host_fn() {
-            // The usual case: used on its own stream only.
+        let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if uses.is_empty() && self.capture | self.stream.key().capture_id() == 0 && !crate::host_fn::in_host_fn() {
+            // The usual case: used on its own stream only, and no capture.
             // SAFETY: the pointer came from this resource with this size and is freed once; every
             // use is queued on the buffer's stream.
             if let Err(e) = unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) } {
@@ -491,13 +722,69 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
             }
             return;
         }
-        let used_on = std::mem::take(used_on);
-        if crate::host_fn::in_host_fn() {
-            let (resource, ptr, stream) = (self.resource.clone(), self.ptr, self.stream.clone());
-            crate::host_fn::defer(move || free_after_uses(&*resource, ptr, bytes, &stream, &used_on));
-        } else {
-            free_after_uses(&*self.resource, self.ptr, bytes, &self.stream, &used_on);
+        self.drop_slow(bytes);
+    }
+}
+
+impl<T: DeviceRepr> DeviceBuffer<T> {
+    #[cold]
+    fn drop_slow(&mut self, bytes: usize) {
+        if self.capture != 0
+            && let Some(session) = CaptureSession::active(self.capture)
+        {
+            session.live_buffers.fetch_sub(1, Ordering::AcqRel);
         }
+        let uses = std::mem::take(self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let free = Free {
+            resource: self.resource.clone(),
+            ptr: self.ptr,
+            bytes,
+            stream: self.stream.clone(),
+            capture: self.capture,
+            uses,
+        };
+        if crate::host_fn::in_host_fn() { crate::host_fn::defer(move || free.run()) } else { free.run() }
+    }
+}
+
+/// A buffer's stream-ordered free that must wait for more than the buffer's stream: other
+/// streams it was used on, graphs that use it, a capture in progress.
+struct Free {
+    resource: ResourceRef,
+    ptr: DevicePtr,
+    bytes: usize,
+    stream: Stream,
+    capture: u64,
+    uses: Uses,
+}
+
+impl GraphOwned for Free {
+    fn release(self: Box<Self>) {
+        self.run();
+    }
+}
+
+impl Free {
+    /// Frees now if nothing stands in the way, else hands itself to what does.
+    fn run(mut self) {
+        if let Some(graph) = self.uses.graphs.pop() {
+            // After that graph's last launch (then the next graph, if any).
+            graph.after_launches(Box::new(self));
+            return;
+        }
+        // A capture in progress on the buffer's stream, or on a stream it was used on, that the
+        // buffer does not belong to: the free would be captured (or join the capture); it waits
+        // for the end of the capture.
+        let capturing = std::iter::once(&self.stream)
+            .chain(&self.uses.streams)
+            .map(|s| s.key().capture_id())
+            .filter(|&id| id != 0 && id != self.capture)
+            .find_map(CaptureSession::active);
+        if let Some(session) = capturing {
+            session.after_end(Box::new(move || self.run()));
+            return;
+        }
+        free_after_uses(&*self.resource, self.ptr, self.bytes, &self.stream, &self.uses.streams);
     }
 }
 
@@ -571,6 +858,7 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
         if self.len == 0 {
             return Ok(());
         }
+        self.buffer.host_access("copying a DeviceBuffer to the host")?;
         let stream = &self.buffer.stream;
         let _b = stream.context().bind()?;
         // SAFETY: the source is live device memory; `dst` is valid for writes of that many bytes
@@ -604,6 +892,7 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
         if self.len == 0 {
             return Ok(());
         }
+        self.buffer.host_access("copying host memory into a DeviceBuffer")?;
         let stream = &self.buffer.stream;
         let _b = stream.context().bind()?;
         // SAFETY: the destination is live device memory the caller holds mutably (through the
@@ -656,4 +945,44 @@ pub(crate) fn memset_range(ptr: DevicePtr, bytes: usize, byte: u8, stream: &Stre
     let _b = stream.context().bind()?;
     // SAFETY: the caller passes live device memory of `bytes` bytes it may write.
     unsafe { drv!(cuMemsetD8Async(ptr, byte, bytes, stream.as_raw())) }
+}
+
+/// The bits of a 1-, 2- or 4-byte element, for the `cuMemsetD8/16/32` families.
+pub(crate) fn element_bits<T: DeviceRepr>(value: &T) -> Result<u32> {
+    let n = size_of::<T>();
+    if !matches!(n, 1 | 2 | 4) {
+        return Err(Error::InvalidArgument(format!("fill needs 1-, 2- or 4-byte elements, not {n}-byte ones")));
+    }
+    let mut bytes = [0u8; 4];
+    // SAFETY: `value` is plain data of `n` bytes (DeviceRepr: no padding); reading them is sound,
+    // and `bytes` has room for them.
+    unsafe { std::ptr::copy_nonoverlapping(std::ptr::from_ref(value).cast::<u8>(), bytes.as_mut_ptr(), n) };
+    Ok(match n {
+        1 => u32::from(bytes[0]),
+        2 => u32::from(u16::from_ne_bytes([bytes[0], bytes[1]])),
+        _ => u32::from_ne_bytes(bytes),
+    })
+}
+
+/// `CU_STREAM_LEGACY`, a macro bindgen cannot translate.
+const CU_STREAM_LEGACY: cudrv_sys::CUstream = std::ptr::without_provenance_mut(1);
+
+/// A synchronous memset of `count` elements of `elem` bytes (1, 2 or 4) at `ptr`: after the work
+/// queued on `stream` so far, and finished (the legacy default stream, where the driver runs it,
+/// is waited for) when this returns.
+pub(crate) fn memset_sync_range(ptr: DevicePtr, count: usize, bits: u32, elem: usize, stream: &Stream) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    stream.wait_for_memory()?;
+    let _b = stream.context().bind()?;
+    // SAFETY (all three): the caller passes live device memory of `count` elements of `elem`
+    // bytes that it may write; the stream's earlier work is complete (above).
+    match elem {
+        1 => unsafe { drv!(cuMemsetD8_v2(ptr, bits as u8, count)) },
+        2 => unsafe { drv!(cuMemsetD16_v2(ptr, bits as u16, count)) },
+        _ => unsafe { drv!(cuMemsetD32_v2(ptr, bits, count)) },
+    }?;
+    // SAFETY: the legacy stream of the current context.
+    unsafe { drv!(cuStreamSynchronize(CU_STREAM_LEGACY)) }
 }

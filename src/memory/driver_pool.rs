@@ -344,6 +344,11 @@ unsafe impl MemoryResource for DriverPool {
         self.ctx.device()
     }
 
+    fn supports_capture(&self) -> bool {
+        // The driver records memory nodes; the fallback reserves blocks for the graph.
+        true
+    }
+
     fn kind(&self) -> ResourceKind {
         if self.switched_to_fallback() { ResourceKind::StreamOrderedPool } else { ResourceKind::DriverPool }
     }

@@ -1,4 +1,4 @@
-//! Host-side memory: pinned buffers, the pinned and managed resources, host registration.
+//! Host-side memory: pinned buffers, the pinned resource, host registration.
 
 use std::ffi::c_void;
 use std::fmt;
@@ -307,62 +307,6 @@ unsafe impl MemoryResource for PinnedHostResource {
 
     fn is_device_accessible(&self) -> bool {
         false
-    }
-
-    fn is_host_accessible(&self) -> bool {
-        true
-    }
-}
-
-/// Managed (unified) memory as a [`MemoryResource`] (`cuMemAllocManaged`, attached globally),
-/// gated on the device's managed-memory support. A free waits for its stream first.
-#[derive(Debug)]
-pub struct ManagedResource {
-    ctx: Arc<Context>,
-}
-
-impl ManagedResource {
-    /// A resource on `device`.
-    ///
-    /// # Errors
-    /// [`Error::Unsupported`](crate::Error::Unsupported) when the device has no managed memory.
-    pub fn new(device: &Device) -> Result<ManagedResource> {
-        if !device.capabilities()?.managed_memory {
-            return Err(device.unsupported(
-                "managed memory",
-                "CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY is 0",
-                Some("DeviceBuffer with explicit copies"),
-            ));
-        }
-        Ok(ManagedResource { ctx: device.primary_context()? })
-    }
-}
-
-// SAFETY: fresh managed memory; a free first waits for the stream.
-unsafe impl MemoryResource for ManagedResource {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        check_stream("ManagedResource::allocate", self.device(), stream)?;
-        let _b = self.ctx.bind()?;
-        let mut ptr = 0;
-        let flags = cudrv_sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL.0;
-        // SAFETY: valid out-pointer; the context is current.
-        unsafe { drv!(cuMemAllocManaged(&mut ptr, bytes.max(1), flags)) }?;
-        Ok(ptr)
-    }
-
-    unsafe fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: &Stream) -> Result<()> {
-        stream.wait_for_memory()?;
-        let _b = self.ctx.bind()?;
-        // SAFETY: the caller passes memory from `allocate`; the stream's uses are complete.
-        unsafe { drv!(cuMemFree_v2(ptr)) }
-    }
-
-    fn device(&self) -> Device {
-        self.ctx.device()
-    }
-
-    fn kind(&self) -> ResourceKind {
-        ResourceKind::Managed
     }
 
     fn is_host_accessible(&self) -> bool {

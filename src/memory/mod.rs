@@ -8,6 +8,11 @@
 //! | [`ManagedResource`] | `cuMemAllocManaged` | managed memory supported |
 //! | [`PinnedHostResource`] | `cuMemHostAlloc` (portable, not write-combined unless asked) | host memory |
 //!
+//! Beside [`DeviceBuffer`] (stream-ordered, from a resource): [`DeviceBuffer2D`] and
+//! [`DeviceBuffer3D`] (pitched, `cuMemAllocPitch`, with 2D and 3D copies and memsets),
+//! [`ManagedBuffer`] (`cuMemAllocManaged`, with prefetches and advice), [`PinnedBuffer`] (pinned
+//! host memory), and, for memory of other processes, [`crate::ipc`].
+//!
 //! [`Device::memory_resource`] picks one per device ([`choose`] says which and why); the choice
 //! can be overridden with [`Device::set_memory_resource`] or with
 //! `CUDRV_MEMORY_RESOURCE=driver-pool|pool|sync`.
@@ -15,6 +20,8 @@
 mod buffer;
 mod driver_pool;
 mod host;
+mod managed;
+mod pitched;
 mod pool;
 mod stream_ordered;
 mod sync;
@@ -25,7 +32,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 pub use buffer::{DeviceBuffer, DeviceRepr, DeviceView};
 pub use driver_pool::{DriverPool, DriverPoolOptions};
-pub use host::{HostRegistration, ManagedResource, PinnedBuffer, PinnedHostResource, register_host};
+pub use host::{HostRegistration, PinnedBuffer, PinnedHostResource, register_host};
+pub use managed::{Advice, Location, ManagedBuffer, ManagedResource};
+pub use pitched::{DeviceBuffer2D, DeviceBuffer3D, DeviceView2D};
 pub use pool::config::PoolConfig;
 pub use pool::sim::SimulatedPool;
 pub use pool::stats::{Leaked, PoolStats};
@@ -80,6 +89,14 @@ pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
     /// Whether kernels on the device can access the memory.
     fn is_device_accessible(&self) -> bool {
         true
+    }
+
+    /// Whether the resource can allocate on a stream that is capturing a graph (see
+    /// [`crate::graph`]): its allocation and free must then become part of the graph, or the
+    /// memory must stay reserved for the graph's life. `false` unless a resource says so: cudrv
+    /// then refuses such allocations with [`Error::Capturing`].
+    fn supports_capture(&self) -> bool {
+        false
     }
 
     /// Whether the host can access the memory directly.
@@ -376,4 +393,64 @@ pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) 
     } else {
         Err(Error::DeviceMismatch { what, expected: device.ordinal_i32(), found: stream.device().ordinal_i32() })
     }
+}
+
+/// The streams other than its own that a piece of memory was used on, so that its free and host
+/// access wait for them. Shared by the buffer types that free synchronously
+/// ([`DeviceBuffer2D`], [`ManagedBuffer`], [`crate::ipc::IpcBuffer`]); [`DeviceBuffer`] keeps its
+/// list beside its graphs and uses [`note_use`].
+#[derive(Debug, Default)]
+pub(crate) struct StreamUses(Mutex<Vec<Stream>>);
+
+impl StreamUses {
+    /// [`note_use`] on this list.
+    pub(crate) fn record(&self, owner: &Stream, stream: &Stream) -> Result<()> {
+        note_use(&mut self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner), owner, stream)
+    }
+
+    /// The streams recorded so far.
+    pub(crate) fn snapshot(&self) -> Vec<Stream> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Takes the list (the memory is being freed).
+    pub(crate) fn take(&mut self) -> Vec<Stream> {
+        std::mem::take(self.0.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+}
+
+/// Notes a use on `stream` of memory that belongs to `owner`'s order: the first time, `stream`
+/// waits (on the GPU) for `owner`'s work so far, so that nothing it runs touches the memory before
+/// it is allocated, and `stream` joins `used` so that the free waits for it.
+///
+/// # Errors
+/// The driver's error (then nothing was recorded).
+pub(crate) fn note_use(used: &mut Vec<Stream>, owner: &Stream, stream: &Stream) -> Result<()> {
+    if stream.id() != owner.id() && !used.contains(stream) {
+        stream.wait_stream(owner)?;
+        used.push(stream.clone());
+    }
+    Ok(())
+}
+
+/// Waits on the host for `owner` and every stream of `used` (never returning while their work
+/// may still run; see `Stream::wait_for_memory`).
+///
+/// # Errors
+/// The first failed wait's error.
+pub(crate) fn wait_for_uses(owner: &Stream, used: &[Stream]) -> Result<()> {
+    used.iter().chain(std::iter::once(owner)).try_for_each(Stream::wait_for_memory)
+}
+
+/// A synchronous free (`cuMemFree` does not wait for queued work) of memory used on `owner` and
+/// `used`: waits for them, then runs `free`. Outside host functions (deferred from inside one).
+/// A failed wait leaks the memory (its work may still run), which is sound, and reports the
+/// error.
+pub(crate) fn free_after_waiting(owner: Stream, used: Vec<Stream>, free: impl FnOnce() -> Result<()> + Send + 'static) {
+    let run = move || {
+        if let Err(e) = wait_for_uses(&owner, &used).and_then(|()| free()) {
+            crate::context::report_drop_error(Some(owner.context()), e);
+        }
+    };
+    if crate::host_fn::in_host_fn() { crate::host_fn::defer(run) } else { run() }
 }

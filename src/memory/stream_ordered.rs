@@ -18,6 +18,7 @@ use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::graph::{CaptureSession, GraphOwned, RelaxedCaptureMode};
 use crate::host_fn::{self, SendHandle};
 use crate::result::{check, driver, drv};
 use crate::stream::{Attachment, Stream, StreamKey, attachment_owner_id};
@@ -70,6 +71,8 @@ struct Shared {
     me: Weak<Shared>,
     backend: CudaBackend,
     arena: Mutex<Arena<CudaBackend>>,
+    /// The `StreamOrderedPool` was dropped; graphs may still hold blocks of it (and this).
+    dropped: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -161,6 +164,8 @@ impl Backend for CudaBackend {
 
     fn alloc_chunk(&self, bytes: usize) -> Result<u64> {
         let _b = self.ctx.bind()?;
+        // Never part of a capture: allowed whatever captures are active.
+        let _relaxed = RelaxedCaptureMode::enter();
         let mut ptr = 0;
         // SAFETY: valid out-pointer; the context is current.
         unsafe { drv!(cuMemAlloc_v2(&mut ptr, bytes)) }?;
@@ -169,12 +174,15 @@ impl Backend for CudaBackend {
 
     fn free_chunk(&self, ptr: u64, _bytes: usize) -> Result<()> {
         let _b = self.ctx.bind()?;
+        // Never part of a capture: allowed whatever captures are active.
+        let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: the pool frees a chunk once, after the host saw every use of it complete.
         unsafe { drv!(cuMemFree_v2(ptr)) }
     }
 
     fn free_memory(&self) -> Option<usize> {
         let _b = self.ctx.bind().ok()?;
+        let _relaxed = RelaxedCaptureMode::enter();
         let (mut free, mut total) = (0, 0);
         let d = driver().ok()?;
         // SAFETY: valid out-pointers; the context is current.
@@ -209,12 +217,15 @@ impl Backend for CudaBackend {
 
     fn synchronize(&self, event: &Arc<PoolEvent>) -> Result<()> {
         let _b = self.ctx.bind()?;
+        // Never part of a capture: allowed whatever captures are active.
+        let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: valid event.
         unsafe { drv!(cuEventSynchronize(event.raw)) }
     }
 
     fn query(&self, event: &Arc<PoolEvent>) -> Result<bool> {
         let _b = self.ctx.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: valid event.
         match unsafe { driver()?.cuEventQuery(event.raw) } {
             Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
@@ -243,6 +254,7 @@ impl StreamOrderedPool {
             me: me.clone(),
             backend: CudaBackend { ctx },
             arena: Mutex::new(Arena::new(config)),
+            dropped: std::sync::atomic::AtomicBool::new(false),
         });
         Ok(StreamOrderedPool { shared })
     }
@@ -273,6 +285,18 @@ impl StreamOrderedPool {
         pool::owns(&*self.shared, ptr, stream.key())
     }
 
+    /// An allocation on a capturing stream: a block reserved for the graph the capture makes,
+    /// until that graph is released (see [`crate::graph`] and `pool::graph`).
+    #[cold]
+    fn allocate_for_graph(&self, bytes: usize, session: &CaptureSession) -> Result<DevicePtr> {
+        let (ptr, first) =
+            pool::graph::allocate_for_graph(&*self.shared, bytes, session.id).map_err(|e| self.map_error(e))?;
+        if first {
+            session.res.own(Box::new(GraphBlocks { shared: self.shared.clone(), graph: session.id }), true);
+        }
+        Ok(ptr)
+    }
+
     fn map_error(&self, e: PoolError<Error>) -> Error {
         match e {
             PoolError::OutOfMemory { requested, reserved, in_use } => Error::OutOfMemory {
@@ -301,7 +325,16 @@ unsafe impl MemoryResource for StreamOrderedPool {
     #[inline]
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         check_stream("StreamOrderedPool::allocate", self.device(), stream)?;
+        if stream.key().capture_id() != 0
+            && let Some(session) = stream.capture()
+        {
+            return self.allocate_for_graph(bytes, &session);
+        }
         pool::allocate(&*self.shared, bytes, stream.key()).map_err(|e| self.map_error(e))
+    }
+
+    fn supports_capture(&self) -> bool {
+        true
     }
 
     #[inline]
@@ -339,8 +372,25 @@ unsafe impl MemoryResource for StreamOrderedPool {
     }
 }
 
+/// The blocks a graph holds in a pool, given back when the graph is released.
+struct GraphBlocks {
+    shared: Arc<Shared>,
+    graph: u64,
+}
+
+impl GraphOwned for GraphBlocks {
+    fn release(self: Box<Self>) {
+        pool::graph::release_graph(&*self.shared, self.graph);
+        if self.shared.dropped.load(std::sync::atomic::Ordering::Acquire) {
+            // The pool went first: give back what the graph held.
+            release_pool(&self.shared);
+        }
+    }
+}
+
 impl Drop for StreamOrderedPool {
     fn drop(&mut self) {
+        self.shared.dropped.store(true, std::sync::atomic::Ordering::Release);
         let shared = self.shared.clone();
         let release = move || release_pool(&shared);
         if host_fn::in_host_fn() { host_fn::defer(release) } else { release() }

@@ -1,0 +1,1313 @@
+//! CUDA graphs: work recorded once and launched many times, with one launch call.
+//!
+//! A [`Graph`] is made by capturing a stream ([`Stream::begin_capture`] ... [`Stream::end_capture`]:
+//! the work queued on the stream is recorded instead of run), or built node by node. It is
+//! instantiated into a [`GraphExec`], which is launched on a stream as often as wanted, uploaded
+//! ahead of its first launch, and updated in place from a changed graph.
+//!
+//! ```no_run
+//! use cudrv::{Device, Module, Stream, graph::CaptureMode, launch::LaunchConfig, memory::DeviceBuffer};
+//! let device = Device::get(0)?;
+//! let stream = Stream::new(&device)?;
+//! let module = Module::from_ptx(&device, include_str!("../examples/kernels/vector_add.ptx"))?;
+//! let fill = module.function("fill_u32")?;
+//! let mut out = DeviceBuffer::<u32>::zeroed(1024, &stream)?;
+//! stream.begin_capture(CaptureMode::ThreadLocal)?;
+//! // SAFETY: fill_u32(u32*, u32, u64) writes out[0..1024], and `out` outlives every launch below.
+//! unsafe { fill.launch(LaunchConfig::for_num_elems(1024), &stream, (&mut out, 7u32, 1024u64))? };
+//! let graph = stream.end_capture()?;
+//! let exec = graph.instantiate()?;
+//! for _ in 0..100 {
+//!     exec.launch(&stream)?;
+//! }
+//! assert_eq!(out.to_vec()?, vec![7; 1024]);
+//! # Ok::<(), cudrv::Error>(())
+//! ```
+//!
+//! # Safety during capture
+//!
+//! A captured graph runs later, possibly many times, on any stream, and refers to memory by
+//! address. cudrv keeps that sound without asking for `unsafe`:
+//!
+//! * **Buffers allocated before the capture** and used by it (copies, memsets, kernel arguments)
+//!   stay allocated while the graph, or an executable graph made from it, exists: a buffer
+//!   dropped meanwhile hands its free to the graph, which frees it after its last launch has
+//!   completed. The first launch of each executable graph waits (on the GPU) for the buffers'
+//!   allocations and for where the capturing streams stood when the capture began.
+//! * **Memory allocated during the capture** belongs to the graph. From a `DriverPool` the driver
+//!   records memory nodes: allocated and freed inside each launch. From cudrv's
+//!   `StreamOrderedPool` (where the driver has no pools, as on Windows TCC) the block is reserved
+//!   for the graph's life, taken only from memory no earlier work can still touch: the same
+//!   address at every launch, never handed to anyone else, and given back to the pool once the
+//!   graph and its executable graph are gone and their last launch has completed. Such a graph
+//!   has one executable graph at a time (as the driver requires of graphs with memory nodes),
+//!   whose launches the driver runs one after another. A buffer allocated during the capture can
+//!   be used only by the capture's work, and must be dropped before [`Stream::end_capture`] (its
+//!   free is part of the graph); `end_capture` refuses the capture otherwise.
+//! * **Refused** with [`Error::Capturing`], because a graph cannot keep them sound or the driver
+//!   would invalidate the capture: copies to and from host memory (pageable or pinned),
+//!   synchronous memsets, [`Stream::synchronize`], host functions (a graph calls them at every
+//!   launch; use [`Graph::add_host_node`]), allocation from resources that cannot allocate inside
+//!   a graph (`SyncResource`, `ManagedResource`), and launching an executable graph into a
+//!   capture.
+//! * Kernel launches stay `unsafe`, as outside a capture; their contract covers every launch of
+//!   the graph.
+//! * A buffer dropped during a capture that does not use it, while its stream takes part in the
+//!   capture, is freed when the capture ends (a free queued then would become part of the graph).
+//!
+//! cudrv's pool never lets a capture see its own driver calls: its growth and waits run with the
+//! thread's capture mode relaxed, as PyTorch's allocator does. Graphs made by raw driver calls are
+//! unknown to cudrv and get none of this.
+//!
+//! Device-side launch (`CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`) and conditional nodes are not
+//! offered yet.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use cudrv_sys::{CUgraph, CUgraphExec, CUgraphNode, CUresult};
+
+use crate::context::{Context, report_drop_error};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::event::Event;
+use crate::host_fn::{self, SendHandle};
+use crate::launch::LaunchConfig;
+use crate::memory::DevicePtr;
+use crate::module::Function;
+use crate::result::{check, driver, drv};
+use crate::stream::{Stream, StreamKey};
+
+/// Captures cudrv started and has not ended yet, so that a stream's wait on an event checks for a
+/// join only when one may be happening.
+static ACTIVE_CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether a capture started by cudrv may be active.
+#[inline]
+pub(crate) fn any_capture_active() -> bool {
+    ACTIVE_CAPTURES.load(Ordering::Relaxed) != 0
+}
+
+/// While it lives, the calling thread may make "potentially unsafe" driver calls (`cuMemAlloc`,
+/// `cuMemFree`, `cuEventSynchronize`) even if a capture is active (its capture mode is relaxed,
+/// then restored): for cudrv's pool, whose calls are never part of a capture. Nothing is done when
+/// no capture cudrv started is active.
+pub(crate) struct RelaxedCaptureMode(Option<cudrv_sys::CUstreamCaptureMode>);
+
+impl RelaxedCaptureMode {
+    #[inline]
+    pub(crate) fn enter() -> RelaxedCaptureMode {
+        if !any_capture_active() {
+            return RelaxedCaptureMode(None);
+        }
+        Self::always()
+    }
+
+    /// Relaxes the calling thread's capture mode whether or not a capture is active (for
+    /// cudrv's own threads, which never capture). Nothing is done without a loaded driver.
+    pub(crate) fn always() -> RelaxedCaptureMode {
+        if crate::result::loaded_driver().is_none() {
+            return RelaxedCaptureMode(None);
+        }
+        let mut mode = cudrv_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        let swapped = (|| {
+            // SAFETY: a valid in/out pointer; the call only swaps the calling thread's mode.
+            unsafe { drv!(cuThreadExchangeStreamCaptureMode(&mut mode)) }
+        })();
+        RelaxedCaptureMode(swapped.ok().map(|()| mode))
+    }
+}
+
+impl Drop for RelaxedCaptureMode {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.0.take()
+            && let Some(d) = crate::result::loaded_driver()
+        {
+            // SAFETY: as above; restores the mode the thread had.
+            let _ = unsafe { d.cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
+}
+
+/// How a capture treats "potentially unsafe" calls (`cuMemAlloc`, synchronous copies...) made
+/// meanwhile (`CUstreamCaptureMode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureMode {
+    /// Such calls fail on every thread while the capture is active (the driver's default).
+    Global,
+    /// Such calls fail on the capturing thread only.
+    ThreadLocal,
+    /// Such calls are allowed everywhere (they must then not touch the capture's work).
+    Relaxed,
+}
+
+/// Whether a stream is capturing (`CUstreamCaptureStatus`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureStatus {
+    /// Not capturing.
+    None,
+    /// Capturing.
+    Active,
+    /// Capturing, but a prohibited operation invalidated the capture: end it
+    /// ([`Stream::end_capture`] reports the error and makes the stream usable again).
+    Invalidated,
+}
+
+/// What [`Stream::capture_info`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CaptureInfo {
+    /// The capture's status.
+    pub status: CaptureStatus,
+    /// The driver's id of the capture (unique in the process), 0 when not capturing.
+    pub id: u64,
+    /// How many nodes the next captured operation will depend on.
+    pub dependencies: usize,
+}
+
+fn mode_raw(mode: CaptureMode) -> cudrv_sys::CUstreamCaptureMode {
+    use cudrv_sys::CUstreamCaptureMode as M;
+    match mode {
+        CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
+    }
+}
+
+fn status_of(raw: cudrv_sys::CUstreamCaptureStatus) -> CaptureStatus {
+    use cudrv_sys::CUstreamCaptureStatus as S;
+    match raw {
+        S::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active,
+        S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated,
+        _ => CaptureStatus::None,
+    }
+}
+
+impl Stream {
+    /// Begins capturing: work queued on the stream from now on is recorded into a graph instead
+    /// of running, until [`Stream::end_capture`]. Streams that wait on an event recorded on a
+    /// capturing stream join the capture (and must be joined back before it ends). See the
+    /// [module documentation](crate::graph) for what cudrv refuses during a capture.
+    ///
+    /// # Errors
+    /// The driver's error (`CUDA_ERROR_ILLEGAL_STATE` when the stream is capturing already; the
+    /// legacy stream cannot be captured).
+    pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
+        // Where the stream stands before the capture: the graph's first launch waits for it.
+        let before = mark_before_join(self)?;
+        {
+            let _b = self.context().bind()?;
+            // SAFETY: a valid stream of the current context; a valid mode.
+            unsafe { drv!(cuStreamBeginCapture_v2(self.as_raw(), mode_raw(mode))) }?;
+        }
+        let id = match self.capture_state() {
+            Ok((_, id)) => id,
+            Err(e) => {
+                // Cannot track the capture: end it, so that nothing is captured unseen.
+                let mut raw = std::ptr::null_mut();
+                if let Ok(_b) = self.context().bind() {
+                    // SAFETY: a valid stream of the current context; a valid out-pointer.
+                    if unsafe { drv!(cuStreamEndCapture(self.as_raw(), &mut raw)) }.is_ok() && !raw.is_null() {
+                        // SAFETY: the graph the capture just made, destroyed once.
+                        let _ = unsafe { drv!(cuGraphDestroy(raw)) };
+                    }
+                }
+                return Err(e);
+            }
+        };
+        CaptureSession::start(id, self, before);
+        Ok(())
+    }
+
+    /// Ends the capture begun on this stream and returns the graph.
+    ///
+    /// # Errors
+    /// [`Error::Capturing`] while a buffer allocated during the capture is alive: its free
+    /// belongs in the graph, so drop it first; the capture goes on. The driver's error:
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` when a prohibited operation invalidated the
+    /// capture, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` when a stream that joined it was not joined
+    /// back, `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD` for a thread-local or global capture ended
+    /// on another thread, `CUDA_ERROR_ILLEGAL_STATE` when the stream is not capturing. The driver
+    /// ends the capture on most errors (then the stream is usable again and the graph is
+    /// discarded).
+    pub fn end_capture(&self) -> Result<Graph> {
+        let session = self.capture();
+        if let Some(s) = &session
+            && s.live_buffers.load(Ordering::Acquire) > 0
+        {
+            return Err(Error::Capturing {
+                what: "Stream::end_capture while buffers allocated during the capture are alive (drop them \
+                       first: their free belongs in the graph)",
+            });
+        }
+        let mut raw = std::ptr::null_mut();
+        let ended = self.context().bind().and_then(|_b| {
+            // SAFETY: a valid stream of the current context; a valid out-pointer.
+            unsafe { drv!(cuStreamEndCapture(self.as_raw(), &mut raw)) }
+        });
+        if ended.is_err() && self.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
+            // Not ended (called on another stream than the origin, or on the wrong thread): the
+            // capture goes on.
+            return Err(ended.expect_err("checked above"));
+        }
+        let Some(session) = session else {
+            // A capture cudrv did not start (raw driver calls): nothing of it is tracked.
+            ended?;
+            return Ok(Graph { raw, ctx: self.context().clone(), res: GraphResources::new() });
+        };
+        session.finish();
+        // On error, what the capture reserved is released with the session (nothing ran).
+        ended?;
+        Ok(Graph { raw, ctx: self.context().clone(), res: session.res.clone() })
+    }
+
+    /// The capture status (`cuStreamIsCapturing`).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn capture_status(&self) -> Result<CaptureStatus> {
+        let _b = self.context().bind()?;
+        let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a valid stream of the current context; a valid out-pointer.
+        unsafe { drv!(cuStreamIsCapturing(self.as_raw(), &mut status)) }?;
+        Ok(status_of(status))
+    }
+
+    /// The capture's status, id and number of dependencies (`cuStreamGetCaptureInfo`).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn capture_info(&self) -> Result<CaptureInfo> {
+        let _b = self.context().bind()?;
+        let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id = 0;
+        let mut deps: *const CUgraphNode = std::ptr::null();
+        let mut edges: *const cudrv_sys::CUgraphEdgeData = std::ptr::null();
+        let mut n = 0usize;
+        // SAFETY: a valid stream of the current context; valid out-pointers; the returned arrays
+        // are owned by the driver and not read here.
+        unsafe {
+            drv!(cuStreamGetCaptureInfo_v3(
+                self.as_raw(),
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                &mut deps,
+                &mut edges,
+                &mut n
+            ))
+        }?;
+        Ok(CaptureInfo { status: status_of(status), id, dependencies: n })
+    }
+
+    /// (status, capture id).
+    pub(crate) fn capture_state(&self) -> Result<(CaptureStatus, u64)> {
+        let info = self.capture_info()?;
+        Ok((info.status, info.id))
+    }
+}
+
+/// An event recorded on a stream that is about to join a capture, or `None` when no capture
+/// cudrv tracks is active (nothing to join) or the stream is in one already.
+pub(crate) fn before_join(stream: &Stream) -> Result<Option<Arc<Event>>> {
+    if !any_capture_active() || stream.key().capture().is_some() {
+        return Ok(None);
+    }
+    mark_before_join(stream).map(Some)
+}
+
+/// An event recorded on `stream` now, before it joins (or begins) a capture: the graph's first
+/// launch waits for it, so that the graph's work runs after what the stream did before (the
+/// allocation of the buffers it uses, in particular).
+pub(crate) fn mark_before_join(stream: &Stream) -> Result<Arc<Event>> {
+    let event = Event::new(&stream.device())?;
+    event.record(stream)?;
+    Ok(Arc::new(event))
+}
+
+/// After `stream` waited on an event: if that made it join a capture cudrv tracks, track it too.
+pub(crate) fn note_join(stream: &Stream, before: Arc<Event>) {
+    if let Ok((CaptureStatus::Active, id)) = stream.capture_state()
+        && let Some(session) = CaptureSession::active(id)
+    {
+        session.join(stream.key(), before);
+    }
+}
+
+/// What cudrv knows of a stream capture it started ([`Stream::begin_capture`]): the streams that
+/// take part in it, the buffers allocated during it, and what the graph it makes will keep.
+pub(crate) struct CaptureSession {
+    /// The driver's capture id.
+    pub(crate) id: u64,
+    /// Buffers allocated during the capture and not dropped yet.
+    pub(crate) live_buffers: AtomicUsize,
+    /// The streams that take part (the origin first).
+    streams: Mutex<Vec<StreamKey>>,
+    /// Frees that must wait for the end of the capture (of buffers that the capture does not
+    /// use, dropped while their stream was capturing).
+    after_end: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
+    /// What the graph keeps.
+    pub(crate) res: Arc<GraphResources>,
+}
+
+impl fmt::Debug for CaptureSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CaptureSession").field("id", &self.id).field("res", &self.res).finish_non_exhaustive()
+    }
+}
+
+fn sessions() -> std::sync::MutexGuard<'static, HashMap<u64, Arc<CaptureSession>>> {
+    static SESSIONS: OnceLock<Mutex<HashMap<u64, Arc<CaptureSession>>>> = OnceLock::new();
+    SESSIONS.get_or_init(Default::default).lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl CaptureSession {
+    /// The session of capture `id`, if it is still active.
+    pub(crate) fn active(id: u64) -> Option<Arc<CaptureSession>> {
+        sessions().get(&id).cloned()
+    }
+
+    /// Starts tracking capture `id`, begun on `origin`, which stood at `before` then.
+    fn start(id: u64, origin: &Stream, before: Arc<Event>) {
+        let res = GraphResources::new();
+        res.lock().prelude.push(before);
+        let session = Arc::new(CaptureSession {
+            id,
+            live_buffers: AtomicUsize::new(0),
+            streams: Mutex::new(vec![origin.key().clone()]),
+            after_end: Mutex::new(Vec::new()),
+            res,
+        });
+        sessions().insert(id, session);
+        ACTIVE_CAPTURES.fetch_add(1, Ordering::Relaxed);
+        origin.key().set_capture_id(id);
+    }
+
+    /// Marks `stream` as taking part in this capture (it joined by waiting on an event of it);
+    /// the graph's first launch waits for `before`, where the stream stood then.
+    pub(crate) fn join(&self, stream: &StreamKey, before: Arc<Event>) {
+        self.res.lock().prelude.push(before);
+        self.streams.lock().unwrap_or_else(PoisonError::into_inner).push(stream.clone());
+        stream.set_capture_id(self.id);
+    }
+
+    /// Ends the session: its streams read as not capturing from now on, and the frees that
+    /// waited for the end run.
+    fn finish(&self) {
+        if sessions().remove(&self.id).is_some() {
+            ACTIVE_CAPTURES.fetch_sub(1, Ordering::Relaxed);
+        }
+        for key in std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner)) {
+            if key.capture_id() == self.id {
+                key.set_capture_id(0);
+            }
+        }
+        for free in std::mem::take(&mut *self.after_end.lock().unwrap_or_else(PoisonError::into_inner)) {
+            free();
+        }
+    }
+
+    /// Runs `free` once the capture has ended.
+    pub(crate) fn after_end(&self, free: Box<dyn FnOnce() + Send>) {
+        self.after_end.lock().unwrap_or_else(PoisonError::into_inner).push(free);
+    }
+}
+
+/// Something a graph owns for its whole life, given back once the graph, every executable graph
+/// made from it and every buffer its capture used are gone, and their launches have completed.
+pub(crate) trait GraphOwned: Send {
+    /// Gives it back; the host has seen every launch of the graph complete.
+    fn release(self: Box<Self>);
+}
+
+/// What the launches of a graph may touch that Rust owns: memory of cudrv's pool reserved during
+/// the capture, frees of buffers the capture used (dropped meanwhile), host nodes' closures, the
+/// resources of child graphs; and the events its first launch waits for. Shared by the graph and
+/// its executable graphs (and referenced by buffers its capture used); released after the last of
+/// them goes, once every launch has completed.
+pub(crate) struct GraphResources {
+    inner: Mutex<Kept>,
+    /// Told when everything is released (after the last launch), for buffers whose free comes
+    /// later than the graph's end.
+    done: Arc<Completion>,
+    /// Whether launches must be tracked: something above is kept.
+    fenced: AtomicBool,
+    /// Whether it holds memory of cudrv's pool (then one executable graph at a time).
+    pool_memory: AtomicBool,
+    /// Whether an executable graph of a graph with pool memory exists.
+    exec_alive: AtomicBool,
+}
+
+#[derive(Default)]
+struct Kept {
+    owned: Vec<Box<dyn GraphOwned>>,
+    keep: Vec<Arc<dyn Send + Sync>>,
+    /// Events the first launch of each executable graph waits for (where the capture's streams,
+    /// and the buffers it used, stood before it).
+    prelude: Vec<Arc<Event>>,
+    /// The streams of the last launches of dropped executable graphs.
+    fences: Vec<Stream>,
+}
+
+impl fmt::Debug for GraphResources {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let k = self.lock();
+        f.debug_struct("GraphResources")
+            .field("owned", &k.owned.len())
+            .field("kept", &k.keep.len())
+            .field("prelude", &k.prelude.len())
+            .field("pool_memory", &self.pool_memory.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl GraphResources {
+    fn new() -> Arc<GraphResources> {
+        Arc::new(GraphResources {
+            inner: Mutex::new(Kept::default()),
+            done: Arc::new(Completion::default()),
+            fenced: AtomicBool::new(false),
+            pool_memory: AtomicBool::new(false),
+            exec_alive: AtomicBool::new(false),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `owned` until the graph's last launch completed, then releases it. `pool_memory`:
+    /// it is memory of cudrv's pool that the graph uses at every launch.
+    pub(crate) fn own(&self, owned: Box<dyn GraphOwned>, pool_memory: bool) {
+        self.fenced.store(true, Ordering::Release);
+        if pool_memory {
+            self.pool_memory.store(true, Ordering::Release);
+        }
+        self.lock().owned.push(owned);
+    }
+
+    /// Keeps `value` alive until the graph's last launch completed.
+    fn keep(&self, value: Arc<dyn Send + Sync>) {
+        self.fenced.store(true, Ordering::Release);
+        self.lock().keep.push(value);
+    }
+
+    /// Notes that a buffer allocated before the capture is used by it: the graph's first launch
+    /// waits for `allocated` (recorded on the buffer's stream), and the buffer's free, if it comes
+    /// first, waits for the graph (the buffer holds this and hands its free over).
+    pub(crate) fn use_buffer(self: &Arc<Self>, allocated: Option<Arc<Event>>) -> GraphUse {
+        self.fenced.store(true, Ordering::Release);
+        if let Some(e) = allocated {
+            self.lock().prelude.push(e);
+        }
+        GraphUse { res: Arc::downgrade(self), done: self.done.clone() }
+    }
+
+    fn has_pool_memory(&self) -> bool {
+        self.pool_memory.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for GraphResources {
+    fn drop(&mut self) {
+        let kept = std::mem::take(self.inner.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let done = self.done.clone();
+        if kept.fences.is_empty() && !host_fn::in_host_fn() {
+            // Never launched: nothing on the GPU uses any of it.
+            release_kept(kept, &done);
+        } else {
+            // Waiting for the last launches may take long: do it on cudrv's thread.
+            host_fn::defer(move || release_after_launches(kept, done));
+        }
+    }
+}
+
+fn release_kept(kept: Kept, done: &Completion) {
+    for o in kept.owned {
+        o.release();
+    }
+    drop(kept.keep);
+    done.complete();
+}
+
+/// A buffer's link to a graph whose capture used it: its free goes to the graph while the graph
+/// lives, else waits for the graph's release (after its last launch).
+pub(crate) struct GraphUse {
+    res: std::sync::Weak<GraphResources>,
+    done: Arc<Completion>,
+}
+
+impl GraphUse {
+    /// Whether this links to `res`.
+    pub(crate) fn is(&self, res: &Arc<GraphResources>) -> bool {
+        std::ptr::eq(self.res.as_ptr(), Arc::as_ptr(res))
+    }
+
+    /// Runs `job` once the graph's launches can no longer touch the buffer.
+    pub(crate) fn after_launches(self, job: Box<dyn GraphOwned>) {
+        match self.res.upgrade() {
+            // The graph lives (and cannot go while `res` is held): it keeps the job.
+            Some(res) => res.lock().owned.push(job),
+            None => self.done.after(job),
+        }
+    }
+}
+
+/// Whether a graph's resources were released, and what waits for it.
+#[derive(Default)]
+struct Completion {
+    state: Mutex<(bool, Vec<Box<dyn GraphOwned>>)>,
+}
+
+impl Completion {
+    fn after(&self, job: Box<dyn GraphOwned>) {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if st.0 {
+            drop(st);
+            job.release();
+        } else {
+            st.1.push(job);
+        }
+    }
+
+    fn complete(&self) {
+        let jobs = {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            st.0 = true;
+            std::mem::take(&mut st.1)
+        };
+        for job in jobs {
+            job.release();
+        }
+    }
+}
+
+/// Waits (on cudrv's deferred-work thread) for the last launch of each executable graph, then
+/// releases what the graph kept. A stream that is capturing now cannot be waited on: the job
+/// comes back later.
+fn release_after_launches(mut kept: Kept, done: Arc<Completion>) {
+    while let Some(stream) = kept.fences.last() {
+        if stream.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            host_fn::defer(move || release_after_launches(kept, done));
+            return;
+        }
+        // An event recorded now, on the stream of the last launch, completes after it; on the
+        // legacy stream (a per-thread stream seen from this thread) after every blocking stream.
+        let waited = Event::new(&stream.device()).and_then(|e| e.record(stream).and_then(|()| e.wait()));
+        if let Err(e) = waited.or_else(|_| stream.wait_for_memory()) {
+            // The launch may still run: what it uses stays (leaked), which is sound.
+            report_drop_error(Some(stream.context()), e);
+            std::mem::forget(kept.owned);
+            std::mem::forget(kept.keep);
+            return;
+        }
+        kept.fences.pop();
+    }
+    release_kept(kept, &done);
+}
+
+/// A node of a [`Graph`], to name as a dependency of later nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphNode(CUgraphNode);
+
+// SAFETY: a node handle is plain data to Rust; the driver calls that use it take the graph too.
+unsafe impl Send for GraphNode {}
+// SAFETY: as above.
+unsafe impl Sync for GraphNode {}
+
+impl GraphNode {
+    /// The raw `CUgraphNode`.
+    pub fn as_raw(&self) -> CUgraphNode {
+        self.0
+    }
+}
+
+/// A CUDA graph (`CUgraph`): nodes of work with dependencies between them. Made by
+/// [`Stream::end_capture`] or [`Graph::new`] and the `add_*` methods; run by instantiating it
+/// ([`Graph::instantiate`]). Dropping it destroys it (executable graphs made from it stay valid).
+pub struct Graph {
+    raw: CUgraph,
+    ctx: Arc<Context>,
+    /// What the graph's launches use that Rust owns.
+    res: Arc<GraphResources>,
+}
+
+// SAFETY: a CUgraph handle may be used from any thread; mutation goes through `&mut self` (the
+// driver does not make graph construction thread-safe for one graph, and Rust's borrows keep it
+// to one thread at a time); what it keeps is `Send + Sync`.
+unsafe impl Send for Graph {}
+// SAFETY: `&self` methods only read the graph (instantiate, clone, node lists), which the driver
+// allows from several threads.
+unsafe impl Sync for Graph {}
+
+/// The context and closure of a host node.
+type HostFn = Box<dyn Fn() + Send + Sync + 'static>;
+
+impl Graph {
+    /// An empty graph on `device`.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn new(device: &Device) -> Result<Graph> {
+        let ctx = device.primary_context()?;
+        let mut raw = std::ptr::null_mut();
+        {
+            let _b = ctx.bind()?;
+            // SAFETY: a valid out-pointer; flags must be 0; the context is current.
+            unsafe { drv!(cuGraphCreate(&mut raw, 0)) }?;
+        }
+        Ok(Graph { raw, ctx, res: GraphResources::new() })
+    }
+
+    /// The raw `CUgraph`.
+    pub fn as_raw(&self) -> CUgraph {
+        self.raw
+    }
+
+    /// The graph's device.
+    pub fn device(&self) -> Device {
+        self.ctx.device()
+    }
+
+    /// Every node of the graph (`cuGraphGetNodes`).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn nodes(&self) -> Result<Vec<GraphNode>> {
+        let _b = self.ctx.bind()?;
+        let mut n = 0usize;
+        // SAFETY: a valid graph; a null array asks for the count.
+        unsafe { drv!(cuGraphGetNodes(self.raw, std::ptr::null_mut(), &mut n)) }?;
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        // SAFETY: the array has room for `n` nodes, which is passed.
+        unsafe { drv!(cuGraphGetNodes(self.raw, nodes.as_mut_ptr(), &mut n)) }?;
+        nodes.truncate(n);
+        Ok(nodes.into_iter().map(GraphNode).collect())
+    }
+
+    fn deps(deps: &[GraphNode]) -> (*const CUgraphNode, usize) {
+        if deps.is_empty() { (std::ptr::null(), 0) } else { (deps.as_ptr().cast(), deps.len()) }
+    }
+
+    /// Adds a node that does nothing (to join or fork dependencies).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn add_empty_node(&mut self, deps: &[GraphNode]) -> Result<GraphNode> {
+        let _b = self.ctx.bind()?;
+        let (d, n) = Self::deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: a valid graph, `n` valid nodes of it, a valid out-pointer.
+        unsafe { drv!(cuGraphAddEmptyNode(&mut node, self.raw, d, n)) }?;
+        Ok(GraphNode(node))
+    }
+
+    /// Adds a kernel launch of `function` with a prepared `kernelParams` array (copied by the
+    /// driver now).
+    ///
+    /// # Safety
+    /// As [`Function::launch_raw`], for every launch of every executable graph made from this
+    /// graph: the memory the arguments refer to must stay valid until the last of those launches
+    /// has run.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a configuration beyond the limits, [`Error::DeviceMismatch`]
+    /// for a function of another device; the driver's error.
+    pub unsafe fn add_kernel_node(
+        &mut self,
+        deps: &[GraphNode],
+        function: &Function,
+        cfg: LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<GraphNode> {
+        function.validate(&cfg)?;
+        if function.device() != self.device() {
+            return Err(Error::DeviceMismatch {
+                what: "Graph::add_kernel_node",
+                expected: self.device().ordinal_i32(),
+                found: function.device().ordinal_i32(),
+            });
+        }
+        let p = kernel_node_params(function, &cfg, params);
+        let _b = self.ctx.bind()?;
+        let (d, n) = Self::deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: a valid graph and nodes; the parameters are complete and valid during the call
+        // (the driver copies the arguments); the caller vouches for what they refer to.
+        unsafe { drv!(cuGraphAddKernelNode_v2(&mut node, self.raw, d, n, &p)) }?;
+        Ok(GraphNode(node))
+    }
+
+    /// Adds a copy of `bytes` bytes from device address `src` to device address `dst` (of this
+    /// graph's device or a peer).
+    ///
+    /// # Safety
+    /// Both ranges must be valid device memory for every launch of every executable graph made
+    /// from this graph, and nothing else may use `dst` while a launch runs.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub unsafe fn add_memcpy_node(
+        &mut self,
+        deps: &[GraphNode],
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<GraphNode> {
+        let p = cudrv_sys::CUDA_MEMCPY3D {
+            srcMemoryType: cudrv_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcDevice: src,
+            dstMemoryType: cudrv_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstDevice: dst,
+            WidthInBytes: bytes,
+            Height: 1,
+            Depth: 1,
+            ..Default::default()
+        };
+        let _b = self.ctx.bind()?;
+        let (d, n) = Self::deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: a valid graph and nodes; complete copy parameters; the caller vouches for the
+        // memory.
+        unsafe { drv!(cuGraphAddMemcpyNode(&mut node, self.raw, d, n, &p, self.ctx.as_raw())) }?;
+        Ok(GraphNode(node))
+    }
+
+    /// Adds a memset of `count` elements of `element_size` bytes (1, 2 or 4) at device address
+    /// `dst`, each set to the low `element_size` bytes of `value`.
+    ///
+    /// # Safety
+    /// The range must be valid device memory for every launch of every executable graph made from
+    /// this graph, and nothing else may use it while a launch runs.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for another element size; the driver's error.
+    pub unsafe fn add_memset_node(
+        &mut self,
+        deps: &[GraphNode],
+        dst: DevicePtr,
+        value: u32,
+        element_size: u32,
+        count: usize,
+    ) -> Result<GraphNode> {
+        if ![1, 2, 4].contains(&element_size) {
+            return Err(Error::InvalidArgument(format!("memset element size {element_size}: expected 1, 2 or 4")));
+        }
+        let p = cudrv_sys::CUDA_MEMSET_NODE_PARAMS {
+            dst,
+            pitch: 0,
+            value,
+            elementSize: element_size,
+            width: count,
+            height: 1,
+        };
+        let _b = self.ctx.bind()?;
+        let (d, n) = Self::deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: a valid graph and nodes; complete parameters; the caller vouches for the memory.
+        unsafe { drv!(cuGraphAddMemsetNode(&mut node, self.raw, d, n, &p, self.ctx.as_raw())) }?;
+        Ok(GraphNode(node))
+    }
+
+    /// Adds a host node: `f` runs on a driver thread at that point of every launch. The graph
+    /// keeps `f` alive; inside it, the rules of [`Stream::launch_host_fn`] apply.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn add_host_node(&mut self, deps: &[GraphNode], f: impl Fn() + Send + Sync + 'static) -> Result<GraphNode> {
+        unsafe extern "C" fn trampoline(data: *mut c_void) {
+            // SAFETY: `data` points at the boxed closure the graph keeps alive while any launch
+            // of it may run (the graph and its executable graphs hold the Arc).
+            let f = unsafe { &*data.cast::<HostFn>() };
+            let _scope = host_fn::HostFnScope::enter();
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+                eprintln!("cudrv: a graph host node panicked");
+            }
+        }
+        let boxed: Arc<HostFn> = Arc::new(Box::new(f));
+        let p =
+            cudrv_sys::CUDA_HOST_NODE_PARAMS { fn_: Some(trampoline), userData: Arc::as_ptr(&boxed).cast_mut().cast() };
+        let _b = self.ctx.bind()?;
+        let (d, n) = Self::deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: a valid graph and nodes; the trampoline has the CUhostFn signature; its data
+        // stays valid while the graph or an executable graph of it lives (`keep`).
+        unsafe { drv!(cuGraphAddHostNode(&mut node, self.raw, d, n, &p)) }?;
+        self.res.keep(boxed);
+        Ok(GraphNode(node))
+    }
+
+    /// Adds a node that records `event` (of this graph's device).
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`]; the driver's error.
+    pub fn add_event_record_node(&mut self, deps: &[GraphNode], event: &Arc<Event>) -> Result<GraphNode> {
+        self.add_event_node(deps, event, true)
+    }
+
+    /// Adds a node that waits for `event` (of this graph's device) on the GPU.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`]; the driver's error.
+    pub fn add_event_wait_node(&mut self, deps: &[GraphNode], event: &Arc<Event>) -> Result<GraphNode> {
+        self.add_event_node(deps, event, false)
+    }
+
+    fn add_event_node(&mut self, deps: &[GraphNode], event: &Arc<Event>, record: bool) -> Result<GraphNode> {
+        if event.device() != self.device() {
+            return Err(Error::DeviceMismatch {
+                what: "Graph event node",
+                expected: self.device().ordinal_i32(),
+                found: event.device().ordinal_i32(),
+            });
+        }
+        let _b = self.ctx.bind()?;
+        let (d, n) = Self::deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: a valid graph, nodes and event; the graph keeps the event alive (`keep`).
+        unsafe {
+            if record {
+                drv!(cuGraphAddEventRecordNode(&mut node, self.raw, d, n, event.as_raw()))
+            } else {
+                drv!(cuGraphAddEventWaitNode(&mut node, self.raw, d, n, event.as_raw()))
+            }
+        }?;
+        self.res.keep(event.clone());
+        Ok(GraphNode(node))
+    }
+
+    /// Adds `child` as a node (the driver copies it; `child` stays usable). What `child` keeps
+    /// alive for its launches is kept for this graph's too.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a child graph that owns memory of cudrv's pool (a copy would
+    /// share it); the driver's error.
+    pub fn add_child_graph_node(&mut self, deps: &[GraphNode], child: &Graph) -> Result<GraphNode> {
+        if child.res.has_pool_memory() {
+            return Err(self.device().unsupported(
+                "a child graph that owns pool memory",
+                "the child owns memory reserved by StreamOrderedPool during its capture; a copy would share it",
+                Some("capture the work into this graph directly"),
+            ));
+        }
+        let _b = self.ctx.bind()?;
+        let (d, n) = Self::deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: valid graphs and nodes; the driver clones the child.
+        unsafe { drv!(cuGraphAddChildGraphNode(&mut node, self.raw, d, n, child.raw)) }?;
+        // The child's resources are released after both graphs' launches: the child's own after
+        // its launches, and this reference after this graph's.
+        self.res.keep(child.res.clone());
+        Ok(GraphNode(node))
+    }
+
+    /// Instantiates the graph with no flags.
+    ///
+    /// # Errors
+    /// As [`Graph::instantiate_with`].
+    pub fn instantiate(&self) -> Result<GraphExec> {
+        self.instantiate_with(InstantiateFlags::default())
+    }
+
+    /// Instantiates the graph into an executable graph (`cuGraphInstantiateWithFlags`).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a second executable graph of a graph that owns pool memory
+    /// while the first lives; the driver's error.
+    pub fn instantiate_with(&self, flags: InstantiateFlags) -> Result<GraphExec> {
+        let pool_memory = self.res.has_pool_memory();
+        if pool_memory && self.res.exec_alive.swap(true, Ordering::AcqRel) {
+            return Err(self.device().unsupported(
+                "a second executable graph of a graph that owns pool memory",
+                "its memory was reserved once, during the capture; two executable graphs could run on it at once",
+                Some("drop the first GraphExec, or capture the work again"),
+            ));
+        }
+        let mut raw = std::ptr::null_mut();
+        let made = self.ctx.bind().and_then(|_b| {
+            // SAFETY: a valid graph of the current context; a valid out-pointer and flags.
+            unsafe { drv!(cuGraphInstantiateWithFlags(&mut raw, self.raw, flags.bits())) }
+        });
+        if let Err(e) = made {
+            if pool_memory {
+                self.res.exec_alive.store(false, Ordering::Release);
+            }
+            return Err(e);
+        }
+        Ok(GraphExec {
+            raw,
+            ctx: self.ctx.clone(),
+            fenced: AtomicBool::new(self.res.fenced.load(Ordering::Acquire)),
+            res: Mutex::new(vec![self.res.clone()]),
+            pool_memory,
+            last_launch: Mutex::new(None),
+            started: AtomicBool::new(false),
+        })
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let (raw, ctx) = (SendHandle(self.raw), self.ctx.clone());
+        let destroy = move || {
+            let Ok(d) = driver() else { return };
+            // SAFETY: the graph was made by cudrv and is destroyed once; executable graphs made
+            // from it do not depend on it.
+            if let Err(e) = check("cuGraphDestroy", unsafe { d.cuGraphDestroy(raw.get()) }) {
+                report_drop_error(Some(&ctx), e);
+            }
+        };
+        if host_fn::in_host_fn() { host_fn::defer(destroy) } else { destroy() }
+    }
+}
+
+impl fmt::Debug for Graph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Graph").field("raw", &self.raw).field("owns_pool_memory", &self.res.has_pool_memory()).finish()
+    }
+}
+
+/// The parameters of a kernel node launching `function` with `cfg` and `params`.
+fn kernel_node_params(
+    function: &Function,
+    cfg: &LaunchConfig,
+    params: &mut [*mut c_void],
+) -> cudrv_sys::CUDA_KERNEL_NODE_PARAMS {
+    cudrv_sys::CUDA_KERNEL_NODE_PARAMS {
+        func: function.as_raw(),
+        gridDimX: cfg.grid.0,
+        gridDimY: cfg.grid.1,
+        gridDimZ: cfg.grid.2,
+        blockDimX: cfg.block.0,
+        blockDimY: cfg.block.1,
+        blockDimZ: cfg.block.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        kernelParams: params.as_mut_ptr(),
+        ..Default::default()
+    }
+}
+
+/// Flags of [`Graph::instantiate_with`] (`CUgraphInstantiate_flags`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct InstantiateFlags {
+    /// Memory allocated by the graph's memory nodes and not freed in it is freed when the graph
+    /// is launched again (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`).
+    pub auto_free_on_launch: bool,
+    /// Launches use the priority of each kernel node (`..._USE_NODE_PRIORITY`) instead of the
+    /// stream's.
+    pub use_node_priority: bool,
+}
+
+impl InstantiateFlags {
+    fn bits(self) -> u64 {
+        use cudrv_sys::CUgraphInstantiate_flags as F;
+        let mut bits = 0u64;
+        if self.auto_free_on_launch {
+            bits |= u64::from(F::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH.0);
+        }
+        if self.use_node_priority {
+            bits |= u64::from(F::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0);
+        }
+        bits
+    }
+}
+
+/// An executable graph (`CUgraphExec`): launched on a stream with one call. Launches of one
+/// executable graph run in order (the driver orders each after the previous one, on any stream).
+pub struct GraphExec {
+    raw: CUgraphExec,
+    ctx: Arc<Context>,
+    /// What its launches use that Rust owns: the graph's resources, and those of graphs it was
+    /// updated from.
+    res: Mutex<Vec<Arc<GraphResources>>>,
+    /// Whether `res` keeps anything, so that launches must be tracked.
+    fenced: AtomicBool,
+    /// Whether the graph holds memory of cudrv's pool (one executable graph at a time).
+    pool_memory: bool,
+    /// The stream of the last launch, when `fenced`.
+    last_launch: Mutex<Option<Stream>>,
+    /// Whether the first launch happened (it waits for the capture's prelude events).
+    started: AtomicBool,
+}
+
+// SAFETY: a CUgraphExec may be launched and updated from any thread; what it keeps is
+// `Send + Sync`.
+unsafe impl Send for GraphExec {}
+// SAFETY: as above; the driver serialises launches of one executable graph.
+unsafe impl Sync for GraphExec {}
+
+/// Why [`GraphExec::update`] refused a graph (`CUgraphExecUpdateResult`), and the node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UpdateError {
+    /// The driver's verdict, in words.
+    pub reason: &'static str,
+    /// The driver's result code (`CUgraphExecUpdateResult`).
+    pub result: u32,
+    /// The node that could not be updated, if the driver named one.
+    pub node: Option<GraphNode>,
+}
+
+impl fmt::Display for UpdateError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the executable graph cannot be updated: {}", self.reason)
+    }
+}
+
+fn update_reason(r: cudrv_sys::CUgraphExecUpdateResult) -> &'static str {
+    use cudrv_sys::CUgraphExecUpdateResult as R;
+    match r {
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED => {
+            "the graph's topology changed (nodes or edges added or removed)"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED => "a node's type changed",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_FUNCTION_CHANGED => "a kernel node's function changed",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_UNSUPPORTED_FUNCTION_CHANGE => {
+            "a kernel node's function changed in a way the driver cannot update"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED => {
+            "a node's parameters changed in a way that cannot be updated (for example a memset's size)"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED => "something about the node is not supported by update",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_ATTRIBUTES_CHANGED => "a node's attributes changed",
+        _ => "the driver refused the update",
+    }
+}
+
+impl GraphExec {
+    /// The raw `CUgraphExec`.
+    pub fn as_raw(&self) -> CUgraphExec {
+        self.raw
+    }
+
+    /// Launches the graph on `stream` (`cuGraphLaunch`): it runs after the work queued there
+    /// before, and work queued after waits for it. Launches of one executable graph run one after
+    /// another, whatever their streams.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for a stream of another device, [`Error::Capturing`] on a
+    /// capturing stream; the driver's error.
+    #[inline]
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        self.check_stream("GraphExec::launch", stream)?;
+        stream.refuse_in_capture("GraphExec::launch")?;
+        if !self.started.load(Ordering::Acquire) {
+            self.first_launch(stream)?;
+        }
+        let fenced = self.fenced.load(Ordering::Acquire);
+        // Noted before the launch: a drop racing with it must not miss it (a stream noted but
+        // not launched on only makes the release wait a little longer).
+        let mut last =
+            if fenced { Some(self.last_launch.lock().unwrap_or_else(PoisonError::into_inner)) } else { None };
+        if let Some(last) = last.as_mut()
+            && last.as_ref().is_none_or(|s| s.id() != stream.id())
+        {
+            **last = Some(stream.clone());
+        }
+        let _b = self.ctx.bind()?;
+        // SAFETY: a valid executable graph and stream of the current context. What the graph's
+        // nodes refer to is valid for this launch: kept by the graph's resources until its launches
+        // complete, or vouched for by the `unsafe` calls that added it; the first launch waited for
+        // the allocations of the buffers the capture used.
+        unsafe { drv!(cuGraphLaunch(self.raw, stream.as_raw())) }
+    }
+
+    /// Before the first launch: makes `stream` wait for where the capture's streams, and the
+    /// buffers it used, stood before the capture (their allocations). Later launches are ordered
+    /// after the first by the driver.
+    #[cold]
+    fn first_launch(&self, stream: &Stream) -> Result<()> {
+        let res = self.res.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.started.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        for r in res.iter() {
+            let prelude = r.lock().prelude.clone();
+            for event in prelude {
+                stream.wait_event_untracked(&event)?;
+            }
+        }
+        self.started.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Uploads the graph to the device ahead of its first launch, in `stream`'s order.
+    ///
+    /// # Errors
+    /// As [`GraphExec::launch`].
+    pub fn upload(&self, stream: &Stream) -> Result<()> {
+        self.check_stream("GraphExec::upload", stream)?;
+        let _b = self.ctx.bind()?;
+        // SAFETY: a valid executable graph and stream of the current context.
+        unsafe { drv!(cuGraphUpload(self.raw, stream.as_raw())) }
+    }
+
+    /// Updates the executable graph in place from `graph`, a graph of the same shape whose nodes'
+    /// parameters changed (`cuGraphExecUpdate`).
+    ///
+    /// # Errors
+    /// `Ok(Err(UpdateError))` when the driver refuses the update (the executable graph is
+    /// unchanged and may be launched as before), with its reason and the node; `Err` for a driver
+    /// error or a graph that owns pool memory (updating could point the graph at other memory).
+    pub fn update(&self, graph: &Graph) -> Result<std::result::Result<(), UpdateError>> {
+        if graph.res.has_pool_memory() || self.pool_memory {
+            return Err(graph.device().unsupported(
+                "updating from a graph that owns pool memory",
+                "its memory belongs to the executable graph it was instantiated into",
+                Some("instantiate it"),
+            ));
+        }
+        let _b = self.ctx.bind()?;
+        let mut info = cudrv_sys::CUgraphExecUpdateResultInfo::default();
+        // The new parameters may use what `graph` keeps: keep it too, from before the update
+        // (a launch may follow at once).
+        {
+            let mut res = self.res.lock().unwrap_or_else(PoisonError::into_inner);
+            if !res.iter().any(|r| Arc::ptr_eq(r, &graph.res)) {
+                res.push(graph.res.clone());
+                // The prelude of `graph` is complete: it was recorded before its capture, which
+                // ended before this call, and this executable graph's next launch runs after it
+                // only if waited for.
+                self.started.store(false, Ordering::Release);
+            }
+            if graph.res.fenced.load(Ordering::Acquire) {
+                self.fenced.store(true, Ordering::Release);
+            }
+        }
+        // SAFETY: a valid executable graph and graph; a valid out-pointer.
+        let rc = unsafe { driver()?.cuGraphExecUpdate_v2(self.raw, graph.raw, &mut info) };
+        match rc {
+            Ok(CUresult::CUDA_SUCCESS) => Ok(Ok(())),
+            Ok(CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE) => Ok(Err(UpdateError {
+                reason: update_reason(info.result),
+                result: info.result.0,
+                node: (!info.errorNode.is_null()).then_some(GraphNode(info.errorNode)),
+            })),
+            other => check("cuGraphExecUpdate", other).map(Ok),
+        }
+    }
+
+    /// Changes the arguments of kernel node `node` (of the graph this was instantiated from) for
+    /// later launches (`cuGraphExecKernelNodeSetParams`).
+    ///
+    /// # Safety
+    /// As [`Graph::add_kernel_node`] for the new arguments.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub unsafe fn set_kernel_node_params(
+        &self,
+        node: GraphNode,
+        function: &Function,
+        cfg: LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        function.validate(&cfg)?;
+        let p = kernel_node_params(function, &cfg, params);
+        let _b = self.ctx.bind()?;
+        // SAFETY: a valid executable graph and kernel node; complete parameters valid during the
+        // call; the caller vouches for what they refer to.
+        unsafe { drv!(cuGraphExecKernelNodeSetParams_v2(self.raw, node.0, &p)) }
+    }
+
+    fn check_stream(&self, what: &'static str, stream: &Stream) -> Result<()> {
+        if stream.device() == self.ctx.device() {
+            Ok(())
+        } else {
+            Err(Error::DeviceMismatch {
+                what,
+                expected: self.ctx.device().ordinal_i32(),
+                found: stream.device().ordinal_i32(),
+            })
+        }
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        let (raw, ctx) = (SendHandle(self.raw), self.ctx.clone());
+        let res = std::mem::take(self.res.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let last = self.last_launch.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        let pool_memory = self.pool_memory;
+        let destroy = move || {
+            if let Ok(d) = driver() {
+                // SAFETY: made by cudrv, destroyed once. Launches already queued still run (the
+                // driver frees the executable graph when they are done).
+                if let Err(e) = check("cuGraphExecDestroy", unsafe { d.cuGraphExecDestroy(raw.get()) }) {
+                    report_drop_error(Some(&ctx), e);
+                }
+            }
+            for r in res {
+                if let Some(stream) = &last {
+                    // What the launches use is released after the last one completed.
+                    r.lock().fences.push(stream.clone());
+                }
+                if pool_memory {
+                    r.exec_alive.store(false, Ordering::Release);
+                }
+            }
+        };
+        if host_fn::in_host_fn() { host_fn::defer(destroy) } else { destroy() }
+    }
+}
+
+impl fmt::Debug for GraphExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GraphExec").field("raw", &self.raw).finish()
+    }
+}
+
+/// How much memory the driver's graph memory nodes use on a device
+/// ([`Device::graph_memory`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GraphMemoryInfo {
+    /// Bytes in use by graph allocations now.
+    pub used: u64,
+    /// Highest `used`.
+    pub used_high: u64,
+    /// Bytes the driver holds for graph allocations.
+    pub reserved: u64,
+    /// Highest `reserved`.
+    pub reserved_high: u64,
+}
+
+impl Device {
+    /// What the driver's graph memory nodes use on this device (`cuDeviceGetGraphMemAttribute`).
+    ///
+    /// # Errors
+    /// The driver's error (`CUDA_ERROR_NOT_SUPPORTED` without memory pools).
+    pub fn graph_memory(&self) -> Result<GraphMemoryInfo> {
+        use cudrv_sys::CUgraphMem_attribute as A;
+        let ctx = self.primary_context()?;
+        let _b = ctx.bind()?;
+        let get = |attr: A| -> Result<u64> {
+            let mut v: u64 = 0;
+            // SAFETY: the attribute is a cuuint64_t, written through the pointer.
+            unsafe { drv!(cuDeviceGetGraphMemAttribute(self.as_raw(), attr, (&raw mut v).cast())) }?;
+            Ok(v)
+        };
+        Ok(GraphMemoryInfo {
+            used: get(A::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)?,
+            used_high: get(A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH)?,
+            reserved: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?,
+            reserved_high: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?,
+        })
+    }
+
+    /// Gives back to the OS the memory the driver holds for graph allocations of graphs that are
+    /// not running (`cuDeviceGraphMemTrim`).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn trim_graph_memory(&self) -> Result<()> {
+        let ctx = self.primary_context()?;
+        let _b = ctx.bind()?;
+        // SAFETY: a valid device.
+        unsafe { drv!(cuDeviceGraphMemTrim(self.as_raw())) }
+    }
+}

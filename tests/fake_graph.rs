@@ -1,0 +1,83 @@
+//! CUDA graphs on the fake driver (`cudrv::graph`), in every driver model: capture and replay,
+//! memory allocated inside a capture (the driver's memory nodes where pools exist, cudrv's pool on
+//! TCC), buffers that a graph keeps alive, what a capture refuses, graphs built node by node,
+//! updates. The bodies are shared with `gpu_graph.rs` (`graph_cases`); here each runs in a child
+//! process with the fake driver, and ends with a leak check.
+
+mod graph_cases;
+
+use cudrv_test_support::{assert_no_leaks, run_with_fake_modes};
+
+const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
+
+fn each_mode(delay_us: &str, body: fn()) {
+    run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", delay_us)], || {
+        body();
+        assert_no_leaks();
+    });
+}
+
+#[test]
+fn a_captured_graph_replays_its_work_at_every_launch() {
+    each_mode("50", || graph_cases::a_captured_graph_replays_its_work_at_every_launch(25));
+}
+
+#[test]
+fn pool_memory_of_a_graph_is_reserved_until_it_is_gone() {
+    each_mode("0", graph_cases::pool_memory_of_a_graph_is_reserved_until_it_is_gone);
+}
+
+#[test]
+fn graphs_replay_while_other_threads_allocate() {
+    each_mode("20", || graph_cases::graphs_replay_while_other_threads_allocate(200, 4));
+}
+
+#[test]
+fn a_buffer_used_by_a_graph_outlives_its_drop() {
+    each_mode("200", graph_cases::a_buffer_used_by_a_graph_outlives_its_drop);
+}
+
+#[test]
+fn a_capture_refuses_what_a_graph_cannot_keep_sound() {
+    each_mode("0", graph_cases::a_capture_refuses_what_a_graph_cannot_keep_sound);
+}
+
+#[test]
+fn a_buffer_dropped_during_a_capture_that_does_not_use_it_is_freed_at_its_end() {
+    each_mode("0", graph_cases::a_buffer_dropped_during_a_capture_that_does_not_use_it_is_freed_at_its_end);
+}
+
+#[test]
+fn streams_join_a_capture_and_the_graph_keeps_their_order() {
+    each_mode("100", graph_cases::streams_join_a_capture_and_the_graph_keeps_their_order);
+}
+
+#[test]
+fn graphs_built_node_by_node_run_in_dependency_order() {
+    each_mode("50", graph_cases::graphs_built_node_by_node_run_in_dependency_order);
+}
+
+#[test]
+fn executable_graphs_update_in_place_or_say_why_not() {
+    each_mode("0", graph_cases::executable_graphs_update_in_place_or_say_why_not);
+}
+
+#[test]
+fn a_pool_dropped_before_its_graph_gives_its_memory_back_after_it() {
+    each_mode("0", graph_cases::a_pool_dropped_before_its_graph_gives_its_memory_back_after_it);
+}
+
+#[test]
+fn pool_work_on_other_threads_leaves_a_global_capture_valid() {
+    each_mode("0", graph_cases::pool_work_on_other_threads_leaves_a_global_capture_valid);
+}
+
+#[test]
+fn graph_memory_nodes_where_the_driver_has_pools() {
+    each_mode("0", graph_cases::graph_memory_nodes_where_the_driver_has_pools);
+}
+
+#[test]
+fn an_invalidated_capture_reports_it_and_the_stream_stays_usable() {
+    each_mode("0", graph_cases::an_invalidated_capture_reports_it_and_the_stream_stays_usable);
+}
