@@ -11,7 +11,10 @@
 //!    cost), interleaved in rounds (the order alternates);
 //! 2. the same with `add_f32` and four arguments (three buffers and a length), which adds cudrv's
 //!    argument marshalling and buffer-use recording;
-//! 3. a launch and `cuStreamSynchronize` round trip.
+//! 3. a launch and `cuStreamSynchronize` round trip;
+//! 4. graphs: 100 `add_f32` launches captured once, then `GraphExec::launch` against
+//!    `cuGraphLaunch` of the same work captured with raw calls (enqueue only, in bursts), and the
+//!    round trip (100 launches one by one + synchronize, against one graph launch + synchronize).
 //!
 //! Figures are medians over rounds, printed as a markdown table with the ratio cudrv / raw (the
 //! target for enqueueing is at most 1.05). Without a driver it prints the error and exits 0 (CI
@@ -152,28 +155,26 @@ fn run() -> Res<()> {
     let cfg = LaunchConfig::for_num_elems(n);
     let raw_add = add.as_raw();
     let (pa, pb, pc) = (a.as_raw(), b.as_raw(), c.as_raw());
+    // `add_f32(a, b, c, n)` through the raw driver, on the current context's `stream`.
+    let raw_add_launch = || {
+        let len = n as u64;
+        let mut params: [*mut c_void; 4] = [
+            (&raw const pa).cast_mut().cast(),
+            (&raw const pb).cast_mut().cast(),
+            (&raw const pc).cast_mut().cast(),
+            (&raw const len).cast_mut().cast(),
+        ];
+        // SAFETY: add_f32's four parameters, each pointing at a live value; the buffers have n
+        // elements and belong to the current context. (Captured, the arguments are copied now.)
+        ok(
+            unsafe { d.cuLaunchKernel(raw_add, 4, 1, 1, 256, 1, 1, 0, s, params.as_mut_ptr(), std::ptr::null_mut()) },
+            "cuLaunchKernel",
+        )
+    };
     let (raw_add_ns, cudrv_add_ns) = compare(
         rounds,
         launches_per_round / 4,
-        |count| {
-            bursts(count, &stream, || {
-                let len = n as u64;
-                let mut params: [*mut c_void; 4] = [
-                    (&raw const pa).cast_mut().cast(),
-                    (&raw const pb).cast_mut().cast(),
-                    (&raw const pc).cast_mut().cast(),
-                    (&raw const len).cast_mut().cast(),
-                ];
-                // SAFETY: add_f32's four parameters, each pointing at a live value; the buffers
-                // have n elements and belong to the current context.
-                ok(
-                    unsafe {
-                        d.cuLaunchKernel(raw_add, 4, 1, 1, 256, 1, 1, 0, s, params.as_mut_ptr(), std::ptr::null_mut())
-                    },
-                    "cuLaunchKernel",
-                )
-            })
-        },
+        |count| bursts(count, &stream, raw_add_launch),
         |count| {
             bursts(count, &stream, || {
                 // SAFETY: add_f32(const float*, const float*, float*, size_t) on n elements.
@@ -212,6 +213,85 @@ fn run() -> Res<()> {
         },
     )?;
 
+    // 4. graphs: 100 `add_f32` launches, one by one or as one captured graph.
+    let kernels = 100;
+    let graph_rounds = if quick { 200 } else { 2_000 } / rounds;
+    let raw_graph = {
+        let mut g = std::ptr::null_mut();
+        let mut exec = std::ptr::null_mut();
+        // SAFETY: a live stream of the current context, not capturing; global mode.
+        ok(
+            unsafe { d.cuStreamBeginCapture_v2(s, cudrv::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) },
+            "cuStreamBeginCapture",
+        )?;
+        for _ in 0..kernels {
+            raw_add_launch()?;
+        }
+        // SAFETY: the capture begun above; valid out-pointers.
+        ok(unsafe { d.cuStreamEndCapture(s, &mut g) }, "cuStreamEndCapture")?;
+        // SAFETY: a valid graph; a valid out-pointer.
+        ok(unsafe { d.cuGraphInstantiateWithFlags(&mut exec, g, 0) }, "cuGraphInstantiateWithFlags")?;
+        (g, exec)
+    };
+    stream.begin_capture(cudrv::graph::CaptureMode::Global)?;
+    for _ in 0..kernels {
+        // SAFETY: add_f32(const float*, const float*, float*, size_t) on n elements; the buffers
+        // outlive the graph.
+        unsafe { add.launch(cfg, &stream, (&a, &b, &mut c, n as u64))? };
+    }
+    let graph = stream.end_capture()?;
+    let exec = graph.instantiate()?;
+    let (raw_graph_enqueue, cudrv_graph_enqueue) = compare(
+        rounds,
+        graph_rounds,
+        |count| {
+            bursts(count, &stream, || {
+                // SAFETY: a valid executable graph and stream of the current context.
+                ok(unsafe { d.cuGraphLaunch(raw_graph.1, s) }, "cuGraphLaunch")
+            })
+        },
+        |count| bursts(count, &stream, || exec.launch(&stream).map_err(Into::into)),
+    )?;
+    let c2 = std::cell::RefCell::new(DeviceBuffer::<f32>::zeroed(n, &stream)?);
+    let one_by_one = |count: usize, cudrv_path: bool| -> Res<f64> {
+        let t = Instant::now();
+        for _ in 0..count {
+            for _ in 0..kernels {
+                if cudrv_path {
+                    // SAFETY: as in 2.
+                    unsafe { add.launch(cfg, &stream, (&a, &b, &mut *c2.borrow_mut(), n as u64))? };
+                } else {
+                    raw_add_launch()?;
+                }
+            }
+            stream.synchronize()?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let as_graph = |count: usize, cudrv_path: bool| -> Res<f64> {
+        let t = Instant::now();
+        for _ in 0..count {
+            if cudrv_path {
+                exec.launch(&stream)?;
+            } else {
+                // SAFETY: as above.
+                ok(unsafe { d.cuGraphLaunch(raw_graph.1, s) }, "cuGraphLaunch")?;
+            }
+            stream.synchronize()?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let trip_rounds = (graph_rounds / 4).max(1);
+    let (raw_single, cudrv_single) = compare(rounds, trip_rounds, |n| one_by_one(n, false), |n| one_by_one(n, true))?;
+    let (raw_graph_trip, cudrv_graph_trip) =
+        compare(rounds, trip_rounds, |n| as_graph(n, false), |n| as_graph(n, true))?;
+    drop((exec, graph));
+    // SAFETY: made above, destroyed once; no launch of them is pending (the stream was synchronised).
+    unsafe {
+        ok(d.cuGraphExecDestroy(raw_graph.1), "cuGraphExecDestroy")?;
+        ok(d.cuGraphDestroy(raw_graph.0), "cuGraphDestroy")?;
+    }
+
     println!("| measure | raw driver | cudrv | cudrv / raw |");
     println!("|---|---:|---:|---:|");
     println!(
@@ -228,6 +308,32 @@ fn run() -> Res<()> {
         raw_trip / 1e3,
         cudrv_trip / 1e3,
         cudrv_trip / raw_trip
+    );
+    println!(
+        "| enqueue a graph of {kernels} `add_f32` (`cuGraphLaunch`) | {raw_graph_enqueue:.0} ns | {cudrv_graph_enqueue:.0} ns | {:.3} |",
+        cudrv_graph_enqueue / raw_graph_enqueue
+    );
+    println!(
+        "| {kernels} `add_f32` one by one + synchronize | {:.2} µs | {:.2} µs | {:.3} |",
+        raw_single / 1e3,
+        cudrv_single / 1e3,
+        cudrv_single / raw_single
+    );
+    println!(
+        "| the same {kernels} as one graph + synchronize | {:.2} µs | {:.2} µs | {:.3} |",
+        raw_graph_trip / 1e3,
+        cudrv_graph_trip / 1e3,
+        cudrv_graph_trip / raw_graph_trip
+    );
+    println!();
+    println!(
+        "graph speedup over one-by-one launches: raw {:.2}x, cudrv {:.2}x; graph launch target (cudrv <= 1.05x raw): {}",
+        raw_single / raw_graph_trip,
+        cudrv_single / cudrv_graph_trip,
+        {
+            let r = cudrv_graph_enqueue / raw_graph_enqueue;
+            if r <= 1.05 { format!("met ({r:.3}x)") } else { format!("NOT met ({r:.3}x)") }
+        }
     );
     let ratio = cudrv_empty / raw_empty;
     println!();

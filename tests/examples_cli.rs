@@ -1,4 +1,4 @@
-//! The examples' command lines (`devices`, `vector_add`, `stress`): `--help` exits 0, an unknown
+//! The examples' command lines (`devices`, `vector_add`, `stress`, `graph`): `--help` exits 0, an unknown
 //! flag is named and exits 2 with the usage, bad numbers exit 2 before anything is allocated
 //! (never an abort or a panic), running out of host memory exits 1; and the `devices` report on
 //! the emulated driver.
@@ -69,7 +69,7 @@ fn expect(out: &Output, status: i32, needle: &str) -> (String, String) {
     (stdout, stderr)
 }
 
-const EXAMPLES: [&str; 3] = ["devices", "vector_add", "stress"];
+const EXAMPLES: [&str; 4] = ["devices", "vector_add", "stress", "graph"];
 
 #[test]
 fn help_prints_the_usage_and_exits_0() {
@@ -120,6 +120,21 @@ fn bad_numbers_exit_2_before_anything_is_allocated() {
     ] {
         expect(&run("stress", args), 2, needle);
     }
+}
+
+#[test]
+fn graph_replays_correctly_with_and_without_driver_pools() {
+    let fake = fake_driver_path();
+    let fake = fake.to_str().expect("a UTF-8 path");
+    expect(&run("graph", &["0"]), 2, "REPLAYS must be a whole number of at least 1");
+    for (mode, resource) in [("linux", "DriverPool"), ("tcc", "StreamOrderedPool")] {
+        let out = run_env("graph", &["40"], &[("CUDRV_DRIVER_PATH", fake), ("CUDRV_FAKE_MODE", mode)]);
+        let (stdout, _) = expect(&out, 0, "");
+        assert!(stdout.contains(&format!("memory resource {resource}")), "{mode}: {stdout}");
+        assert!(stdout.contains("all 65536 elements correct after 40 replays"), "{mode}: {stdout}");
+    }
+    // Without a driver: an error naming it, status 1.
+    expect(&run("graph", &[]), 1, "graph: error:");
 }
 
 #[test]
