@@ -106,6 +106,17 @@ pub(crate) fn report_drop_error(ctx: Option<&Context>, mut error: Error) {
     }
 }
 
+impl Device {
+    /// The device's primary context, retained and shared: every caller for this device gets the
+    /// same [`Context`] until the last one is dropped, which releases it.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn primary_context(&self) -> Result<Arc<Context>> {
+        Context::primary(*self)
+    }
+}
+
 impl Context {
     pub(crate) fn primary(device: Device) -> Result<Arc<Context>> {
         let mut map = primaries().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -278,7 +289,7 @@ impl Drop for Context {
             }
             // SAFETY: this Context retained the primary context once; this releases it once.
             let rc = unsafe { driver.cuDevicePrimaryCtxRelease_v2(device.as_raw()) };
-            if let Err(e) = crate::result::check("cuDevicePrimaryCtxRelease", rc) {
+            if let Err(e) = crate::error::check("cuDevicePrimaryCtxRelease", rc) {
                 report_drop_error(None, e);
             }
         };

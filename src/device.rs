@@ -2,11 +2,10 @@
 
 use std::ffi::{CStr, c_char};
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use cudrv_sys::{CUdevice, CUdevice_attribute as A};
 
-use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::result::{driver, drv, drv_compat};
 
@@ -305,15 +304,6 @@ impl Device {
         }
         let caps = Capabilities::read(self)?;
         Ok(slot.get_or_init(|| caps))
-    }
-
-    /// The device's primary context, retained and shared: every caller for this device gets the
-    /// same [`Context`] until the last one is dropped, which releases it.
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn primary_context(&self) -> Result<Arc<Context>> {
-        Context::primary(*self)
     }
 
     /// Whether this device can access memory of `peer` directly (`cuDeviceCanAccessPeer`).

@@ -92,6 +92,50 @@ pub enum Error {
         /// The operation.
         what: &'static str,
     },
+    /// Two lengths that must match do not: a copy between a buffer and host memory or another
+    /// buffer. Nothing was done.
+    #[error("length mismatch: {what} has {expected} elements, the other side {found}")]
+    LengthMismatch {
+        /// The side whose length counts (the buffer).
+        what: &'static str,
+        /// Its length, in elements.
+        expected: usize,
+        /// The other side's length, in elements.
+        found: usize,
+    },
+    /// A launch the kernel or device cannot run: a grid, block, shared-memory, cluster or
+    /// attribute value beyond its limits (cudrv checks before the driver). Nothing was launched.
+    #[error("invalid launch of `{kernel}`: {reason}")]
+    InvalidLaunch {
+        /// The kernel's name.
+        kernel: String,
+        /// Which limit, and the values.
+        reason: String,
+    },
+    /// A pointer (with its size) that the resource did not hand out, or freed already. Nothing
+    /// changed.
+    #[error("{ptr:#x} with {bytes} bytes is not a live allocation of this {resource}")]
+    NotFromResource {
+        /// The resource.
+        resource: &'static str,
+        /// The pointer.
+        ptr: u64,
+        /// The size given with it.
+        bytes: usize,
+    },
+    /// A resource was dropped while allocations of it were live: their memory is leaked (kept
+    /// mapped, as they may still be used), which is sound. Reported through the drop-error hook.
+    #[error("{resource} dropped with {allocations} live allocations ({bytes} bytes); {chunks} chunks are leaked")]
+    LeakedAtDrop {
+        /// The resource.
+        resource: &'static str,
+        /// Live allocations.
+        allocations: usize,
+        /// Their bytes.
+        bytes: usize,
+        /// Chunks kept because of them.
+        chunks: usize,
+    },
     /// An argument is invalid. Nothing was done.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -186,7 +230,7 @@ impl Error {
     /// loaded (`cuGetErrorName`, `cuGetErrorString`) and by cudrv's table otherwise.
     pub fn driver(call: &'static str, code: CUresult) -> Error {
         let (name, description) = describe(code);
-        Error::Driver { code, name, description, call: crate::result::base_name(call) }
+        Error::Driver { code, name, description, call: base_name(call) }
     }
 
     /// The driver's code, for [`Error::Driver`] (also inside [`Error::Deferred`] and [`Error::Jit`]).
@@ -229,43 +273,77 @@ impl From<cudrv_sys::MissingSymbol> for Error {
 }
 
 /// The name and description of `code`: from the driver when it is loaded and knows the code,
-/// else from [`cudrv_sys::result_name`] and cudrv's table of descriptions.
+/// else from cudrv-sys's tables ([`cudrv_sys::result_name`], [`cudrv_sys::result_description`]).
 fn describe(code: CUresult) -> (String, String) {
-    if let Some(pair) = crate::result::driver_describe(code) {
+    if let Some(pair) = cudrv_sys::Driver::loaded().and_then(|d| d.describe(code)) {
         return pair;
     }
-    let name = cudrv_sys::result_name(code).unwrap_or("unknown CUresult").to_string();
-    let description = DESCRIPTIONS
-        .iter()
-        .find(|(c, _)| *c == code)
-        .map_or("no description available (the driver could not be asked)", |(_, d)| d)
-        .to_string();
-    (name, description)
+    let name = cudrv_sys::result_name(code).unwrap_or("unknown CUresult");
+    let description =
+        cudrv_sys::result_description(code).unwrap_or("no description available (the driver could not be asked)");
+    (name.to_string(), description.to_string())
 }
 
-/// Descriptions of the codes cudrv meets most, for when the driver cannot be asked (it is not
-/// loaded, or it has shut down). They are the driver's own strings.
-const DESCRIPTIONS: &[(CUresult, &str)] = &[
-    (CUresult::CUDA_SUCCESS, "no error"),
-    (CUresult::CUDA_ERROR_INVALID_VALUE, "invalid argument"),
-    (CUresult::CUDA_ERROR_OUT_OF_MEMORY, "out of memory"),
-    (CUresult::CUDA_ERROR_NOT_INITIALIZED, "initialization error"),
-    (CUresult::CUDA_ERROR_DEINITIALIZED, "driver shutting down"),
-    (CUresult::CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected"),
-    (CUresult::CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"),
-    (CUresult::CUDA_ERROR_INVALID_IMAGE, "device kernel image is invalid"),
-    (CUresult::CUDA_ERROR_INVALID_CONTEXT, "invalid device context"),
-    (CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU, "no kernel image is available for execution on the device"),
-    (CUresult::CUDA_ERROR_INVALID_PTX, "a PTX JIT compilation failed"),
-    (CUresult::CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"),
-    (CUresult::CUDA_ERROR_NOT_FOUND, "named symbol not found"),
-    (CUresult::CUDA_ERROR_NOT_READY, "device not ready"),
-    (CUresult::CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"),
-    (CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "too many resources requested for launch"),
-    (CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, "peer access is already enabled"),
-    (CUresult::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED, "peer access has not been enabled"),
-    (CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED, "peer access is not supported between these two devices"),
-    (CUresult::CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
-    (CUresult::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, "system has unsupported display driver / cuda driver combination"),
-    (CUresult::CUDA_ERROR_UNKNOWN, "unknown error"),
-];
+/// Turns the result of a raw call into a `Result`.
+#[inline]
+pub(crate) fn check(call: &'static str, rc: std::result::Result<CUresult, cudrv_sys::MissingSymbol>) -> Result<()> {
+    match rc {
+        Ok(CUresult::CUDA_SUCCESS) => Ok(()),
+        Ok(code) => Err(Error::driver(call, code)),
+        Err(missing) => Err(missing.into()),
+    }
+}
+
+/// `cuMemAlloc_v2` → `cuMemAlloc`: the name a person knows.
+pub(crate) fn base_name(call: &'static str) -> &'static str {
+    if let Some(pos) = call.rfind("_v") {
+        let digits = &call[pos + 2..];
+        if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+            return &call[..pos];
+        }
+    }
+    call
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base_names_drop_only_a_version_suffix() {
+        assert_eq!(base_name("cuMemAlloc_v2"), "cuMemAlloc");
+        assert_eq!(base_name("cuGraphInstantiateWithFlags"), "cuGraphInstantiateWithFlags");
+        assert_eq!(base_name("cuStreamGetCaptureInfo_v3"), "cuStreamGetCaptureInfo");
+        assert_eq!(base_name("cuMemAlloc_v"), "cuMemAlloc_v");
+        assert_eq!(base_name("cuMemAlloc_vx2"), "cuMemAlloc_vx2");
+        assert_eq!(base_name("cu_v2_thing"), "cu_v2_thing");
+        assert_eq!(base_name("_v10"), "");
+    }
+
+    #[test]
+    fn check_maps_success_codes_and_missing_symbols() {
+        assert!(check("cuInit", Ok(CUresult::CUDA_SUCCESS)).is_ok());
+        let e = check("cuMemAlloc_v2", Ok(CUresult::CUDA_ERROR_OUT_OF_MEMORY)).unwrap_err();
+        assert_eq!(e.code(), Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        assert!(e.is_out_of_memory());
+        assert!(e.to_string().contains("cuMemAlloc"), "{e}");
+        assert!(!e.to_string().contains("cuMemAlloc_v2"), "{e}");
+        let missing = cudrv_sys::MissingSymbol { name: "cuGraphCreate", driver_version: 11010 };
+        match check("cuGraphCreate", Err(missing)).unwrap_err() {
+            Error::MissingSymbol { name, driver_version } => {
+                assert_eq!((name, driver_version), ("cuGraphCreate", 11010))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn codes_are_named_without_a_driver() {
+        let e = Error::driver("cuStreamSynchronize", CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        let text = e.to_string();
+        assert!(text.contains("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"), "{text}");
+        assert!(text.contains("operation not permitted when stream is capturing"), "{text}");
+        let unknown = Error::driver("cuInit", CUresult(987_654));
+        assert!(unknown.to_string().contains("unknown CUresult"), "{unknown}");
+    }
+}

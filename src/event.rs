@@ -8,10 +8,11 @@ use cudrv_sys::{CUevent, CUresult};
 
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
+use crate::error::check;
 use crate::error::{Error, Result};
 #[cfg(cuda_12080)]
 use crate::result::drv_compat;
-use crate::result::{check, driver, drv};
+use crate::result::{driver, drv};
 use crate::stream::Stream;
 
 /// How an event is created.
@@ -185,5 +186,36 @@ impl Drop for Event {
 impl fmt::Debug for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Event").field("raw", &self.raw).field("flags", &self.flags).finish()
+    }
+}
+
+impl Stream {
+    /// Makes work queued on this stream after this call wait until `event` completes (the GPU
+    /// waits, not the host). An event never recorded is complete. Recording is
+    /// [`Event::record`].
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        // If `event` was recorded in a capture, this wait makes the stream join it: note where
+        // the stream stood before, for the graph's first launch (see `crate::graph`).
+        let hooks = crate::stream::join_hooks()
+            .filter(|_| crate::capture::any_active() && crate::capture::session(self.key().capture_id()).is_none());
+        let before = match hooks {
+            Some(h) => Some((h.before)(self)?),
+            None => None,
+        };
+        self.wait_event_untracked(event)?;
+        if let (Some(h), Some(before)) = (hooks, before) {
+            (h.waited)(self, before);
+        }
+        Ok(())
+    }
+
+    /// `cuStreamWaitEvent`, for an event known not to be of a capture.
+    pub(crate) fn wait_event_untracked(&self, event: &Event) -> Result<()> {
+        let _b = self.context().bind()?;
+        // SAFETY: both handles are valid while their owners live; the context is current.
+        unsafe { drv!(cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)) }
     }
 }

@@ -62,75 +62,25 @@
 //! Device-side launch (`CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`) and conditional nodes are not
 //! offered yet.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
-use cudrv_sys::{CUgraph, CUgraphExec, CUgraphNode, CUresult};
+use cudrv_sys::{CUdeviceptr, CUgraph, CUgraphExec, CUgraphNode, CUresult};
 
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
+use crate::error::check;
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::host_fn::{self, SendHandle};
 use crate::launch::LaunchConfig;
-use crate::memory::DevicePtr;
 use crate::module::Function;
-use crate::result::{check, driver, drv};
-use crate::stream::{Stream, StreamKey};
-
-/// Captures cudrv started and has not ended yet, so that a stream's wait on an event checks for a
-/// join only when one may be happening.
-static ACTIVE_CAPTURES: AtomicUsize = AtomicUsize::new(0);
-
-/// Whether a capture started by cudrv may be active.
-#[inline]
-pub(crate) fn any_capture_active() -> bool {
-    ACTIVE_CAPTURES.load(Ordering::Relaxed) != 0
-}
-
-/// While it lives, the calling thread may make "potentially unsafe" driver calls (`cuMemAlloc`,
-/// `cuMemFree`, `cuEventSynchronize`) even if a capture is active (its capture mode is relaxed,
-/// then restored): for cudrv's pool, whose calls are never part of a capture. Nothing is done when
-/// no capture cudrv started is active.
-pub(crate) struct RelaxedCaptureMode(Option<cudrv_sys::CUstreamCaptureMode>);
-
-impl RelaxedCaptureMode {
-    #[inline]
-    pub(crate) fn enter() -> RelaxedCaptureMode {
-        if !any_capture_active() {
-            return RelaxedCaptureMode(None);
-        }
-        Self::always()
-    }
-
-    /// Relaxes the calling thread's capture mode whether or not a capture is active (for
-    /// cudrv's own threads, which never capture). Nothing is done without a loaded driver.
-    pub(crate) fn always() -> RelaxedCaptureMode {
-        if crate::result::loaded_driver().is_none() {
-            return RelaxedCaptureMode(None);
-        }
-        let mut mode = cudrv_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        let swapped = (|| {
-            // SAFETY: a valid in/out pointer; the call only swaps the calling thread's mode.
-            unsafe { drv!(cuThreadExchangeStreamCaptureMode(&mut mode)) }
-        })();
-        RelaxedCaptureMode(swapped.ok().map(|()| mode))
-    }
-}
-
-impl Drop for RelaxedCaptureMode {
-    fn drop(&mut self) {
-        if let Some(mut mode) = self.0.take()
-            && let Some(d) = crate::result::loaded_driver()
-        {
-            // SAFETY: as above; restores the mode the thread had.
-            let _ = unsafe { d.cuThreadExchangeStreamCaptureMode(&mut mode) };
-        }
-    }
-}
+use crate::result::{driver, drv};
+pub use crate::session::{CaptureInfo, CaptureStatus};
+use crate::session::{CaptureSession, GraphResources, mark_before_join};
+use crate::stream::Stream;
 
 /// How a capture treats "potentially unsafe" calls (`cuMemAlloc`, synchronous copies...) made
 /// meanwhile (`CUstreamCaptureMode`).
@@ -144,45 +94,12 @@ pub enum CaptureMode {
     Relaxed,
 }
 
-/// Whether a stream is capturing (`CUstreamCaptureStatus`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CaptureStatus {
-    /// Not capturing.
-    None,
-    /// Capturing.
-    Active,
-    /// Capturing, but a prohibited operation invalidated the capture: end it
-    /// ([`Stream::end_capture`] reports the error and makes the stream usable again).
-    Invalidated,
-}
-
-/// What [`Stream::capture_info`] reports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct CaptureInfo {
-    /// The capture's status.
-    pub status: CaptureStatus,
-    /// The driver's id of the capture (unique in the process), 0 when not capturing.
-    pub id: u64,
-    /// How many nodes the next captured operation will depend on.
-    pub dependencies: usize,
-}
-
 fn mode_raw(mode: CaptureMode) -> cudrv_sys::CUstreamCaptureMode {
     use cudrv_sys::CUstreamCaptureMode as M;
     match mode {
         CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
         CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
         CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
-    }
-}
-
-fn status_of(raw: cudrv_sys::CUstreamCaptureStatus) -> CaptureStatus {
-    use cudrv_sys::CUstreamCaptureStatus as S;
-    match raw {
-        S::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active,
-        S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated,
-        _ => CaptureStatus::None,
     }
 }
 
@@ -263,351 +180,6 @@ impl Stream {
         ended?;
         Ok(Graph { raw, ctx: self.context().clone(), res: session.res.clone() })
     }
-
-    /// The capture status (`cuStreamIsCapturing`).
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn capture_status(&self) -> Result<CaptureStatus> {
-        let _b = self.context().bind()?;
-        let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: a valid stream of the current context; a valid out-pointer.
-        unsafe { drv!(cuStreamIsCapturing(self.as_raw(), &mut status)) }?;
-        Ok(status_of(status))
-    }
-
-    /// The capture's status, id and number of dependencies (`cuStreamGetCaptureInfo`).
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn capture_info(&self) -> Result<CaptureInfo> {
-        let _b = self.context().bind()?;
-        let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let mut id = 0;
-        let mut deps: *const CUgraphNode = std::ptr::null();
-        let mut edges: *const cudrv_sys::CUgraphEdgeData = std::ptr::null();
-        let mut n = 0usize;
-        // SAFETY: a valid stream of the current context; valid out-pointers; the returned arrays
-        // are owned by the driver and not read here.
-        unsafe {
-            drv!(cuStreamGetCaptureInfo_v3(
-                self.as_raw(),
-                &mut status,
-                &mut id,
-                std::ptr::null_mut(),
-                &mut deps,
-                &mut edges,
-                &mut n
-            ))
-        }?;
-        Ok(CaptureInfo { status: status_of(status), id, dependencies: n })
-    }
-
-    /// (status, capture id).
-    pub(crate) fn capture_state(&self) -> Result<(CaptureStatus, u64)> {
-        let info = self.capture_info()?;
-        Ok((info.status, info.id))
-    }
-}
-
-/// An event recorded on a stream that is about to join a capture, or `None` when no capture
-/// cudrv tracks is active (nothing to join) or the stream is in one already.
-pub(crate) fn before_join(stream: &Stream) -> Result<Option<Arc<Event>>> {
-    if !any_capture_active() || stream.key().capture().is_some() {
-        return Ok(None);
-    }
-    mark_before_join(stream).map(Some)
-}
-
-/// An event recorded on `stream` now, before it joins (or begins) a capture: the graph's first
-/// launch waits for it, so that the graph's work runs after what the stream did before (the
-/// allocation of the buffers it uses, in particular).
-pub(crate) fn mark_before_join(stream: &Stream) -> Result<Arc<Event>> {
-    let event = Event::new(&stream.device())?;
-    event.record(stream)?;
-    Ok(Arc::new(event))
-}
-
-/// After `stream` waited on an event: if that made it join a capture cudrv tracks, track it too.
-pub(crate) fn note_join(stream: &Stream, before: Arc<Event>) {
-    if let Ok((CaptureStatus::Active, id)) = stream.capture_state()
-        && let Some(session) = CaptureSession::active(id)
-    {
-        session.join(stream.key(), before);
-    }
-}
-
-/// What cudrv knows of a stream capture it started ([`Stream::begin_capture`]): the streams that
-/// take part in it, the buffers allocated during it, and what the graph it makes will keep.
-pub(crate) struct CaptureSession {
-    /// The driver's capture id.
-    pub(crate) id: u64,
-    /// Buffers allocated during the capture and not dropped yet.
-    pub(crate) live_buffers: AtomicUsize,
-    /// The streams that take part (the origin first).
-    streams: Mutex<Vec<StreamKey>>,
-    /// Frees that must wait for the end of the capture (of buffers that the capture does not
-    /// use, dropped while their stream was capturing).
-    after_end: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
-    /// What the graph keeps.
-    pub(crate) res: Arc<GraphResources>,
-}
-
-impl fmt::Debug for CaptureSession {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CaptureSession").field("id", &self.id).field("res", &self.res).finish_non_exhaustive()
-    }
-}
-
-fn sessions() -> std::sync::MutexGuard<'static, HashMap<u64, Arc<CaptureSession>>> {
-    static SESSIONS: OnceLock<Mutex<HashMap<u64, Arc<CaptureSession>>>> = OnceLock::new();
-    SESSIONS.get_or_init(Default::default).lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl CaptureSession {
-    /// The session of capture `id`, if it is still active.
-    pub(crate) fn active(id: u64) -> Option<Arc<CaptureSession>> {
-        sessions().get(&id).cloned()
-    }
-
-    /// Starts tracking capture `id`, begun on `origin`, which stood at `before` then.
-    fn start(id: u64, origin: &Stream, before: Arc<Event>) {
-        let res = GraphResources::new();
-        res.lock().prelude.push(before);
-        let session = Arc::new(CaptureSession {
-            id,
-            live_buffers: AtomicUsize::new(0),
-            streams: Mutex::new(vec![origin.key().clone()]),
-            after_end: Mutex::new(Vec::new()),
-            res,
-        });
-        sessions().insert(id, session);
-        ACTIVE_CAPTURES.fetch_add(1, Ordering::Relaxed);
-        origin.key().set_capture_id(id);
-    }
-
-    /// Marks `stream` as taking part in this capture (it joined by waiting on an event of it);
-    /// the graph's first launch waits for `before`, where the stream stood then.
-    pub(crate) fn join(&self, stream: &StreamKey, before: Arc<Event>) {
-        self.res.lock().prelude.push(before);
-        self.streams.lock().unwrap_or_else(PoisonError::into_inner).push(stream.clone());
-        stream.set_capture_id(self.id);
-    }
-
-    /// Ends the session: its streams read as not capturing from now on, and the frees that
-    /// waited for the end run.
-    fn finish(&self) {
-        if sessions().remove(&self.id).is_some() {
-            ACTIVE_CAPTURES.fetch_sub(1, Ordering::Relaxed);
-        }
-        for key in std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner)) {
-            if key.capture_id() == self.id {
-                key.set_capture_id(0);
-            }
-        }
-        for free in std::mem::take(&mut *self.after_end.lock().unwrap_or_else(PoisonError::into_inner)) {
-            free();
-        }
-    }
-
-    /// Runs `free` once the capture has ended.
-    pub(crate) fn after_end(&self, free: Box<dyn FnOnce() + Send>) {
-        self.after_end.lock().unwrap_or_else(PoisonError::into_inner).push(free);
-    }
-}
-
-/// Something a graph owns for its whole life, given back once the graph, every executable graph
-/// made from it and every buffer its capture used are gone, and their launches have completed.
-pub(crate) trait GraphOwned: Send {
-    /// Gives it back; the host has seen every launch of the graph complete.
-    fn release(self: Box<Self>);
-}
-
-/// What the launches of a graph may touch that Rust owns: memory of cudrv's pool reserved during
-/// the capture, frees of buffers the capture used (dropped meanwhile), host nodes' closures, the
-/// resources of child graphs; and the events its first launch waits for. Shared by the graph and
-/// its executable graphs (and referenced by buffers its capture used); released after the last of
-/// them goes, once every launch has completed.
-pub(crate) struct GraphResources {
-    inner: Mutex<Kept>,
-    /// Told when everything is released (after the last launch), for buffers whose free comes
-    /// later than the graph's end.
-    done: Arc<Completion>,
-    /// Whether launches must be tracked: something above is kept.
-    fenced: AtomicBool,
-    /// Whether it holds memory of cudrv's pool (then one executable graph at a time).
-    pool_memory: AtomicBool,
-    /// Whether an executable graph of a graph with pool memory exists.
-    exec_alive: AtomicBool,
-}
-
-#[derive(Default)]
-struct Kept {
-    owned: Vec<Box<dyn GraphOwned>>,
-    keep: Vec<Arc<dyn Send + Sync>>,
-    /// Events the first launch of each executable graph waits for (where the capture's streams,
-    /// and the buffers it used, stood before it).
-    prelude: Vec<Arc<Event>>,
-    /// The streams of the last launches of dropped executable graphs.
-    fences: Vec<Stream>,
-}
-
-impl fmt::Debug for GraphResources {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let k = self.lock();
-        f.debug_struct("GraphResources")
-            .field("owned", &k.owned.len())
-            .field("kept", &k.keep.len())
-            .field("prelude", &k.prelude.len())
-            .field("pool_memory", &self.pool_memory.load(Ordering::Relaxed))
-            .finish()
-    }
-}
-
-impl GraphResources {
-    fn new() -> Arc<GraphResources> {
-        Arc::new(GraphResources {
-            inner: Mutex::new(Kept::default()),
-            done: Arc::new(Completion::default()),
-            fenced: AtomicBool::new(false),
-            pool_memory: AtomicBool::new(false),
-            exec_alive: AtomicBool::new(false),
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Keeps `owned` until the graph's last launch completed, then releases it. `pool_memory`:
-    /// it is memory of cudrv's pool that the graph uses at every launch.
-    pub(crate) fn own(&self, owned: Box<dyn GraphOwned>, pool_memory: bool) {
-        self.fenced.store(true, Ordering::Release);
-        if pool_memory {
-            self.pool_memory.store(true, Ordering::Release);
-        }
-        self.lock().owned.push(owned);
-    }
-
-    /// Keeps `value` alive until the graph's last launch completed.
-    fn keep(&self, value: Arc<dyn Send + Sync>) {
-        self.fenced.store(true, Ordering::Release);
-        self.lock().keep.push(value);
-    }
-
-    /// Notes that a buffer allocated before the capture is used by it: the graph's first launch
-    /// waits for `allocated` (recorded on the buffer's stream), and the buffer's free, if it comes
-    /// first, waits for the graph (the buffer holds this and hands its free over).
-    pub(crate) fn use_buffer(self: &Arc<Self>, allocated: Option<Arc<Event>>) -> GraphUse {
-        self.fenced.store(true, Ordering::Release);
-        if let Some(e) = allocated {
-            self.lock().prelude.push(e);
-        }
-        GraphUse { res: Arc::downgrade(self), done: self.done.clone() }
-    }
-
-    fn has_pool_memory(&self) -> bool {
-        self.pool_memory.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for GraphResources {
-    fn drop(&mut self) {
-        let kept = std::mem::take(self.inner.get_mut().unwrap_or_else(PoisonError::into_inner));
-        let done = self.done.clone();
-        if kept.fences.is_empty() && !host_fn::in_host_fn() {
-            // Never launched: nothing on the GPU uses any of it.
-            release_kept(kept, &done);
-        } else {
-            // Waiting for the last launches may take long: do it on cudrv's thread.
-            host_fn::defer(move || release_after_launches(kept, done));
-        }
-    }
-}
-
-fn release_kept(kept: Kept, done: &Completion) {
-    for o in kept.owned {
-        o.release();
-    }
-    drop(kept.keep);
-    done.complete();
-}
-
-/// A buffer's link to a graph whose capture used it: its free goes to the graph while the graph
-/// lives, else waits for the graph's release (after its last launch).
-pub(crate) struct GraphUse {
-    res: std::sync::Weak<GraphResources>,
-    done: Arc<Completion>,
-}
-
-impl GraphUse {
-    /// Whether this links to `res`.
-    pub(crate) fn is(&self, res: &Arc<GraphResources>) -> bool {
-        std::ptr::eq(self.res.as_ptr(), Arc::as_ptr(res))
-    }
-
-    /// Runs `job` once the graph's launches can no longer touch the buffer.
-    pub(crate) fn after_launches(self, job: Box<dyn GraphOwned>) {
-        match self.res.upgrade() {
-            // The graph lives (and cannot go while `res` is held): it keeps the job.
-            Some(res) => res.lock().owned.push(job),
-            None => self.done.after(job),
-        }
-    }
-}
-
-/// Whether a graph's resources were released, and what waits for it.
-#[derive(Default)]
-struct Completion {
-    state: Mutex<(bool, Vec<Box<dyn GraphOwned>>)>,
-}
-
-impl Completion {
-    fn after(&self, job: Box<dyn GraphOwned>) {
-        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if st.0 {
-            drop(st);
-            job.release();
-        } else {
-            st.1.push(job);
-        }
-    }
-
-    fn complete(&self) {
-        let jobs = {
-            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            st.0 = true;
-            std::mem::take(&mut st.1)
-        };
-        for job in jobs {
-            job.release();
-        }
-    }
-}
-
-/// Waits (on cudrv's deferred-work thread) for the last launch of each executable graph, then
-/// releases what the graph kept. A stream that is capturing now cannot be waited on: the job
-/// comes back later.
-fn release_after_launches(mut kept: Kept, done: Arc<Completion>) {
-    while let Some(stream) = kept.fences.last() {
-        if stream.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            host_fn::defer(move || release_after_launches(kept, done));
-            return;
-        }
-        // An event recorded now, on the stream of the last launch, completes after it; on the
-        // legacy stream (a per-thread stream seen from this thread) after every blocking stream.
-        let waited = Event::new(&stream.device()).and_then(|e| e.record(stream).and_then(|()| e.wait()));
-        if let Err(e) = waited.or_else(|_| stream.wait_for_memory()) {
-            // The launch may still run: what it uses stays (leaked), which is sound.
-            report_drop_error(Some(stream.context()), e);
-            std::mem::forget(kept.owned);
-            std::mem::forget(kept.keep);
-            return;
-        }
-        kept.fences.pop();
-    }
-    release_kept(kept, &done);
 }
 
 /// A node of a [`Graph`], to name as a dependency of later nodes.
@@ -715,7 +287,7 @@ impl Graph {
     /// has run.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a configuration beyond the limits, [`Error::DeviceMismatch`]
+    /// [`Error::InvalidLaunch`] for a configuration beyond the limits, [`Error::DeviceMismatch`]
     /// for a function of another device; the driver's error.
     pub unsafe fn add_kernel_node(
         &mut self,
@@ -754,8 +326,8 @@ impl Graph {
     pub unsafe fn add_memcpy_node(
         &mut self,
         deps: &[GraphNode],
-        dst: DevicePtr,
-        src: DevicePtr,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
         bytes: usize,
     ) -> Result<GraphNode> {
         let p = cudrv_sys::CUDA_MEMCPY3D {
@@ -789,7 +361,7 @@ impl Graph {
     pub unsafe fn add_memset_node(
         &mut self,
         deps: &[GraphNode],
-        dst: DevicePtr,
+        dst: CUdeviceptr,
         value: u32,
         element_size: u32,
         count: usize,

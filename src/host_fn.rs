@@ -74,7 +74,7 @@ fn queue() -> Option<&'static Queue> {
 fn run(q: &'static Queue) {
     // This thread never captures, and its waits and frees are never part of a capture: the
     // driver must not refuse them while another thread captures in global mode.
-    let _relaxed = crate::graph::RelaxedCaptureMode::always();
+    let _relaxed = crate::capture::RelaxedCaptureMode::always();
     loop {
         let job = {
             let mut jobs = q.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

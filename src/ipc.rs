@@ -68,12 +68,12 @@ use cudrv_sys::{CUevent, CUmemAllocationHandleType, CUmemoryPool, CUpointer_attr
 
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
+use crate::error::check;
 use crate::error::{Error, Result};
-use crate::launch::KernelArg;
 use crate::memory::{
-    DeviceBuffer, DevicePtr, DeviceRepr, DriverPool, MemoryResource, MemoryStats, ResourceKind, StreamUses,
+    DeviceBuffer, DevicePtr, DeviceRepr, DriverPool, MemoryResource, MemoryStats, ResourceKind, StreamUses, check_len,
 };
-use crate::result::{check, driver, drv};
+use crate::result::{driver, drv};
 use crate::stream::Stream;
 
 /// The size of the driver's IPC handles (`CU_IPC_HANDLE_SIZE`).
@@ -754,9 +754,9 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// Copies `src` into the buffer (on its stream) and waits.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
-        check_len(self.len, src.len())?;
+        check_len("the IpcBuffer", self.len, src.len())?;
         if self.len == 0 {
             return Ok(());
         }
@@ -776,7 +776,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// # Errors
     /// As [`IpcBuffer::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
-        check_len(self.len, dst.len())?;
+        check_len("the IpcBuffer", self.len, dst.len())?;
         if self.len == 0 {
             return Ok(());
         }
@@ -809,10 +809,10 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// stream; `src`'s use there is recorded.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; [`Error::DeviceMismatch`] across
+    /// [`Error::LengthMismatch`] when the lengths differ; [`Error::DeviceMismatch`] across
     /// devices; the driver's error.
     pub fn copy_from(&mut self, src: &DeviceBuffer<T>) -> Result<()> {
-        check_len(self.len, src.len())?;
+        check_len("the IpcBuffer", self.len, src.len())?;
         if src.device() != self.device() {
             return Err(Error::DeviceMismatch {
                 what: "IpcBuffer::copy_from",
@@ -845,16 +845,6 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     }
 }
 
-fn check_len(expected: usize, found: usize) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "length mismatch: the shared buffer has {expected} elements, the other {found}"
-        )))
-    }
-}
-
 impl<T: DeviceRepr> Drop for IpcBuffer<T> {
     fn drop(&mut self) {
         let (ctx, mapping) = (self.stream.context().clone(), self.mapping.take());
@@ -882,27 +872,6 @@ impl<T: DeviceRepr> fmt::Debug for IpcBuffer<T> {
             .field("len", &self.len)
             .field("device", &self.device().ordinal())
             .finish()
-    }
-}
-
-// SAFETY: a device address; record_use orders the mapping's release after `stream`'s work and
-// rejects streams of other devices.
-unsafe impl<T: DeviceRepr> KernelArg for &IpcBuffer<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.record_use(stream)?;
-        Ok(self.ptr)
-    }
-}
-
-// SAFETY: as for `&IpcBuffer<T>`.
-unsafe impl<T: DeviceRepr> KernelArg for &mut IpcBuffer<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.record_use(stream)?;
-        Ok(self.ptr)
     }
 }
 

@@ -43,10 +43,14 @@ use std::ffi::c_void;
 use cudrv_sys::{CUfunction_attribute as FA, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig, CUresult};
 
 use crate::device::Device;
+use crate::error::check;
 use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, DevicePtr, DeviceRepr, DeviceView};
+use crate::ipc::IpcBuffer;
+use crate::memory::{
+    DeviceBuffer, DeviceBuffer2D, DeviceBuffer3D, DevicePtr, DeviceRepr, DeviceView, DeviceView2D, ManagedBuffer,
+};
 use crate::module::Function;
-use crate::result::{check, driver};
+use crate::result::driver;
 use crate::stream::Stream;
 
 /// The shape of a launch: grid and block dimensions, and dynamic shared memory per block.
@@ -374,45 +378,38 @@ unsafe impl<T: DeviceRepr> KernelArg for T {
     }
 }
 
-// SAFETY: a device address (u64); record_use orders the buffer's free after `stream`'s work and
-// rejects streams of other devices.
-unsafe impl<T: DeviceRepr> KernelArg for &DeviceBuffer<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.record_use(stream)?;
-        Ok(self.as_raw())
-    }
+/// Buffers passed to kernels by device address: each records its use on the launch's stream
+/// first (`record_use`), then passes its address.
+macro_rules! by_address {
+    ($($ty:ty;)*) => {$(
+        // SAFETY: a device address (a `u64`, the kernel's pointer parameter). `record_use` first
+        // orders the memory's free (and host access) after the launch's work, rejects streams of
+        // other devices, and, during a capture, keeps the memory for the graph or refuses.
+        unsafe impl<T: DeviceRepr> KernelArg for $ty {
+            type Value = DevicePtr;
+            #[inline]
+            fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
+                self.record_use(stream)?;
+                Ok(self.as_raw())
+            }
+        }
+    )*};
 }
 
-// SAFETY: as for `&DeviceBuffer<T>`.
-unsafe impl<T: DeviceRepr> KernelArg for &mut DeviceBuffer<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.record_use(stream)?;
-        Ok(self.as_raw())
-    }
-}
-
-// SAFETY: as for `&DeviceBuffer<T>`: the use is recorded on the view's buffer.
-unsafe impl<T: DeviceRepr> KernelArg for DeviceView<'_, T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.buffer().record_use(stream)?;
-        Ok(self.as_raw())
-    }
-}
-
-// SAFETY: as for `DeviceView<T>`.
-unsafe impl<T: DeviceRepr> KernelArg for &DeviceView<'_, T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.buffer().record_use(stream)?;
-        Ok(self.as_raw())
-    }
+by_address! {
+    &DeviceBuffer<T>;
+    &mut DeviceBuffer<T>;
+    DeviceView<'_, T>;
+    &DeviceView<'_, T>;
+    &DeviceBuffer2D<T>;
+    &mut DeviceBuffer2D<T>;
+    DeviceView2D<'_, T>;
+    &DeviceBuffer3D<T>;
+    &mut DeviceBuffer3D<T>;
+    &ManagedBuffer<T>;
+    &mut ManagedBuffer<T>;
+    &IpcBuffer<T>;
+    &mut IpcBuffer<T>;
 }
 
 mod sealed {
@@ -487,7 +484,7 @@ impl Function {
     /// does this first.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] saying which limit is exceeded.
+    /// [`Error::InvalidLaunch`] saying which limit is exceeded.
     pub fn validate(&self, cfg: &LaunchConfig) -> Result<()> {
         let limits = &self.module.limits;
         let block = [cfg.block.0, cfg.block.1, cfg.block.2];
@@ -550,7 +547,12 @@ impl Function {
                 cfg.shared_mem_bytes, self.static_shared, limits.shared_per_block_optin
             )
         };
-        Error::InvalidArgument(format!("launch of `{}`: {why}", self.name()))
+        self.invalid_launch(why)
+    }
+
+    /// [`Error::InvalidLaunch`] of this kernel.
+    fn invalid_launch(&self, reason: String) -> Error {
+        Error::InvalidLaunch { kernel: self.name().to_string(), reason }
     }
 
     /// Launches the kernel on `stream` with `args` (`cuLaunchKernel`). Returns once the launch is
@@ -572,7 +574,7 @@ impl Function {
     ///   expects (a kernel fault makes the context unusable).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a configuration beyond the limits (nothing is launched);
+    /// [`Error::InvalidLaunch`] for a configuration beyond the limits (nothing is launched);
     /// [`Error::DeviceMismatch`] when `stream`, or a buffer, belongs to another device; the driver's
     /// error.
     #[inline]
@@ -594,7 +596,7 @@ impl Function {
     /// As [`Function::launch`].
     ///
     /// # Errors
-    /// [`Error::Unsupported`] without cooperative launch; [`Error::InvalidArgument`] for a
+    /// [`Error::Unsupported`] without cooperative launch; [`Error::InvalidLaunch`] for a
     /// configuration beyond the limits or a grid that does not fit at once; as [`Function::launch`].
     pub unsafe fn launch_cooperative<A: KernelArgs>(&self, cfg: LaunchConfig, stream: &Stream, args: A) -> Result<()> {
         self.validate(&cfg)?;
@@ -618,10 +620,9 @@ impl Function {
             self.max_active_blocks_per_multiprocessor(cfg.threads_per_block() as u32, cfg.shared_mem_bytes as usize)?;
         let fits = u64::from(per_sm) * u64::from(self.module.limits.multiprocessors);
         if cfg.blocks() > fits {
-            return Err(Error::InvalidArgument(format!(
-                "cooperative launch of `{}`: grid {:?} has {} blocks, but only {fits} blocks of {} threads \
+            return Err(self.invalid_launch(format!(
+                "cooperative launch: grid {:?} has {} blocks, but only {fits} blocks of {} threads \
                  ({per_sm} per multiprocessor × {} multiprocessors) can be resident at once on device {}",
-                self.name(),
                 cfg.grid,
                 cfg.blocks(),
                 cfg.threads_per_block(),
@@ -647,7 +648,7 @@ impl Function {
     ///
     /// # Errors
     /// [`Error::MissingSymbol`] without `cuLaunchKernelEx`; [`Error::Unsupported`] without cluster
-    /// support; [`Error::InvalidArgument`] for a cluster that does not divide the grid or is too
+    /// support; [`Error::InvalidLaunch`] for a cluster that does not divide the grid or is too
     /// large; as [`Function::launch`].
     pub unsafe fn launch_cluster<A: KernelArgs>(
         &self,
@@ -669,9 +670,7 @@ impl Function {
         self.check_cluster_support()?;
         let dims = [cluster.0, cluster.1, cluster.2];
         let grid = [cfg.grid.0, cfg.grid.1, cfg.grid.2];
-        let bad = |why: String| {
-            Error::InvalidArgument(format!("cluster launch of `{}` with cluster {cluster:?}: {why}", self.name()))
-        };
+        let bad = |why: String| self.invalid_launch(format!("cluster {cluster:?}: {why}"));
         if dims.contains(&0) {
             return Err(bad("every cluster dimension must be at least 1".into()));
         }
@@ -728,7 +727,7 @@ impl Function {
     /// # Errors
     /// [`Error::MissingSymbol`] without `cuLaunchKernelEx`; [`Error::Unsupported`] for an attribute
     /// the device or the driver lacks; [`Error::InvalidPriority`] for a priority outside the
-    /// device's range; [`Error::InvalidArgument`] for a value out of range (nothing is launched);
+    /// device's range; [`Error::InvalidLaunch`] for a value out of range (nothing is launched);
     /// as [`Function::launch`].
     pub unsafe fn launch_with<A: KernelArgs>(
         &self,
@@ -753,7 +752,7 @@ impl Function {
         let device = self.device();
         let caps = device.capabilities()?;
         let (major, minor) = caps.compute_capability;
-        let bad = |why: String| Error::InvalidArgument(format!("launch of `{}`: {why}", self.name()));
+        let bad = |why: String| self.invalid_launch(why);
         if attrs.programmatic_stream_serialization && !caps.programmatic_dependent_launch {
             return Err(device.unsupported(
                 "programmatic dependent launch",
@@ -1010,17 +1009,16 @@ impl Function {
     ) -> Error {
         let err = match check(call, rc) {
             Err(e) => e,
-            Ok(()) => return Error::InvalidArgument(format!("launch of `{}` failed without a code", self.name())),
+            Ok(()) => return self.invalid_launch("the driver failed without a code".into()),
         };
         if err.code() == Some(CUresult::CUDA_ERROR_INVALID_VALUE)
             && cfg.shared_mem_bytes > 0
             && let Ok(limit) = self.attribute(FA::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
             && i64::from(cfg.shared_mem_bytes) > i64::from(limit)
         {
-            return Error::InvalidArgument(format!(
-                "launch of `{}`: {} bytes of dynamic shared memory exceed the kernel's limit of {limit} bytes; \
-                 raise it with Function::set_max_dynamic_shared_memory ({err})",
-                self.name(),
+            return self.invalid_launch(format!(
+                "{} bytes of dynamic shared memory exceed the kernel's limit of {limit} bytes; raise it with \
+                 Function::set_max_dynamic_shared_memory ({err})",
                 cfg.shared_mem_bytes
             ));
         }
@@ -1067,4 +1065,21 @@ fn needs_cuda_12(
         ));
     }
     Ok(())
+}
+
+#[cfg(cuda_12000)]
+impl crate::module::Kernel {
+    /// Launches the kernel on `stream`'s device: [`Kernel::function`](crate::module::Kernel::function)
+    /// of that device, then [`Function::launch`].
+    ///
+    /// # Safety
+    /// As [`Function::launch`].
+    ///
+    /// # Errors
+    /// As [`Kernel::function`](crate::module::Kernel::function) and [`Function::launch`].
+    pub unsafe fn launch<A: KernelArgs>(&self, cfg: LaunchConfig, stream: &Stream, args: A) -> Result<()> {
+        let f = self.function(&stream.device())?;
+        // SAFETY: forwarded to the caller.
+        unsafe { f.launch(cfg, stream, args) }
+    }
 }

@@ -27,6 +27,7 @@ pub use cudrv_sys as sys;
 mod host_fn;
 mod result;
 
+mod capture;
 pub mod context;
 pub mod device;
 pub mod error;
@@ -36,6 +37,7 @@ pub mod ipc;
 pub mod launch;
 pub mod memory;
 pub mod module;
+mod session;
 pub mod stream;
 
 pub use context::{Context, set_drop_error_hook};

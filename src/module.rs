@@ -65,8 +65,9 @@ use cudrv_sys::{
 
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
+use crate::error::check;
 use crate::error::{Error, Result};
-use crate::result::{check, driver, drv};
+use crate::result::{driver, drv};
 use crate::stream::Stream;
 
 /// Bytes reserved for each JIT log.
@@ -1739,25 +1740,6 @@ impl Kernel {
         let f = Function::from_raw(raw, Arc::new(inner), &self.name)?;
         functions.push(f.clone());
         Ok(f)
-    }
-
-    /// Launches the kernel on `stream`'s device: [`Kernel::function`] of that device, then
-    /// [`Function::launch`].
-    ///
-    /// # Safety
-    /// As [`Function::launch`].
-    ///
-    /// # Errors
-    /// As [`Kernel::function`] and [`Function::launch`].
-    pub unsafe fn launch<A: crate::launch::KernelArgs>(
-        &self,
-        cfg: crate::launch::LaunchConfig,
-        stream: &Stream,
-        args: A,
-    ) -> Result<()> {
-        let f = self.function(&stream.device())?;
-        // SAFETY: forwarded to the caller.
-        unsafe { f.launch(cfg, stream, args) }
     }
 }
 

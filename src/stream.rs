@@ -10,13 +10,13 @@ use std::sync::{Arc, Mutex, Weak};
 
 use cudrv_sys::{CUresult, CUstream};
 
+use crate::capture;
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
+use crate::error::check;
 use crate::error::{Error, Result};
-use crate::event::Event;
-use crate::graph::CaptureSession;
 use crate::host_fn;
-use crate::result::{check, driver, drv};
+use crate::result::{driver, drv};
 
 /// `CU_STREAM_LEGACY`, a macro in cuda.h that bindgen cannot translate.
 const CU_STREAM_LEGACY: usize = 0x1;
@@ -81,16 +81,6 @@ impl fmt::Debug for StreamKey {
 }
 
 impl StreamKey {
-    /// The capture session the stream takes part in, if cudrv started one that is still active
-    /// (see [`CaptureSession`]).
-    #[inline]
-    pub(crate) fn capture(&self) -> Option<Arc<CaptureSession>> {
-        match self.capture_id() {
-            0 => None,
-            id => CaptureSession::active(id),
-        }
-    }
-
     /// The id of the capture cudrv last saw the stream take part in; 0 for none. A capture that
     /// ended may still show here for joined streams until [`CaptureSession`] clears it: use
     /// [`StreamKey::capture`] to know for sure.
@@ -143,6 +133,30 @@ impl StreamKey {
         let i = list.iter().position(|(o, _)| *o == owner)?;
         Some(list.swap_remove(i).1)
     }
+}
+
+/// What a stream's waits do about captures: set by [`crate::graph`] when it begins its first
+/// capture (streams sit below graphs, which keep the capture sessions).
+#[derive(Clone, Copy)]
+pub(crate) struct JoinHooks {
+    /// Before `stream` may join a capture: notes where it stands (an event recorded on it).
+    pub(crate) before: fn(&Stream) -> Result<Box<dyn Any + Send>>,
+    /// `stream` joined capture `id` (it waited on a stream of the capture).
+    pub(crate) joined: fn(&Stream, u64, Box<dyn Any + Send>),
+    /// `stream` waited on an event: if that made it join a capture cudrv tracks, it is tracked.
+    pub(crate) waited: fn(&Stream, Box<dyn Any + Send>),
+}
+
+static JOIN_HOOKS: std::sync::OnceLock<JoinHooks> = std::sync::OnceLock::new();
+
+/// Sets the join hooks (the first call wins: there is one graph layer).
+pub(crate) fn set_join_hooks(hooks: JoinHooks) {
+    let _ = JOIN_HOOKS.set(hooks);
+}
+
+/// The join hooks, once a capture has begun.
+pub(crate) fn join_hooks() -> Option<&'static JoinHooks> {
+    JOIN_HOOKS.get()
 }
 
 /// State another layer keeps on a stream, found by its owner's number: a memory pool's cache of
@@ -362,17 +376,11 @@ impl Stream {
         &self.handle.key
     }
 
-    /// The capture session the stream takes part in, if cudrv started one that is still active.
-    #[inline]
-    pub(crate) fn capture(&self) -> Option<Arc<CaptureSession>> {
-        self.handle.key.capture()
-    }
-
     /// Refuses `what` on a stream that takes part in a capture cudrv started (see
     /// [`crate::graph`]).
     #[inline]
     pub(crate) fn refuse_in_capture(&self, what: &'static str) -> Result<()> {
-        if self.key().capture_id() != 0 && self.capture().is_some() {
+        if self.key().capture_id() != 0 && capture::session(self.key().capture_id()).is_some() {
             return Err(Error::Capturing { what });
         }
         Ok(())
@@ -471,29 +479,6 @@ impl Stream {
         }
     }
 
-    /// Makes work queued on this stream after this call wait until `event` completes (the GPU
-    /// waits, not the host). An event never recorded is complete.
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn wait_event(&self, event: &Event) -> Result<()> {
-        // If `event` was recorded in a capture, this wait makes the stream join it: note where
-        // the stream stood before, for the graph's first launch (see `crate::graph`).
-        let before = crate::graph::before_join(self)?;
-        self.wait_event_untracked(event)?;
-        if let Some(before) = before {
-            crate::graph::note_join(self, before);
-        }
-        Ok(())
-    }
-
-    /// `cuStreamWaitEvent`, for an event known not to be of a capture.
-    pub(crate) fn wait_event_untracked(&self, event: &Event) -> Result<()> {
-        let _b = self.inner().ctx.bind()?;
-        // SAFETY: both handles are valid while their owners live; the context is current.
-        unsafe { drv!(cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)) }
-    }
-
     /// Makes work queued on this stream after this call wait for all work queued on `other` so
     /// far (of any device). Returns at once. If `other` is capturing a graph, this stream joins
     /// the capture (as the driver does).
@@ -504,25 +489,21 @@ impl Stream {
         if other.id() == self.id() {
             return Ok(());
         }
-        let joins = other.capture().filter(|s| s.id != self.key().capture_id());
-        let before = match &joins {
-            Some(_) => Some(crate::graph::mark_before_join(self)?),
-            None => None,
+        // Waiting on a capturing stream joins its capture (see `crate::graph`).
+        let joins = match other.key().capture_id() {
+            id if id != 0 && id != self.key().capture_id() && capture::session(id).is_some() => Some(id),
+            _ => None,
+        };
+        let before = match (joins, join_hooks()) {
+            (Some(_), Some(hooks)) => Some((hooks.before)(self)?),
+            _ => None,
         };
         // The event must be of `other`'s context (the waiter may be of another device).
         other.context().order_after(self.as_raw(), other.as_raw())?;
-        if let (Some(session), Some(before)) = (joins, before) {
-            session.join(self.key(), before);
+        if let (Some(id), Some(before), Some(hooks)) = (joins, before, join_hooks()) {
+            (hooks.joined)(self, id, before);
         }
         Ok(())
-    }
-
-    /// Records `event` at this point of the stream.
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn record_event(&self, event: &Event) -> Result<()> {
-        event.record(self)
     }
 
     /// Queues `f` to run on a driver thread once all work queued before it is done; later work

@@ -44,6 +44,13 @@ fn invalid_argument(e: Error) -> String {
     }
 }
 
+fn invalid_launch(e: Error) -> String {
+    match e {
+        Error::InvalidLaunch { kernel, reason } => format!("launch of `{kernel}`: {reason}"),
+        other => panic!("expected InvalidLaunch, got {other:?}"),
+    }
+}
+
 fn unsupported(e: Error) -> (&'static str, String) {
     match e {
         Error::Unsupported { feature, reason, .. } => (feature, reason),
@@ -467,22 +474,22 @@ fn launch_attributes_are_checked_before_the_driver() {
             assert!(matches!(err, Error::InvalidPriority { requested: 1, least: 0, greatest: -5, .. }), "{err:?}");
         }
         let window = AccessPolicyWindow::new(out.as_raw(), 256);
-        let msg = invalid_argument(launch(
+        let msg = invalid_launch(launch(
             LaunchAttributes::new().access_policy_window(AccessPolicyWindow { hit_ratio: 1.5, ..window }),
             &mut out,
         ));
         assert!(msg.contains("hit ratio 1.5"), "{msg}");
-        let msg = invalid_argument(launch(
+        let msg = invalid_launch(launch(
             LaunchAttributes::new().access_policy_window(AccessPolicyWindow { num_bytes: 1 << 30, ..window }),
             &mut out,
         ));
         assert!(msg.contains("at most 134213632 bytes"), "{msg}");
-        let msg = invalid_argument(launch(LaunchAttributes::new().cluster_dim((3, 1, 1)), &mut out));
+        let msg = invalid_launch(launch(LaunchAttributes::new().cluster_dim((3, 1, 1)), &mut out));
         assert!(msg.contains("not a multiple of the cluster"), "{msg}");
         if cfg!(cuda_12080) {
-            let msg = invalid_argument(launch(LaunchAttributes::new().preferred_cluster_dim((2, 1, 1)), &mut out));
+            let msg = invalid_launch(launch(LaunchAttributes::new().preferred_cluster_dim((2, 1, 1)), &mut out));
             assert!(msg.contains("needs a cluster dimension"), "{msg}");
-            let msg = invalid_argument(launch(
+            let msg = invalid_launch(launch(
                 LaunchAttributes::new().cluster_dim((2, 1, 1)).preferred_cluster_dim((3, 1, 1)),
                 &mut out,
             ));
@@ -492,7 +499,7 @@ fn launch_attributes_are_checked_before_the_driver() {
         // SAFETY: as above; a grid that cannot be resident at once is refused.
         let err =
             unsafe { fill.launch_with(LaunchConfig::linear(100_000, 64), &coop, &stream, (&mut out, 1u32, 64u64)) };
-        assert!(invalid_argument(err.unwrap_err()).contains("resident at once"));
+        assert!(invalid_launch(err.unwrap_err()).contains("resident at once"));
         assert_eq!(last_launch().launches, before, "nothing reached the driver");
         // A priority refused by the fake driver itself would show here; an injected failure does.
     });
@@ -564,7 +571,7 @@ fn cluster_occupancy() {
         fill.set_non_portable_cluster_size_allowed(true).unwrap();
         assert_eq!(fill.max_potential_cluster_size(cfg).unwrap(), 16);
         assert_eq!(fill.max_active_clusters(cfg, (16, 1, 1)).unwrap(), 8 * 132 / 16);
-        let msg = invalid_argument(fill.max_active_clusters(cfg, (3, 1, 1)).unwrap_err());
+        let msg = invalid_launch(fill.max_active_clusters(cfg, (3, 1, 1)).unwrap_err());
         assert!(msg.contains("not a multiple"), "{msg}");
         assert!(fill.max_active_clusters(LaunchConfig::linear(64, 4096), (2, 1, 1)).is_err());
     });

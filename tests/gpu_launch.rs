@@ -152,7 +152,7 @@ fn configurations_are_checked_against_the_device() {
     let mut out = DeviceBuffer::<u32>::zeroed(16, &stream).unwrap();
     // SAFETY: refused before the launch.
     let err = unsafe { fill.launch(LaunchConfig::linear(1, max + 1), &stream, (&mut out, 1u32, 16u64)) }.unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(matches!(err, Error::InvalidLaunch { .. }), "{err:?}");
     // Shared memory beyond the default needs the limit raised first.
     let cfg = LaunchConfig::linear(1, 32).with_shared_mem(64 * 1024);
     // SAFETY: fill_u32 writes out[0..16]; the kernel ignores its dynamic shared memory.
@@ -198,7 +198,7 @@ fn cooperative_launch() {
         fill.launch_cooperative(LaunchConfig::linear(per_sm * sms + 1, 256), &stream, fill_args(&mut out, 1))
     }
     .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(matches!(err, Error::InvalidLaunch { .. }), "{err:?}");
 }
 
 #[test]
@@ -226,7 +226,7 @@ fn cluster_launch_on_compute_capability_9() {
     check_filled(&out, 0xC3, "cluster (2,2,2)");
     let err = unsafe { fill.launch_cluster(LaunchConfig::linear(3, 256), (2, 1, 1), &stream, fill_args(&mut out, 0)) }
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(matches!(err, Error::InvalidLaunch { .. }), "{err:?}");
 }
 
 #[test]

@@ -33,6 +33,13 @@ fn invalid_argument(e: Error) -> String {
     }
 }
 
+fn invalid_launch(e: Error) -> String {
+    match e {
+        Error::InvalidLaunch { kernel, reason } => format!("launch of `{kernel}`: {reason}"),
+        other => panic!("expected InvalidLaunch, got {other:?}"),
+    }
+}
+
 #[test]
 fn the_example_ptx_loads_and_unloads() {
     run_with_fake(&[], || {
@@ -330,7 +337,7 @@ fn configurations_beyond_the_limits_are_refused_before_the_driver() {
             (LaunchConfig::linear(1, 32).with_shared_mem(232_449), &["232449 bytes", "232448"]),
         ];
         for (cfg, needles) in cases {
-            let msg = invalid_argument(try_cfg(cfg).unwrap_err());
+            let msg = invalid_launch(try_cfg(cfg).unwrap_err());
             assert!(msg.contains("`fill_u32`"), "{msg}");
             for needle in needles {
                 assert!(msg.contains(needle), "{cfg:?}: {msg:?} lacks {needle:?}");
@@ -351,7 +358,7 @@ fn dynamic_shared_memory_limit_is_explained_and_can_be_raised() {
         let mut out = DeviceBuffer::<u32>::zeroed(16, &stream).unwrap();
         let cfg = LaunchConfig::linear(1, 32).with_shared_mem(64 * 1024);
         // SAFETY: fill_u32 writes out[0..16].
-        let msg = invalid_argument(unsafe { f.launch(cfg, &stream, (&mut out, 1u32, 16u64)) }.unwrap_err());
+        let msg = invalid_launch(unsafe { f.launch(cfg, &stream, (&mut out, 1u32, 16u64)) }.unwrap_err());
         assert!(msg.contains("set_max_dynamic_shared_memory") && msg.contains("49152"), "{msg}");
         let optin = dev.max_shared_memory_per_block_optin().unwrap() as u32;
         let msg = invalid_argument(f.set_max_dynamic_shared_memory(optin + 1).unwrap_err());
@@ -421,7 +428,7 @@ fn cooperative_launches_fit_on_the_device() {
         // SAFETY: refused before the launch.
         let err = unsafe { f.launch_cooperative(LaunchConfig::linear(1057, 256), &stream, (&mut out, 8u32, 1000u64)) }
             .unwrap_err();
-        let msg = invalid_argument(err);
+        let msg = invalid_launch(err);
         assert!(msg.contains("1057 blocks") && msg.contains("1056"), "{msg}");
     });
 }
@@ -437,18 +444,18 @@ fn cluster_launches_are_checked_and_run() {
         unsafe { f.launch_cluster(LaunchConfig::linear(4, 128), (2, 1, 1), &stream, fill_args(&mut out, 2)) }.unwrap();
         assert_eq!(out.to_vec().unwrap(), vec![2; 500]);
         let err = unsafe { f.launch_cluster(LaunchConfig::linear(3, 128), (2, 1, 1), &stream, fill_args(&mut out, 2)) };
-        assert!(invalid_argument(err.unwrap_err()).contains("not a multiple of the cluster in dimension x"));
+        assert!(invalid_launch(err.unwrap_err()).contains("not a multiple of the cluster in dimension x"));
         let err = unsafe { f.launch_cluster(LaunchConfig::linear(4, 128), (0, 1, 1), &stream, fill_args(&mut out, 2)) };
-        assert!(invalid_argument(err.unwrap_err()).contains("at least 1"));
+        assert!(invalid_launch(err.unwrap_err()).contains("at least 1"));
         let err =
             unsafe { f.launch_cluster(LaunchConfig::linear(16, 128), (16, 1, 1), &stream, fill_args(&mut out, 2)) };
-        assert!(invalid_argument(err.unwrap_err()).contains("set_non_portable_cluster_size_allowed"));
+        assert!(invalid_launch(err.unwrap_err()).contains("set_non_portable_cluster_size_allowed"));
         f.set_non_portable_cluster_size_allowed(true).unwrap();
         unsafe { f.launch_cluster(LaunchConfig::linear(16, 128), (16, 1, 1), &stream, fill_args(&mut out, 2)) }
             .unwrap();
         let err =
             unsafe { f.launch_cluster(LaunchConfig::linear(32, 128), (32, 1, 1), &stream, fill_args(&mut out, 2)) };
-        assert!(invalid_argument(err.unwrap_err()).contains("16"));
+        assert!(invalid_launch(err.unwrap_err()).contains("16"));
         stream.synchronize().unwrap();
     });
 }

@@ -8,12 +8,12 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::host::PinnedBuffer;
-use super::{DevicePtr, MemoryResource, check_stream};
+use super::{DevicePtr, MemoryResource, check_len, check_stream};
 use crate::context::report_drop_error;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::graph::{CaptureSession, GraphOwned, GraphUse};
 use crate::result::drv;
+use crate::session::{CaptureSession, GraphOwned, GraphUse};
 use crate::stream::Stream;
 
 /// Plain-old-data types that may live in device memory and be copied byte-wise to and from it.
@@ -502,7 +502,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Copies `src` into the buffer and waits for the copy.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         self.as_view().copy_from_host_inner(src)
     }
@@ -510,7 +510,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Copies the buffer into `dst` and waits for the copy.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         self.as_view().copy_to_host(dst)
     }
@@ -527,9 +527,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// cannot be changed or freed until the copy is done: its host access waits for it.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_pinned_async(&mut self, src: &PinnedBuffer<T>) -> Result<()> {
-        check_len(self.len, src.len())?;
+        check_len("the DeviceBuffer", self.len, src.len())?;
         if self.len == 0 {
             return Ok(());
         }
@@ -552,9 +552,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// cannot be read, changed or freed until the copy is done: its host access waits for it.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_to_pinned_async(&self, dst: &mut PinnedBuffer<T>) -> Result<()> {
-        check_len(self.len, dst.len())?;
+        check_len("the DeviceBuffer", self.len, dst.len())?;
         if self.len == 0 {
             return Ok(());
         }
@@ -580,10 +580,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// on that stream is recorded.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ, [`Error::DeviceMismatch`] across
+    /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] across
     /// devices (use [`DeviceBuffer::copy_to_peer`]); the driver's error.
     pub fn copy_from(&mut self, src: &DeviceBuffer<T>) -> Result<()> {
-        check_len(self.len, src.len)?;
+        check_len("the DeviceBuffer", self.len, src.len)?;
         if src.device() != self.device() {
             return Err(Error::DeviceMismatch {
                 what: "DeviceBuffer::copy_from (use copy_to_peer across devices)",
@@ -606,10 +606,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Both buffers' use on `stream` is recorded.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; [`Error::DeviceMismatch`] when
+    /// [`Error::LengthMismatch`] when the lengths differ; [`Error::DeviceMismatch`] when
     /// `stream` belongs to neither device; the driver's error.
     pub fn copy_to_peer(&self, dst: &mut DeviceBuffer<T>, stream: &Stream) -> Result<()> {
-        check_len(self.len, dst.len)?;
+        check_len("the DeviceBuffer", self.len, dst.len)?;
         if stream.device() != self.device() && stream.device() != dst.device() {
             return Err(Error::DeviceMismatch {
                 what: "DeviceBuffer::copy_to_peer (the stream must belong to one of the two devices)",
@@ -691,7 +691,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             _ if self.stream.capture().is_some() => {
                 return Err(Error::Capturing { what: "using a buffer whose stream is capturing another graph" });
             }
-            _ => Some(crate::graph::mark_before_join(&self.stream)?),
+            _ => Some(crate::session::mark_before_join(&self.stream)?),
         };
         uses.graphs.push(session.res.use_buffer(allocated));
         Ok(())
@@ -829,6 +829,11 @@ pub struct DeviceView<'a, T: DeviceRepr> {
 }
 
 impl<T: DeviceRepr> DeviceView<'_, T> {
+    /// [`DeviceBuffer::record_use`] on the view's buffer.
+    pub(crate) fn record_use(&self, stream: &Stream) -> Result<()> {
+        self.buffer.record_use(stream)
+    }
+
     /// The number of elements.
     pub fn len(&self) -> usize {
         self.len
@@ -852,9 +857,9 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
     /// Copies the view into `dst` and waits for the copy (on the buffer's stream).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
-        check_len(self.len, dst.len())?;
+        check_len("the DeviceBuffer", self.len, dst.len())?;
         if self.len == 0 {
             return Ok(());
         }
@@ -888,7 +893,7 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
     }
 
     fn copy_from_host_inner(&self, src: &[T]) -> Result<()> {
-        check_len(self.len, src.len())?;
+        check_len("the DeviceBuffer", self.len, src.len())?;
         if self.len == 0 {
             return Ok(());
         }
@@ -925,16 +930,6 @@ fn bounds(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> 
         return Err(Error::InvalidArgument(format!("range {start}..{end} is outside a buffer of {len} elements")));
     }
     Ok((start, end))
-}
-
-fn check_len(expected: usize, found: usize) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "length mismatch: the device side has {expected} elements, the other {found}"
-        )))
-    }
 }
 
 /// Queues a byte memset of `bytes` bytes at `ptr` on `stream`.

@@ -8,8 +8,9 @@ use cudrv_sys::{CUmemPool_attribute as Attr, CUmemoryPool, CUresult, cuuint64_t}
 use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, StreamOrderedPool, check_stream};
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
+use crate::error::check;
 use crate::error::{Error, Result};
-use crate::result::{check, driver, drv};
+use crate::result::{driver, drv};
 use crate::stream::Stream;
 
 /// Options of an owned pool ([`DriverPool::with_options`]).

@@ -19,11 +19,12 @@ use std::mem::size_of;
 use std::sync::Arc;
 
 use super::buffer::{DeviceRepr, byte_len, element_bits};
-use super::{DevicePtr, MemoryResource, ResourceKind, StreamUses, check_stream};
+use super::{DevicePtr, MemoryResource, ResourceKind, StreamUses, check_len, check_stream};
 use crate::context::Context;
 use crate::device::Device;
-use crate::error::{Error, Result};
-use crate::launch::KernelArg;
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::result::drv;
 use crate::stream::Stream;
 
@@ -38,7 +39,7 @@ impl ManagedResource {
     /// A resource on `device`.
     ///
     /// # Errors
-    /// [`Error::Unsupported`] when the device has no managed memory.
+    /// [`Error::Unsupported`](crate::Error::Unsupported) when the device has no managed memory.
     pub fn new(device: &Device) -> Result<ManagedResource> {
         require_managed(device)?;
         Ok(ManagedResource { ctx: device.primary_context()? })
@@ -370,9 +371,9 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     /// with and without concurrent managed access.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
-        check_len(self.len, src.len())?;
+        check_len("the ManagedBuffer", self.len, src.len())?;
         if self.len == 0 {
             return Ok(());
         }
@@ -393,7 +394,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     /// # Errors
     /// As [`ManagedBuffer::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
-        check_len(self.len, dst.len())?;
+        check_len("the ManagedBuffer", self.len, dst.len())?;
         if self.len == 0 {
             return Ok(());
         }
@@ -599,16 +600,6 @@ unsafe fn advise(ptr: DevicePtr, bytes: usize, advice: cudrv_sys::CUmem_advise, 
     unsafe { drv!(cuMemAdvise(ptr, bytes, advice, location.legacy())) }
 }
 
-fn check_len(expected: usize, found: usize) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "length mismatch: the managed buffer has {expected} elements, the other {found}"
-        )))
-    }
-}
-
 // SAFETY: the buffer owns its memory (as a Box<[T]>); host access goes through methods that wait
 // for recorded uses; the use list is behind a Mutex.
 unsafe impl<T: DeviceRepr> Send for ManagedBuffer<T> {}
@@ -634,26 +625,5 @@ impl<T: DeviceRepr> fmt::Debug for ManagedBuffer<T> {
             .field("len", &self.len)
             .field("device", &self.device().ordinal())
             .finish()
-    }
-}
-
-// SAFETY: an address valid on every device; record_use orders the free and host access after
-// `stream`'s work (streams of any device).
-unsafe impl<T: DeviceRepr> KernelArg for &ManagedBuffer<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.record_use(stream)?;
-        Ok(self.ptr)
-    }
-}
-
-// SAFETY: as for `&ManagedBuffer<T>`.
-unsafe impl<T: DeviceRepr> KernelArg for &mut ManagedBuffer<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.record_use(stream)?;
-        Ok(self.ptr)
     }
 }

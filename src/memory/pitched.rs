@@ -23,11 +23,10 @@ use cudrv_sys::{CUDA_MEMCPY2D, CUDA_MEMCPY3D, CUmemorytype};
 
 use super::buffer::{DeviceBuffer, DeviceRepr, element_bits};
 use super::host::PinnedBuffer;
-use super::{DevicePtr, StreamUses, check_stream, free_after_waiting};
+use super::{DevicePtr, StreamUses, check_len, check_stream, free_after_waiting};
 use crate::context::Context;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::launch::KernelArg;
 use crate::result::drv;
 use crate::stream::Stream;
 
@@ -455,16 +454,10 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     /// waits for the copy.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `src.len()` is not `width * height`; the driver's error.
+    /// [`Error::LengthMismatch`] when `src.len()` is not `width * height`; the driver's error.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         if src.len() != self.len() {
-            return Err(Error::InvalidArgument(format!(
-                "length mismatch: the device side has {} elements ({} rows of {}), the host {}",
-                self.len(),
-                self.height,
-                self.width,
-                src.len()
-            )));
+            return Err(Error::LengthMismatch { what: "the DeviceBuffer2D", expected: self.len(), found: src.len() });
         }
         self.copy_from_host_strided(src, self.width)
     }
@@ -551,10 +544,10 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     /// into this buffer, queued on this buffer's stream (`src`'s use there is recorded).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `src.len()` is not `width * height`;
+    /// [`Error::LengthMismatch`] when `src.len()` is not `width * height`;
     /// [`Error::DeviceMismatch`] across devices; the driver's error.
     pub fn copy_from_buffer(&mut self, src: &DeviceBuffer<T>) -> Result<()> {
-        same_len(self.len(), src.len())?;
+        check_len("the pitched buffer", self.len(), src.len())?;
         same_device("DeviceBuffer2D::copy_from_buffer", self.device(), src.device())?;
         src.record_use(&self.mem.stream)?;
         let dst = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
@@ -570,7 +563,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     /// # Errors
     /// As [`DeviceBuffer2D::copy_from_buffer`].
     pub fn copy_to_buffer(&self, dst: &mut DeviceBuffer<T>) -> Result<()> {
-        same_len(self.len(), dst.len())?;
+        check_len("the pitched buffer", self.len(), dst.len())?;
         same_device("DeviceBuffer2D::copy_to_buffer", self.device(), dst.device())?;
         self.mem.record_use(dst.stream())?;
         let to = Side::Device { ptr: dst.as_raw(), pitch: self.mem.row_bytes, height: self.height };
@@ -585,9 +578,9 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     /// with [`DeviceBuffer::copy_from_pinned_async`].
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_pinned_async(&mut self, src: &PinnedBuffer<T>) -> Result<()> {
-        same_len(self.len(), src.len())?;
+        check_len("the pitched buffer", self.len(), src.len())?;
         if self.is_empty() {
             return Ok(());
         }
@@ -607,7 +600,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     /// # Errors
     /// As [`DeviceBuffer2D::copy_from_pinned_async`].
     pub fn copy_to_pinned_async(&self, dst: &mut PinnedBuffer<T>) -> Result<()> {
-        same_len(self.len(), dst.len())?;
+        check_len("the pitched buffer", self.len(), dst.len())?;
         if self.is_empty() {
             return Ok(());
         }
@@ -649,6 +642,11 @@ pub struct DeviceView2D<'a, T: DeviceRepr> {
 }
 
 impl<T: DeviceRepr> DeviceView2D<'_, T> {
+    /// Records a use of the view's buffer on `stream` (see [`DeviceBuffer2D::record_use`]).
+    pub(crate) fn record_use(&self, stream: &Stream) -> Result<()> {
+        self.mem.record_use(stream)
+    }
+
     /// Elements per row.
     pub fn width(&self) -> usize {
         self.width
@@ -706,9 +704,9 @@ impl<T: DeviceRepr> DeviceView2D<'_, T> {
     /// Copies the view into `dst` (rows one after the other) and waits (on the buffer's stream).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `dst.len()` is not `width * height`; the driver's error.
+    /// [`Error::LengthMismatch`] when `dst.len()` is not `width * height`; the driver's error.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
-        same_len(self.len(), dst.len())?;
+        check_len("the pitched buffer", self.len(), dst.len())?;
         self.copy_to_host_strided(dst, self.width)
     }
 
@@ -924,9 +922,9 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// Copies `src` (x fastest, then y, then z) into the buffer and waits (`cuMemcpy3DAsync`).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the lengths differ; the driver's error.
+    /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
-        same_len(self.len(), src.len())?;
+        check_len("the pitched buffer", self.len(), src.len())?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: `src` holds the whole volume (checked) and stays borrowed until the stream is
@@ -940,7 +938,7 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// # Errors
     /// As [`DeviceBuffer3D::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
-        same_len(self.len(), dst.len())?;
+        check_len("the pitched buffer", self.len(), dst.len())?;
         let host =
             Side::Host { ptr: dst.as_mut_ptr().cast_const().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
@@ -1052,16 +1050,6 @@ fn range(r: impl RangeBounds<usize>, len: usize, what: &str) -> Result<(usize, u
     }
 }
 
-fn same_len(expected: usize, found: usize) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "length mismatch: the pitched side has {expected} elements, the other {found}"
-        )))
-    }
-}
-
 fn same_shape(a: (usize, usize), b: (usize, usize)) -> Result<()> {
     if a == b {
         Ok(())
@@ -1075,56 +1063,5 @@ fn same_device(what: &'static str, expected: Device, found: Device) -> Result<()
         Ok(())
     } else {
         Err(Error::DeviceMismatch { what, expected: expected.ordinal_i32(), found: found.ordinal_i32() })
-    }
-}
-
-// SAFETY: a device address (u64); record_use orders the buffer's free after `stream`'s work and
-// rejects streams of other devices.
-unsafe impl<T: DeviceRepr> KernelArg for &DeviceBuffer2D<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.mem.record_use(stream)?;
-        Ok(self.mem.ptr)
-    }
-}
-
-// SAFETY: as for `&DeviceBuffer2D<T>`.
-unsafe impl<T: DeviceRepr> KernelArg for &mut DeviceBuffer2D<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.mem.record_use(stream)?;
-        Ok(self.mem.ptr)
-    }
-}
-
-// SAFETY: as for `&DeviceBuffer2D<T>`: the use is recorded on the view's buffer.
-unsafe impl<T: DeviceRepr> KernelArg for DeviceView2D<'_, T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.mem.record_use(stream)?;
-        Ok(self.ptr)
-    }
-}
-
-// SAFETY: as for `&DeviceBuffer2D<T>`.
-unsafe impl<T: DeviceRepr> KernelArg for &DeviceBuffer3D<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.mem.record_use(stream)?;
-        Ok(self.mem.ptr)
-    }
-}
-
-// SAFETY: as for `&DeviceBuffer2D<T>`.
-unsafe impl<T: DeviceRepr> KernelArg for &mut DeviceBuffer3D<T> {
-    type Value = DevicePtr;
-    #[inline]
-    fn kernel_value(&self, stream: &Stream) -> Result<DevicePtr> {
-        self.mem.record_use(stream)?;
-        Ok(self.mem.ptr)
     }
 }

@@ -15,12 +15,14 @@ use super::pool::error::PoolError;
 use super::pool::stats::PoolStats;
 use super::pool::{self, Host};
 use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
+use crate::capture::RelaxedCaptureMode;
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
+use crate::error::check;
 use crate::error::{Error, Result};
-use crate::graph::{CaptureSession, GraphOwned, RelaxedCaptureMode};
 use crate::host_fn::{self, SendHandle};
-use crate::result::{check, driver, drv};
+use crate::result::{driver, drv};
+use crate::session::{CaptureSession, GraphOwned};
 use crate::stream::{Attachment, Stream, StreamKey, attachment_owner_id};
 
 /// A stream-ordered caching pool written in plain Rust over `cuMemAlloc` / `cuMemFree`, with the
@@ -309,9 +311,9 @@ impl StreamOrderedPool {
             PoolError::TooLarge { requested } => {
                 Error::InvalidArgument(format!("an allocation of {requested} bytes is too large"))
             }
-            PoolError::InvalidFree { ptr, bytes } => Error::InvalidArgument(format!(
-                "{ptr:#x} with {bytes} bytes is not a live allocation of this StreamOrderedPool"
-            )),
+            PoolError::InvalidFree { ptr, bytes } => {
+                Error::NotFromResource { resource: "StreamOrderedPool", ptr, bytes }
+            }
             PoolError::Backend(e) => e,
         }
     }
@@ -404,10 +406,12 @@ fn release_pool(shared: &Shared) {
     match pool::teardown(shared) {
         Ok(leaked) if leaked.allocations > 0 => report_drop_error(
             Some(ctx),
-            Error::InvalidArgument(format!(
-                "StreamOrderedPool dropped with {} live allocations ({} bytes); their {} chunks are leaked",
-                leaked.allocations, leaked.bytes, leaked.chunks
-            )),
+            Error::LeakedAtDrop {
+                resource: "StreamOrderedPool",
+                allocations: leaked.allocations,
+                bytes: leaked.bytes,
+                chunks: leaked.chunks,
+            },
         ),
         Ok(_) => {}
         Err(e) => report_drop_error(Some(ctx), e),

@@ -267,11 +267,13 @@ fn version_of(name: &str) -> u32 {
 pub fn generate_result_names(types: &str) -> String {
     let mut arms = String::new();
     let mut seen = std::collections::BTreeSet::new();
-    for line in types.lines() {
-        let line = line.trim();
-        let Some(rest) = line.strip_prefix("pub const CUDA_") else { continue };
-        let Some((name, value)) = rest.split_once(": cudaError_enum = cudaError_enum(") else { continue };
-        let Some(value) = value.strip_suffix(");") else { continue };
+    // One item per `;`, whitespace removed: rustfmt wraps long constants over several lines.
+    for item in types.split(';') {
+        let item: String = item.split_whitespace().collect();
+        let Some(at) = item.find("pubconstCUDA_") else { continue };
+        let rest = &item[at + "pubconstCUDA_".len()..];
+        let Some((name, value)) = rest.split_once(":cudaError_enum=cudaError_enum(") else { continue };
+        let Some(value) = value.strip_suffix(')').map(|v| v.trim_end_matches(',')) else { continue };
         if let Ok(v) = value.parse::<u32>()
             && seen.insert(v)
         {

@@ -42,7 +42,9 @@ mod types {
 pub use types::*;
 
 mod loader;
-pub use loader::{DRIVER_PATH_VAR, Driver, FunctionInfo, LoadAttempt, LoadError, MissingSymbol, result_name};
+pub use loader::{
+    DRIVER_PATH_VAR, Driver, FunctionInfo, LoadAttempt, LoadError, MissingSymbol, result_description, result_name,
+};
 
 /// The `CUDA_VERSION` of the header the bindings came from (13000 for CUDA 13.0).
 pub const CUDA_HEADER_VERSION: i32 = CUDA_VERSION as i32;

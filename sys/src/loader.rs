@@ -160,6 +160,35 @@ impl Driver {
         GLOBAL.get_or_init(Driver::load).as_ref().map_err(Clone::clone)
     }
 
+    /// Every function the bindings declare, as the loader resolves them (generated at build time
+    /// from the bindings).
+    pub fn functions() -> &'static [FunctionInfo] {
+        &FUNCTIONS
+    }
+
+    /// The process-wide driver if [`Driver::global`] has loaded it; never loads it.
+    pub fn loaded() -> Option<&'static Driver> {
+        GLOBAL.get().and_then(|r| r.as_ref().ok())
+    }
+
+    /// The driver's own name and description of `code` (`cuGetErrorName`, `cuGetErrorString`),
+    /// when it knows the code (both answer before `cuInit`).
+    pub fn describe(&self, code: CUresult) -> Option<(String, String)> {
+        let mut name = std::ptr::null();
+        let mut desc = std::ptr::null();
+        // SAFETY: both out-pointers are valid; the driver writes pointers to static strings.
+        let ok = unsafe {
+            self.cuGetErrorName(code, &mut name) == Ok(CUresult::CUDA_SUCCESS)
+                && self.cuGetErrorString(code, &mut desc) == Ok(CUresult::CUDA_SUCCESS)
+        };
+        if !ok || name.is_null() || desc.is_null() {
+            return None;
+        }
+        // SAFETY: on success both are NUL-terminated static strings owned by the driver.
+        let (name, desc) = unsafe { (std::ffi::CStr::from_ptr(name), std::ffi::CStr::from_ptr(desc)) };
+        Some((name.to_string_lossy().into_owned(), desc.to_string_lossy().into_owned()))
+    }
+
     /// The candidate libraries, in order: the value of `CUDRV_DRIVER_PATH` alone when it is set;
     /// otherwise `libcuda.so.1`, `libcuda.so` and the WSL folder `/usr/lib/wsl/lib` on Linux, and
     /// `nvcuda.dll` (from the system folder) on Windows.
@@ -380,3 +409,36 @@ unsafe fn open_library(path: &Path) -> Result<Library, libloading::Error> {
 }
 
 include!(concat!(env!("OUT_DIR"), "/functions.rs"));
+
+/// The driver's description of the codes a caller meets most (`cuGetErrorString`'s text), for when
+/// the driver cannot be asked (it is not loaded, or has shut down); `None` for the others.
+pub fn result_description(code: CUresult) -> Option<&'static str> {
+    DESCRIPTIONS.iter().find(|(c, _)| *c == code).map(|(_, d)| *d)
+}
+
+const DESCRIPTIONS: &[(CUresult, &str)] = &[
+    (CUresult::CUDA_SUCCESS, "no error"),
+    (CUresult::CUDA_ERROR_INVALID_VALUE, "invalid argument"),
+    (CUresult::CUDA_ERROR_OUT_OF_MEMORY, "out of memory"),
+    (CUresult::CUDA_ERROR_NOT_INITIALIZED, "initialization error"),
+    (CUresult::CUDA_ERROR_DEINITIALIZED, "driver shutting down"),
+    (CUresult::CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected"),
+    (CUresult::CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"),
+    (CUresult::CUDA_ERROR_INVALID_IMAGE, "device kernel image is invalid"),
+    (CUresult::CUDA_ERROR_INVALID_CONTEXT, "invalid device context"),
+    (CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU, "no kernel image is available for execution on the device"),
+    (CUresult::CUDA_ERROR_INVALID_PTX, "a PTX JIT compilation failed"),
+    (CUresult::CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"),
+    (CUresult::CUDA_ERROR_NOT_FOUND, "named symbol not found"),
+    (CUresult::CUDA_ERROR_NOT_READY, "device not ready"),
+    (CUresult::CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"),
+    (CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "too many resources requested for launch"),
+    (CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, "peer access is already enabled"),
+    (CUresult::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED, "peer access has not been enabled"),
+    (CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED, "peer access is not supported between these two devices"),
+    (CUresult::CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
+    (CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "operation not permitted when stream is capturing"),
+    (CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "operation failed due to a previous error during capture"),
+    (CUresult::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, "system has unsupported display driver / cuda driver combination"),
+    (CUresult::CUDA_ERROR_UNKNOWN, "unknown error"),
+];

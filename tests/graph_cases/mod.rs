@@ -225,6 +225,10 @@ pub fn a_capture_refuses_what_a_graph_cannot_keep_sound() {
     let mut buf = DeviceBuffer::from_slice(&[1u32, 2, 3, 4], &stream).unwrap();
     let mut pinned = PinnedBuffer::<u32>::new(&dev, 4).unwrap();
     let pool: Arc<dyn MemoryResource> = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+    // Allocated before the capture: in a thread-local or global capture the driver refuses the
+    // capturing thread's pool allocations even on other streams.
+    let other = Stream::new(&dev).unwrap();
+    let mut copy = DeviceBuffer::<u32>::zeroed(16, &other).unwrap();
     let mut pitched = DeviceBuffer2D::<u32>::zeroed(8, 8, &stream).unwrap();
     let managed = ManagedBuffer::<u32>::zeroed(8, &Stream::new(&dev).unwrap()).unwrap();
     stream.begin_capture(CaptureMode::ThreadLocal).unwrap();
@@ -243,8 +247,6 @@ pub fn a_capture_refuses_what_a_graph_cannot_keep_sound() {
     // A buffer allocated in the capture belongs to it: not usable outside it, and the capture
     // cannot end while the buffer lives (its free belongs in the graph).
     let kept = DeviceBuffer::<u32>::zeroed_in(16, &stream, pool.clone()).unwrap();
-    let other = Stream::new(&dev).unwrap();
-    let mut copy = DeviceBuffer::<u32>::zeroed(16, &other).unwrap();
     refused(copy.copy_from_view(0, &kept.as_view(), &other), "using a capture's buffer outside it");
     refused(stream.end_capture(), "end_capture with a live buffer of the capture");
     assert_eq!(stream.capture_status().unwrap(), CaptureStatus::Active, "the capture goes on");
@@ -438,7 +440,8 @@ pub fn executable_graphs_update_in_place_or_say_why_not() {
     assert!(why.reason.contains("topology"), "{why}");
     exec.launch(&stream).unwrap();
     assert_eq!(out.to_vec().unwrap(), vec![2; n], "a refused update changes nothing");
-    let node = g2.nodes().unwrap()[0];
+    // A node of the graph the executable graph was instantiated from (the driver's rule).
+    let node = g1.nodes().unwrap()[0];
     let mut ptr = out.as_raw();
     let mut value = 7u32;
     let mut count = n as u64;

@@ -1,0 +1,416 @@
+//! Stream captures that cudrv tracks, and what their graphs keep: the layer between streams and
+//! the buffers and pools that take part in captures (below them), and the graph API of
+//! [`crate::graph`] (above them). See [`crate::graph`] for the rules it implements.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudrv_sys::CUgraphNode;
+
+use crate::capture;
+use crate::context::report_drop_error;
+use crate::error::Result;
+use crate::event::Event;
+use crate::host_fn;
+use crate::result::drv;
+use crate::stream::{JoinHooks, Stream, StreamKey};
+
+/// Whether a stream is capturing (`CUstreamCaptureStatus`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureStatus {
+    /// Not capturing.
+    None,
+    /// Capturing.
+    Active,
+    /// Capturing, but a prohibited operation invalidated the capture: end it
+    /// ([`Stream::end_capture`] reports the error and makes the stream usable again).
+    Invalidated,
+}
+
+/// What [`Stream::capture_info`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CaptureInfo {
+    /// The capture's status.
+    pub status: CaptureStatus,
+    /// The driver's id of the capture (unique in the process), 0 when not capturing.
+    pub id: u64,
+    /// How many nodes the next captured operation will depend on.
+    pub dependencies: usize,
+}
+
+fn status_of(raw: cudrv_sys::CUstreamCaptureStatus) -> CaptureStatus {
+    use cudrv_sys::CUstreamCaptureStatus as S;
+    match raw {
+        S::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active,
+        S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated,
+        _ => CaptureStatus::None,
+    }
+}
+
+impl Stream {
+    /// The capture status (`cuStreamIsCapturing`).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn capture_status(&self) -> Result<CaptureStatus> {
+        let _b = self.context().bind()?;
+        let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a valid stream of the current context; a valid out-pointer.
+        unsafe { drv!(cuStreamIsCapturing(self.as_raw(), &mut status)) }?;
+        Ok(status_of(status))
+    }
+
+    /// The capture's status, id and number of dependencies (`cuStreamGetCaptureInfo`).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn capture_info(&self) -> Result<CaptureInfo> {
+        let _b = self.context().bind()?;
+        let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id = 0;
+        let mut deps: *const CUgraphNode = std::ptr::null();
+        let mut edges: *const cudrv_sys::CUgraphEdgeData = std::ptr::null();
+        let mut n = 0usize;
+        // SAFETY: a valid stream of the current context; valid out-pointers; the returned arrays
+        // are owned by the driver and not read here.
+        unsafe {
+            drv!(cuStreamGetCaptureInfo_v3(
+                self.as_raw(),
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                &mut deps,
+                &mut edges,
+                &mut n
+            ))
+        }?;
+        Ok(CaptureInfo { status: status_of(status), id, dependencies: n })
+    }
+
+    /// (status, capture id).
+    pub(crate) fn capture_state(&self) -> Result<(CaptureStatus, u64)> {
+        let info = self.capture_info()?;
+        Ok((info.status, info.id))
+    }
+}
+
+impl StreamKey {
+    /// The capture session the stream takes part in, if cudrv started one that is still active.
+    #[inline]
+    pub(crate) fn capture(&self) -> Option<Arc<CaptureSession>> {
+        match self.capture_id() {
+            0 => None,
+            id => CaptureSession::active(id),
+        }
+    }
+}
+
+impl Stream {
+    /// The capture session the stream takes part in, if cudrv started one that is still active.
+    #[inline]
+    pub(crate) fn capture(&self) -> Option<Arc<CaptureSession>> {
+        self.key().capture()
+    }
+}
+
+/// What streams' waits do about captures (see [`JoinHooks`]).
+const JOIN_HOOKS: JoinHooks = JoinHooks {
+    before: |stream| mark_before_join(stream).map(|e| Box::new(e) as Box<dyn Any + Send>),
+    joined: |stream, id, before| {
+        if let (Some(session), Ok(before)) = (CaptureSession::active(id), before.downcast::<Arc<Event>>()) {
+            session.join(stream.key(), *before);
+        }
+    },
+    waited: |stream, before| {
+        if let Ok(before) = before.downcast::<Arc<Event>>() {
+            note_join(stream, *before);
+        }
+    },
+};
+
+/// An event recorded on `stream` now, before it joins (or begins) a capture: the graph's first
+/// launch waits for it, so that the graph's work runs after what the stream did before (the
+/// allocation of the buffers it uses, in particular).
+pub(crate) fn mark_before_join(stream: &Stream) -> Result<Arc<Event>> {
+    let event = Event::new(&stream.device())?;
+    event.record(stream)?;
+    Ok(Arc::new(event))
+}
+
+/// After `stream` waited on an event: if that made it join a capture cudrv tracks, track it too.
+pub(crate) fn note_join(stream: &Stream, before: Arc<Event>) {
+    if let Ok((CaptureStatus::Active, id)) = stream.capture_state()
+        && let Some(session) = CaptureSession::active(id)
+    {
+        session.join(stream.key(), before);
+    }
+}
+
+/// What cudrv knows of a stream capture it started ([`Stream::begin_capture`]): the streams that
+/// take part in it, the buffers allocated during it, and what the graph it makes will keep.
+pub(crate) struct CaptureSession {
+    /// The driver's capture id.
+    pub(crate) id: u64,
+    /// Buffers allocated during the capture and not dropped yet.
+    pub(crate) live_buffers: AtomicUsize,
+    /// The streams that take part (the origin first).
+    streams: Mutex<Vec<StreamKey>>,
+    /// Frees that must wait for the end of the capture (of buffers that the capture does not
+    /// use, dropped while their stream was capturing).
+    after_end: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
+    /// What the graph keeps.
+    pub(crate) res: Arc<GraphResources>,
+}
+
+impl fmt::Debug for CaptureSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CaptureSession").field("id", &self.id).field("res", &self.res).finish_non_exhaustive()
+    }
+}
+
+impl CaptureSession {
+    /// The session of capture `id`, if it is still active.
+    pub(crate) fn active(id: u64) -> Option<Arc<CaptureSession>> {
+        capture::session(id)?.downcast::<CaptureSession>().ok()
+    }
+
+    /// Starts tracking capture `id`, begun on `origin`, which stood at `before` then.
+    pub(crate) fn start(id: u64, origin: &Stream, before: Arc<Event>) {
+        let res = GraphResources::new();
+        res.lock().prelude.push(before);
+        let session = Arc::new(CaptureSession {
+            id,
+            live_buffers: AtomicUsize::new(0),
+            streams: Mutex::new(vec![origin.key().clone()]),
+            after_end: Mutex::new(Vec::new()),
+            res,
+        });
+        crate::stream::set_join_hooks(JOIN_HOOKS);
+        capture::register(id, session);
+        origin.key().set_capture_id(id);
+    }
+
+    /// Marks `stream` as taking part in this capture (it joined by waiting on an event of it);
+    /// the graph's first launch waits for `before`, where the stream stood then.
+    pub(crate) fn join(&self, stream: &StreamKey, before: Arc<Event>) {
+        self.res.lock().prelude.push(before);
+        self.streams.lock().unwrap_or_else(PoisonError::into_inner).push(stream.clone());
+        stream.set_capture_id(self.id);
+    }
+
+    /// Ends the session: its streams read as not capturing from now on, and the frees that
+    /// waited for the end run.
+    pub(crate) fn finish(&self) {
+        capture::unregister(self.id);
+        for key in std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner)) {
+            if key.capture_id() == self.id {
+                key.set_capture_id(0);
+            }
+        }
+        for free in std::mem::take(&mut *self.after_end.lock().unwrap_or_else(PoisonError::into_inner)) {
+            free();
+        }
+    }
+
+    /// Runs `free` once the capture has ended.
+    pub(crate) fn after_end(&self, free: Box<dyn FnOnce() + Send>) {
+        self.after_end.lock().unwrap_or_else(PoisonError::into_inner).push(free);
+    }
+}
+
+/// Something a graph owns for its whole life, given back once the graph, every executable graph
+/// made from it and every buffer its capture used are gone, and their launches have completed.
+pub(crate) trait GraphOwned: Send {
+    /// Gives it back; the host has seen every launch of the graph complete.
+    fn release(self: Box<Self>);
+}
+
+/// What the launches of a graph may touch that Rust owns: memory of cudrv's pool reserved during
+/// the capture, frees of buffers the capture used (dropped meanwhile), host nodes' closures, the
+/// resources of child graphs; and the events its first launch waits for. Shared by the graph and
+/// its executable graphs (and referenced by buffers its capture used); released after the last of
+/// them goes, once every launch has completed.
+pub(crate) struct GraphResources {
+    inner: Mutex<Kept>,
+    /// Told when everything is released (after the last launch), for buffers whose free comes
+    /// later than the graph's end.
+    done: Arc<Completion>,
+    /// Whether launches must be tracked: something above is kept.
+    pub(crate) fenced: AtomicBool,
+    /// Whether it holds memory of cudrv's pool (then one executable graph at a time).
+    pool_memory: AtomicBool,
+    /// Whether an executable graph of a graph with pool memory exists.
+    pub(crate) exec_alive: AtomicBool,
+}
+
+#[derive(Default)]
+pub(crate) struct Kept {
+    owned: Vec<Box<dyn GraphOwned>>,
+    keep: Vec<Arc<dyn Send + Sync>>,
+    /// Events the first launch of each executable graph waits for (where the capture's streams,
+    /// and the buffers it used, stood before it).
+    pub(crate) prelude: Vec<Arc<Event>>,
+    /// The streams of the last launches of dropped executable graphs.
+    pub(crate) fences: Vec<Stream>,
+}
+
+impl fmt::Debug for GraphResources {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let k = self.lock();
+        f.debug_struct("GraphResources")
+            .field("owned", &k.owned.len())
+            .field("kept", &k.keep.len())
+            .field("prelude", &k.prelude.len())
+            .field("pool_memory", &self.pool_memory.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl GraphResources {
+    pub(crate) fn new() -> Arc<GraphResources> {
+        Arc::new(GraphResources {
+            inner: Mutex::new(Kept::default()),
+            done: Arc::new(Completion::default()),
+            fenced: AtomicBool::new(false),
+            pool_memory: AtomicBool::new(false),
+            exec_alive: AtomicBool::new(false),
+        })
+    }
+
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `owned` until the graph's last launch completed, then releases it. `pool_memory`:
+    /// it is memory of cudrv's pool that the graph uses at every launch.
+    pub(crate) fn own(&self, owned: Box<dyn GraphOwned>, pool_memory: bool) {
+        self.fenced.store(true, Ordering::Release);
+        if pool_memory {
+            self.pool_memory.store(true, Ordering::Release);
+        }
+        self.lock().owned.push(owned);
+    }
+
+    /// Keeps `value` alive until the graph's last launch completed.
+    pub(crate) fn keep(&self, value: Arc<dyn Send + Sync>) {
+        self.fenced.store(true, Ordering::Release);
+        self.lock().keep.push(value);
+    }
+
+    /// Notes that a buffer allocated before the capture is used by it: the graph's first launch
+    /// waits for `allocated` (recorded on the buffer's stream), and the buffer's free, if it comes
+    /// first, waits for the graph (the buffer holds this and hands its free over).
+    pub(crate) fn use_buffer(self: &Arc<Self>, allocated: Option<Arc<Event>>) -> GraphUse {
+        self.fenced.store(true, Ordering::Release);
+        if let Some(e) = allocated {
+            self.lock().prelude.push(e);
+        }
+        GraphUse { res: Arc::downgrade(self), done: self.done.clone() }
+    }
+
+    pub(crate) fn has_pool_memory(&self) -> bool {
+        self.pool_memory.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for GraphResources {
+    fn drop(&mut self) {
+        let kept = std::mem::take(self.inner.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let done = self.done.clone();
+        if kept.fences.is_empty() && !host_fn::in_host_fn() {
+            // Never launched: nothing on the GPU uses any of it.
+            release_kept(kept, &done);
+        } else {
+            // Waiting for the last launches may take long: do it on cudrv's thread.
+            host_fn::defer(move || release_after_launches(kept, done));
+        }
+    }
+}
+
+fn release_kept(kept: Kept, done: &Completion) {
+    for o in kept.owned {
+        o.release();
+    }
+    drop(kept.keep);
+    done.complete();
+}
+
+/// A buffer's link to a graph whose capture used it: its free goes to the graph while the graph
+/// lives, else waits for the graph's release (after its last launch).
+pub(crate) struct GraphUse {
+    res: std::sync::Weak<GraphResources>,
+    done: Arc<Completion>,
+}
+
+impl GraphUse {
+    /// Whether this links to `res`.
+    pub(crate) fn is(&self, res: &Arc<GraphResources>) -> bool {
+        std::ptr::eq(self.res.as_ptr(), Arc::as_ptr(res))
+    }
+
+    /// Runs `job` once the graph's launches can no longer touch the buffer.
+    pub(crate) fn after_launches(self, job: Box<dyn GraphOwned>) {
+        match self.res.upgrade() {
+            // The graph lives (and cannot go while `res` is held): it keeps the job.
+            Some(res) => res.lock().owned.push(job),
+            None => self.done.after(job),
+        }
+    }
+}
+
+/// Whether a graph's resources were released, and what waits for it.
+#[derive(Default)]
+struct Completion {
+    state: Mutex<(bool, Vec<Box<dyn GraphOwned>>)>,
+}
+
+impl Completion {
+    fn after(&self, job: Box<dyn GraphOwned>) {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if st.0 {
+            drop(st);
+            job.release();
+        } else {
+            st.1.push(job);
+        }
+    }
+
+    fn complete(&self) {
+        let jobs = {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            st.0 = true;
+            std::mem::take(&mut st.1)
+        };
+        for job in jobs {
+            job.release();
+        }
+    }
+}
+
+/// Waits (on cudrv's deferred-work thread) for the last launch of each executable graph, then
+/// releases what the graph kept. A stream that is capturing now cannot be waited on: the job
+/// comes back later.
+fn release_after_launches(mut kept: Kept, done: Arc<Completion>) {
+    while let Some(stream) = kept.fences.last() {
+        if stream.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            host_fn::defer(move || release_after_launches(kept, done));
+            return;
+        }
+        // An event recorded now, on the stream of the last launch, completes after it; on the
+        // legacy stream (a per-thread stream seen from this thread) after every blocking stream.
+        let waited = Event::new(&stream.device()).and_then(|e| e.record(stream).and_then(|()| e.wait()));
+        if let Err(e) = waited.or_else(|_| stream.wait_for_memory()) {
+            // The launch may still run: what it uses stays (leaked), which is sound.
+            report_drop_error(Some(stream.context()), e);
+            std::mem::forget(kept.owned);
+            std::mem::forget(kept.keep);
+            return;
+        }
+        kept.fences.pop();
+    }
+    release_kept(kept, &done);
+}
