@@ -136,8 +136,8 @@ impl Alloc {
     fn reset(&self) -> Res<()> {
         match self {
             Alloc::RawAsync { pool, .. } => {
-                pool.trim_to(0)?;
-                pool.reset_pool_peaks()?;
+                pool.trim(0)?;
+                pool.reset_peaks()?;
             }
             Alloc::RawSync { .. } => {}
             Alloc::Resource { r, .. } | Alloc::Buffer { r, .. } => {
@@ -150,7 +150,7 @@ impl Alloc {
 
     fn peak_reserved(&self) -> Option<usize> {
         match self {
-            Alloc::RawAsync { pool, .. } => pool.pool_stats().ok().map(|s| s.peak_reserved),
+            Alloc::RawAsync { pool, .. } => pool.stats().map(|s| s.peak_reserved),
             _ => self.resource().and_then(|r| r.stats()).map(|s| s.peak_reserved),
         }
     }

@@ -24,7 +24,7 @@ check() { # name, command...
   local name=$1; shift
   if "$@" >"$out/$name.log" 2>&1; then pass=$((pass + 1)); echo "ok     $name"; else fail=$((fail + 1)); echo "FAILED $name"; tail -30 "$out/$name.log"; fi
 }
-gpu_tests() { for t in "$g"/tests/gpu_*; do "$t" --test-threads=1 || return 1; done; }
+gpu_tests() { for t in "$g"/tests/gpu-*; do "$t" --test-threads=1 || return 1; done; }
 in_tcc() { CUDRV_DRIVER_PATH="$tcc" CUDRV_EXPECT_DRIVER_MODEL=tcc "$@"; }
 
 case "${1:-tests}" in
@@ -42,7 +42,7 @@ sanitizer)
   # memcheck must find 0 errors. The tests provoke driver errors on purpose (unknown function
   # names, bad PTX, out of memory), so API-error reports are off here. The leak check runs in a
   # second, informational pass: it lists what is still allocated at exit (see BENCHMARKS.md).
-  for t in "$g"/tests/gpu_*; do
+  for t in "$g"/tests/gpu-*; do
     n=$(basename "$t" | sed 's/-.*//')
     check "memcheck-$n" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 "$t" --test-threads=1
     check "memcheck-tcc-$n" env CUDRV_DRIVER_PATH="$tcc" CUDRV_EXPECT_DRIVER_MODEL=tcc compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 "$t" --test-threads=1

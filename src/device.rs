@@ -14,7 +14,8 @@ use crate::result::{driver, drv, drv_compat};
 /// Getting one initialises the driver on first use, so no driver call can come before `cuInit`.
 /// `Device` is a plain value: `Copy`, `Send` and `Sync`.
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// for device in cudrv::Device::all()? {
 ///     println!("{}: {} ({:?})", device.ordinal(), device.name()?, device.driver_model()?);
 /// }
@@ -109,9 +110,9 @@ impl Device {
         let mut buf = [0 as c_char; 256];
         // SAFETY: the buffer is valid for its length, which is passed.
         unsafe { drv!(cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, self.raw)) }?;
-        // SAFETY: the driver wrote a NUL-terminated string into the buffer; the last byte is
-        // forced to NUL in case it did not.
+        // The driver wrote a NUL-terminated string; the last byte is forced to NUL in case not.
         buf[255] = 0;
+        // SAFETY: the buffer holds a NUL-terminated string (its last byte at least is NUL).
         Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
     }
 
@@ -168,7 +169,8 @@ impl Device {
     /// reuse is not free here. `total` is what the device offers (slightly less than
     /// [`Device::total_memory`] on some systems).
     ///
-    /// ```no_run
+    /// ```
+    /// # cudrv_test_support::doctest_driver();
     /// let info = cudrv::Device::get(0)?.memory_info()?;
     /// println!("{info}"); // "1.3 GiB free of 139.8 GiB"
     /// assert!(info.free <= info.total);

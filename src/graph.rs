@@ -5,7 +5,8 @@
 //! instantiated into a [`GraphExec`], which is launched on a stream as often as wanted, uploaded
 //! ahead of its first launch, and updated in place from a changed graph.
 //!
-//! ```no_run
+//! ```
+//! # cudrv_test_support::doctest_driver();
 //! use cudrv::{Device, Module, Stream, graph::CaptureMode, launch::LaunchConfig, memory::DeviceBuffer};
 //! let device = Device::get(0)?;
 //! let stream = Stream::new(&device)?;

@@ -21,7 +21,7 @@
 //! * memory of a pool created with shareable handle types ([`SharedPool`]) is exported with
 //!   `cuMemPoolExportPointer`;
 //! * memory of a pool without them (every device's default pool, and
-//!   [`DriverPool::with_options`]) is refused with [`Error::Unsupported`], saying so;
+//!   [`DriverPool::with_config`]) is refused with [`Error::Unsupported`], saying so;
 //! * other memory is exported with legacy IPC where the driver says it can
 //!   (`CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`); managed, pinned and virtual memory are
 //!   refused.
@@ -170,8 +170,9 @@ impl FromStr for IpcEventHandle {
 /// which the driver requires) by [`IpcEvent::new`], or opened from another process's handle by
 /// [`IpcEvent::open`]. Records in one process order waits in the other.
 ///
-/// ```no_run
-/// # use cudrv::{Device, Stream, ipc::{IpcEvent, IpcEventHandle}};
+/// ```
+/// # cudrv_test_support::doctest_driver();
+/// use cudrv::{Device, Stream, ipc::{IpcEvent, IpcEventHandle}};
 /// // Process A:
 /// let device = Device::get(0)?;
 /// let stream = Stream::new(&device)?;
@@ -180,9 +181,12 @@ impl FromStr for IpcEventHandle {
 /// // ... queue work that writes a shared buffer, then:
 /// done.record(&stream)?;
 ///
-/// // Process B:
-/// let done = IpcEvent::open(&device, &handle.parse::<IpcEventHandle>()?)?;
-/// done.wait_in(&stream)?; // B's later work on `stream` runs after A's work before the record
+/// // Process B (another process: the driver refuses to open a handle in its own process):
+/// fn process_b(device: &Device, stream: &Stream, handle: &str) -> cudrv::Result<()> {
+///     let done = IpcEvent::open(device, &handle.parse::<IpcEventHandle>()?)?;
+///     done.wait_in(stream) // B's later work on `stream` runs after A's work before the record
+/// }
+/// # let _ = process_b;
 /// # Ok::<(), cudrv::Error>(())
 /// ```
 pub struct IpcEvent {
@@ -500,7 +504,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// `cuMemPoolExportPointer` for memory of a pool with shareable handle types, legacy IPC
     /// (`cuIpcGetMemHandle` of the allocation, with the buffer's offset) for `cuMemAlloc` memory.
     ///
-    /// ```no_run
+    /// ```
+    /// # cudrv_test_support::doctest_driver();
     /// use std::sync::Arc;
     /// use cudrv::{Device, Stream, memory::{DeviceBuffer, SyncResource}};
     /// let device = Device::get(0)?;
@@ -550,7 +555,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 return Err(device.unsupported(
                     "IPC of memory-pool allocations",
                     "the buffer comes from a memory pool created without shareable handle types (the device's default \
-                     pool, DriverPool::with_options), which cannot export its memory; legacy IPC (cuIpcGetMemHandle) \
+                     pool, DriverPool::with_config), which cannot export its memory; legacy IPC (cuIpcGetMemHandle) \
                      does not work on pool memory either (cudarc #521)",
                     Some("an ipc::SharedPool for the buffers to share, or a SyncResource or StreamOrderedPool (legacy IPC)"),
                 ));
@@ -631,12 +636,19 @@ const CAPTURE: &str = "IpcBuffer during a capture (capture work on DeviceBuffers
 /// `cuIpcCloseMemHandle` with the last buffer of the allocation; pool: `cuMemFree`). The exporter
 /// must keep the memory alive until then (see [the module documentation](crate::ipc)).
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream, ipc::{IpcBuffer, IpcMemHandle}};
-/// let handle: IpcMemHandle = std::env::var("SHARED_BUFFER").unwrap().parse()?;
-/// let stream = Stream::new(&Device::get(0)?)?;
-/// let shared = IpcBuffer::<u32>::open(&handle, &stream)?;
-/// println!("{:?}", shared.to_vec()?);
+/// // In the process that opens a buffer another process exported (`DeviceBuffer::ipc_handle`),
+/// // its handle received as text:
+/// fn read_shared(handle: &str) -> cudrv::Result<Vec<u32>> {
+///     let handle: IpcMemHandle = handle.parse()?;
+///     let stream = Stream::new(&Device::get(0)?)?;
+///     let shared = IpcBuffer::<u32>::open(&handle, &stream)?;
+///     shared.to_vec()
+/// }
+/// // A handle that names nothing is refused with an error, never a crash.
+/// assert!(read_shared("not a handle").is_err());
 /// # Ok::<(), cudrv::Error>(())
 /// ```
 pub struct IpcBuffer<T: DeviceRepr> {
@@ -950,7 +962,7 @@ fn export_pool(
                 "exporting a memory pool",
                 format!(
                     "the pool was created without the {handle_type:?} handle type (CUmemPoolProps::handleTypes; the \
-                     device's default pool and DriverPool::with_options pools have none): {e}"
+                     device's default pool and DriverPool::with_config pools have none): {e}"
                 ),
                 Some("ipc::SharedPool, created with a shareable handle type"),
             ));
@@ -1011,7 +1023,8 @@ impl Drop for PoolInner {
 /// threshold raised to `u64::MAX`), whose buffers give [`IpcMemHandle`]s of kind
 /// [`IpcMemKind::Pool`] ([`DeviceBuffer::ipc_handle`]).
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use std::sync::Arc;
 /// use cudrv::{Device, Stream, ipc::SharedPool, memory::DeviceBuffer};
 /// let device = Device::get(0)?;
@@ -1118,16 +1131,6 @@ impl SharedPool {
         self.inner.raw
     }
 
-    /// Gives cached memory back until at most `keep_bytes` stay reserved (`cuMemPoolTrimTo`).
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
-        let _b = self.inner.ctx.bind()?;
-        // SAFETY: a live pool.
-        unsafe { drv!(cuMemPoolTrimTo(self.inner.raw, keep_bytes)) }
-    }
-
     fn attribute(&self, attr: cudrv_sys::CUmemPool_attribute) -> Result<u64> {
         let _b = self.inner.ctx.bind()?;
         let mut v: cudrv_sys::cuuint64_t = 0;
@@ -1176,7 +1179,22 @@ unsafe impl MemoryResource for SharedPool {
     }
 
     fn trim(&self, keep_bytes: usize) -> Result<()> {
-        self.trim_to(keep_bytes)
+        let _b = self.inner.ctx.bind()?;
+        // SAFETY: a live pool.
+        unsafe { drv!(cuMemPoolTrimTo(self.inner.raw, keep_bytes)) }
+    }
+
+    fn set_release_threshold(&self, bytes: usize) -> Result<()> {
+        let _b = self.inner.ctx.bind()?;
+        let mut v = bytes as cudrv_sys::cuuint64_t;
+        // SAFETY: a live pool; the attribute is a cuuint64_t read through the pointer.
+        unsafe {
+            drv!(cuMemPoolSetAttribute(
+                self.inner.raw,
+                cudrv_sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&raw mut v).cast()
+            ))
+        }
     }
 }
 

@@ -132,7 +132,8 @@ impl AccessProperty {
 /// `hit_ratio` of the accesses to `[base, base + num_bytes)` get the `hit` property, the rest the
 /// `miss` property. A hint to the cache only: it changes no result, and touches no memory.
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream, launch::{AccessPolicyWindow, LaunchAttributes}, memory::DeviceBuffer};
 /// let stream = Stream::new(&Device::get(0)?)?;
 /// let table = DeviceBuffer::<f32>::zeroed(1 << 20, &stream)?;
@@ -701,7 +702,8 @@ impl Function {
     /// and the driver first ([`LaunchAttributes`] says what each needs), and a cluster shape or
     /// cooperative grid as in [`Function::launch_cluster`] and [`Function::launch_cooperative`].
     ///
-    /// ```no_run
+    /// ```
+    /// # cudrv_test_support::doctest_driver();
     /// use cudrv::{Device, Stream, launch::{LaunchAttributes, LaunchConfig}, memory::DeviceBuffer, module::Module};
     /// let device = Device::get(0)?;
     /// let module = Module::from_ptx(&device, include_str!("../examples/kernels/vector_add.ptx"))?;
@@ -964,10 +966,10 @@ impl Function {
         let _b = self.context().bind()?;
         let d = driver()?;
         let (g, b, s) = (cfg.grid, cfg.block, stream.as_raw());
-        // SAFETY (all three): a function of a loaded module of the current context, a stream of that
-        // context, a validated configuration, and a parameter array valid during the call (the
-        // caller's promise).
         let (call, rc) = match kind {
+            // SAFETY: a function of a loaded module of the current context, a stream of that
+            // context, a validated configuration, and a parameter array valid during the call
+            // (the caller's promise).
             Kind::Plain => ("cuLaunchKernel", unsafe {
                 d.cuLaunchKernel(
                     self.raw,
@@ -983,12 +985,14 @@ impl Function {
                     std::ptr::null_mut(),
                 )
             }),
+            // SAFETY: as above.
             Kind::Cooperative => ("cuLaunchCooperativeKernel", unsafe {
                 d.cuLaunchCooperativeKernel(self.raw, g.0, g.1, g.2, b.0, b.1, b.2, cfg.shared_mem_bytes, s, params)
             }),
             Kind::Ex(attrs) => {
                 let (mut raw, n) = attrs.to_raw();
                 let config = raw_config(cfg, s, &mut raw, n);
+                // SAFETY: as above; `config` and the attributes it points at live during the call.
                 ("cuLaunchKernelEx", unsafe { d.cuLaunchKernelEx(&config, self.raw, params, std::ptr::null_mut()) })
             }
         };

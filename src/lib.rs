@@ -8,7 +8,7 @@
 //!   or cudrv's [`memory::StreamOrderedPool`] where pools are missing), [`memory::DeviceBuffer`],
 //!   [`memory::PinnedBuffer`] and copies.
 //! * [`Module`], [`Function`], [`LaunchConfig`]: loading PTX/cubin/fatbin and launching kernels;
-//!   [`JitOptions`], the driver's [`Linker`], context-independent [`module::Library`] (CUDA 12.0),
+//!   [`JitConfig`], the driver's [`Linker`], context-independent [`module::Library`] (CUDA 12.0),
 //!   and launch attributes ([`LaunchAttributes`]: programmatic dependent launch, priority, L2
 //!   access-policy window, clusters, memory synchronisation domain).
 //! * [`memory::DeviceBuffer2D`] and [`memory::DeviceBuffer3D`] (pitched memory, 2D/3D copies and
@@ -20,6 +20,7 @@
 //!
 //! The raw bindings and the loader are in [`sys`] (the `cudrv-sys` crate).
 #![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
 pub use cudrv_sys as sys;
@@ -38,7 +39,7 @@ pub mod launch;
 pub mod memory;
 pub mod module;
 mod session;
-pub mod stream;
+mod stream;
 
 pub use context::{Context, set_drop_error_hook};
 pub use device::{Capabilities, Device, DriverModel, MemoryInfo};
@@ -47,7 +48,7 @@ pub use event::{Event, EventFlags};
 pub use graph::{Graph, GraphExec};
 pub use host_fn::flush_deferred_drops;
 pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
-pub use module::{Function, JitOptions, Linker, Module};
+pub use module::{Function, JitConfig, Linker, Module};
 #[cfg(cuda_12000)]
 pub use module::{Kernel, Library};
 pub use stream::Stream;

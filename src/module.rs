@@ -1,7 +1,8 @@
 //! Modules (loaded PTX, cubin or fatbin images), the kernels in them, the driver's JIT options
 //! and linker, and context-independent libraries.
 //!
-//! ```no_run
+//! ```
+//! # cudrv_test_support::doctest_driver();
 //! use cudrv::{Device, Stream, launch::LaunchConfig, memory::DeviceBuffer, module::Module};
 //! let device = Device::get(0)?;
 //! let module = Module::from_ptx(&device, include_str!("../examples/kernels/vector_add.ptx"))?;
@@ -21,7 +22,7 @@
 //! left something in the error log is [`Error::Jit`], whose `log` says where and why (ptxas's
 //! messages for PTX); a failure with an empty log is the plain [`Error::Driver`].
 //!
-//! The `*_with` constructors ([`Module::from_ptx_with`], ...) take [`JitOptions`]: the most
+//! The `*_with` constructors ([`Module::from_ptx_with`], ...) take [`JitConfig`]: the most
 //! registers per thread, the optimisation level, the target architecture, whether the driver
 //! prefers PTX or a binary from a fatbin, line information for profilers, the cache mode of global
 //! loads, and the size of the logs.
@@ -168,12 +169,12 @@ pub enum JitCacheMode {
 /// `*_with` constructors, [`Linker::new`] and [`Library::from_ptx_with`].
 ///
 /// Every option left at its default is not passed, so the driver's own default applies. The
-/// information and error logs are always collected (up to [`JitOptions::log_size`] bytes each):
+/// information and error logs are always collected (up to [`JitConfig::log_size`] bytes each):
 /// [`Module::info_log`], and the `log` of [`Error::Jit`].
 ///
 /// ```
-/// use cudrv::module::{JitCacheMode, JitOptions, JitTarget};
-/// let options = JitOptions::new()
+/// use cudrv::module::{JitCacheMode, JitConfig, JitTarget};
+/// let options = JitConfig::new()
 ///     .max_registers(64)
 ///     .optimization_level(3)
 ///     .target(JitTarget::compute(9, 0))
@@ -183,7 +184,7 @@ pub enum JitCacheMode {
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub struct JitOptions {
+pub struct JitConfig {
     /// The most registers a thread may use (`CU_JIT_MAX_REGISTERS`, ptxas `--maxrregcount`).
     pub max_registers: Option<u32>,
     /// The optimisation level, 0 to 4 (`CU_JIT_OPTIMIZATION_LEVEL`; the driver's default is 4).
@@ -205,9 +206,9 @@ pub struct JitOptions {
     pub log_size: usize,
 }
 
-impl Default for JitOptions {
+impl Default for JitConfig {
     fn default() -> Self {
-        JitOptions {
+        JitConfig {
             max_registers: None,
             optimization_level: None,
             target: None,
@@ -221,55 +222,55 @@ impl Default for JitOptions {
     }
 }
 
-impl JitOptions {
+impl JitConfig {
     /// The defaults: nothing but the logs (verbose, 16 KiB each).
-    pub fn new() -> JitOptions {
-        JitOptions::default()
+    pub fn new() -> JitConfig {
+        JitConfig::default()
     }
 
     /// With at most `registers` registers per thread (at least 1).
-    pub fn max_registers(self, registers: u32) -> JitOptions {
-        JitOptions { max_registers: Some(registers), ..self }
+    pub fn max_registers(self, registers: u32) -> JitConfig {
+        JitConfig { max_registers: Some(registers), ..self }
     }
 
     /// With optimisation level `level` (0 to 4).
-    pub fn optimization_level(self, level: u32) -> JitOptions {
-        JitOptions { optimization_level: Some(level), ..self }
+    pub fn optimization_level(self, level: u32) -> JitConfig {
+        JitConfig { optimization_level: Some(level), ..self }
     }
 
     /// Compiling for `target` instead of the context's device.
-    pub fn target(self, target: JitTarget) -> JitOptions {
-        JitOptions { target: Some(target), ..self }
+    pub fn target(self, target: JitTarget) -> JitConfig {
+        JitConfig { target: Some(target), ..self }
     }
 
     /// With a fallback strategy for fatbins.
-    pub fn fallback(self, fallback: JitFallback) -> JitOptions {
-        JitOptions { fallback: Some(fallback), ..self }
+    pub fn fallback(self, fallback: JitFallback) -> JitConfig {
+        JitConfig { fallback: Some(fallback), ..self }
     }
 
     /// With or without line information.
-    pub fn line_info(self, on: bool) -> JitOptions {
-        JitOptions { line_info: on, ..self }
+    pub fn line_info(self, on: bool) -> JitConfig {
+        JitConfig { line_info: on, ..self }
     }
 
     /// With or without full debug information.
-    pub fn debug_info(self, on: bool) -> JitOptions {
-        JitOptions { debug_info: on, ..self }
+    pub fn debug_info(self, on: bool) -> JitConfig {
+        JitConfig { debug_info: on, ..self }
     }
 
     /// With a cache mode for global loads.
-    pub fn cache_mode(self, mode: JitCacheMode) -> JitOptions {
-        JitOptions { cache_mode: Some(mode), ..self }
+    pub fn cache_mode(self, mode: JitCacheMode) -> JitConfig {
+        JitConfig { cache_mode: Some(mode), ..self }
     }
 
     /// With a verbose information log, or a terse one.
-    pub fn log_verbose(self, on: bool) -> JitOptions {
-        JitOptions { log_verbose: on, ..self }
+    pub fn log_verbose(self, on: bool) -> JitConfig {
+        JitConfig { log_verbose: on, ..self }
     }
 
     /// With `bytes` reserved for each log (at least 1).
-    pub fn log_size(self, bytes: usize) -> JitOptions {
-        JitOptions { log_size: bytes, ..self }
+    pub fn log_size(self, bytes: usize) -> JitConfig {
+        JitConfig { log_size: bytes, ..self }
     }
 
     /// Checks every value before the driver sees it.
@@ -319,7 +320,7 @@ const WALL_TIME_AT: usize = 4;
 
 impl JitCall {
     /// The arrays for `opts` (checked first).
-    fn new(opts: &JitOptions) -> Result<JitCall> {
+    fn new(opts: &JitConfig) -> Result<JitCall> {
         opts.check()?;
         let mut call = JitCall {
             options: Vec::with_capacity(12),
@@ -553,16 +554,17 @@ impl Module {
     /// [`Error::InvalidArgument`] when the text contains a NUL byte (nothing is loaded);
     /// [`Error::Jit`] with the JIT's error log when compilation fails; the driver's error.
     pub fn from_ptx(target: &impl ModuleTarget, ptx: &str) -> Result<Module> {
-        Self::from_ptx_with(target, ptx, &JitOptions::default())
+        Self::from_ptx_with(target, ptx, &JitConfig::default())
     }
 
     /// Loads PTX text with JIT `options`.
     ///
-    /// ```no_run
-    /// use cudrv::{Device, module::{JitOptions, Module}};
+    /// ```
+    /// # cudrv_test_support::doctest_driver();
+    /// use cudrv::{Device, module::{JitConfig, Module}};
     /// let device = Device::get(0)?;
     /// let ptx = include_str!("../examples/kernels/vector_add.ptx");
-    /// let module = Module::from_ptx_with(&device, ptx, &JitOptions::new().max_registers(32).line_info(true))?;
+    /// let module = Module::from_ptx_with(&device, ptx, &JitConfig::new().max_registers(32).line_info(true))?;
     /// assert!(module.function("add_f32")?.attributes()?.num_registers <= 32);
     /// println!("compiled in {:?}:\n{}", module.compile_time(), module.info_log());
     /// # Ok::<(), cudrv::Error>(())
@@ -570,7 +572,7 @@ impl Module {
     ///
     /// # Errors
     /// As [`Module::from_ptx`], and [`Error::InvalidArgument`] for an option out of range.
-    pub fn from_ptx_with(target: &impl ModuleTarget, ptx: &str, options: &JitOptions) -> Result<Module> {
+    pub fn from_ptx_with(target: &impl ModuleTarget, ptx: &str, options: &JitConfig) -> Result<Module> {
         let text = ptx_cstring(ptx)?;
         // SAFETY: a NUL-terminated string, alive during the call.
         unsafe { Self::load(target.module_context()?, text.as_ptr().cast(), options) }
@@ -586,14 +588,14 @@ impl Module {
     /// driver's error when the driver refuses it (`CUDA_ERROR_NO_BINARY_FOR_GPU` for another
     /// architecture).
     pub fn from_cubin(target: &impl ModuleTarget, image: &[u8]) -> Result<Module> {
-        Self::from_cubin_with(target, image, &JitOptions::default())
+        Self::from_cubin_with(target, image, &JitConfig::default())
     }
 
     /// Loads a cubin with JIT `options` (which matter for the logs only: a cubin is not compiled).
     ///
     /// # Errors
     /// As [`Module::from_cubin`].
-    pub fn from_cubin_with(target: &impl ModuleTarget, image: &[u8], options: &JitOptions) -> Result<Module> {
+    pub fn from_cubin_with(target: &impl ModuleTarget, image: &[u8], options: &JitConfig) -> Result<Module> {
         elf_extent(image)?;
         let copy = aligned_copy(image);
         // SAFETY: a complete ELF image (checked above) in an 8-byte-aligned buffer alive during
@@ -611,15 +613,15 @@ impl Module {
     /// [`Error::InvalidArgument`] for something that is not a fatbin; [`Error::Jit`] or the driver's
     /// error when the driver refuses it.
     pub fn from_fatbin(target: &impl ModuleTarget, image: &[u8]) -> Result<Module> {
-        Self::from_fatbin_with(target, image, &JitOptions::default())
+        Self::from_fatbin_with(target, image, &JitConfig::default())
     }
 
-    /// Loads a fatbin with JIT `options` ([`JitOptions::fallback`] chooses between its PTX and its
+    /// Loads a fatbin with JIT `options` ([`JitConfig::fallback`] chooses between its PTX and its
     /// binaries).
     ///
     /// # Errors
     /// As [`Module::from_fatbin`].
-    pub fn from_fatbin_with(target: &impl ModuleTarget, image: &[u8], options: &JitOptions) -> Result<Module> {
+    pub fn from_fatbin_with(target: &impl ModuleTarget, image: &[u8], options: &JitConfig) -> Result<Module> {
         fatbin_extent(image)?;
         let copy = aligned_copy(image);
         // SAFETY: a complete fatbin (checked above) in an 8-byte-aligned buffer alive during the
@@ -634,14 +636,14 @@ impl Module {
     /// [`Error::InvalidArgument`] when the file cannot be read (with the path and the OS's reason)
     /// or is none of the three; as the `from_*` function for its kind.
     pub fn from_file(target: &impl ModuleTarget, path: impl AsRef<Path>) -> Result<Module> {
-        Self::from_file_with(target, path, &JitOptions::default())
+        Self::from_file_with(target, path, &JitConfig::default())
     }
 
     /// Loads a file with JIT `options`.
     ///
     /// # Errors
     /// As [`Module::from_file`].
-    pub fn from_file_with(target: &impl ModuleTarget, path: impl AsRef<Path>, options: &JitOptions) -> Result<Module> {
+    pub fn from_file_with(target: &impl ModuleTarget, path: impl AsRef<Path>, options: &JitConfig) -> Result<Module> {
         match read_image(path.as_ref())? {
             Image::Cubin(bytes) => Self::from_cubin_with(target, &bytes, options),
             Image::Fatbin(bytes) => Self::from_fatbin_with(target, &bytes, options),
@@ -654,7 +656,7 @@ impl Module {
     /// # Safety
     /// `image` must point to a complete PTX (NUL-terminated), cubin or fatbin image that stays
     /// valid during the call.
-    unsafe fn load(ctx: Arc<Context>, image: *const c_void, options: &JitOptions) -> Result<Module> {
+    unsafe fn load(ctx: Arc<Context>, image: *const c_void, options: &JitConfig) -> Result<Module> {
         let mut jit = JitCall::new(options)?;
         let limits = DeviceLimits::read(&ctx.device())?;
         let _b = ctx.bind()?;
@@ -1127,13 +1129,14 @@ impl LinkInput {
 /// compiles PTX and links it with cubins, fatbins, objects and libraries of relocatable device
 /// code into one image, for a device's context.
 ///
-/// ```no_run
-/// use cudrv::{Device, module::{JitOptions, Linker}};
+/// ```
+/// # cudrv_test_support::doctest_driver();
+/// use cudrv::{Device, module::{JitConfig, Linker}};
 /// let device = Device::get(0)?;
-/// let mut linker = Linker::new(&device, &JitOptions::new().optimization_level(3))?;
-/// linker
-///     .add_ptx("main.ptx", include_str!("../examples/kernels/vector_add.ptx"))?
-///     .add_file("libhelpers.a")?;
+/// let mut linker = Linker::new(&device, &JitConfig::new().optimization_level(3))?;
+/// linker.add_ptx("main.ptx", include_str!("../examples/kernels/vector_add.ptx"))?;
+/// // ... and the code it calls: .add_file("libhelpers.a")? (a device-code archive, nvcc -lib),
+/// // .add_cubin(...), .add_ptx(...)
 /// let module = linker.complete()?; // links and loads; the link state is destroyed
 /// let add = module.function("add_f32")?;
 /// # Ok::<(), cudrv::Error>(())
@@ -1164,7 +1167,7 @@ impl Linker {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an option out of range; the driver's error.
-    pub fn new(target: &impl ModuleTarget, options: &JitOptions) -> Result<Linker> {
+    pub fn new(target: &impl ModuleTarget, options: &JitConfig) -> Result<Linker> {
         let ctx = target.module_context()?;
         let mut jit = JitCall::new(options)?;
         let mut raw = std::ptr::null_mut();
@@ -1368,7 +1371,7 @@ impl Linker {
         let copy = aligned_copy(image);
         // SAFETY: a complete cubin (the linker's output), in an 8-byte-aligned buffer alive during
         // the call.
-        let mut module = unsafe { Module::load(ctx, copy.as_ptr().cast(), &JitOptions::new().log_size(log_size)) }?;
+        let mut module = unsafe { Module::load(ctx, copy.as_ptr().cast(), &JitConfig::new().log_size(log_size)) }?;
         let (info, time) = (self.jit.info_text(), self.jit.wall_time());
         if let Some(inner) = Arc::get_mut(&mut module.inner) {
             if !info.is_empty() {
@@ -1431,7 +1434,8 @@ impl fmt::Debug for Linker {
 /// A context-independent library (`cuLibraryLoadData`, CUDA 12.0 and newer): loaded once for the
 /// process, and into each device's context when a [`Kernel`] of it is first asked for there.
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream, launch::LaunchConfig, memory::DeviceBuffer, module::Library};
 /// let library = Library::from_ptx(include_str!("../examples/kernels/vector_add.ptx"))?;
 /// let fill = library.kernel("fill_u32")?;
@@ -1491,14 +1495,14 @@ impl Library {
     /// # Errors
     /// [`Error::MissingSymbol`] with a driver older than CUDA 12.0; as [`Module::from_ptx`].
     pub fn from_ptx(ptx: &str) -> Result<Library> {
-        Self::from_ptx_with(ptx, &JitOptions::default())
+        Self::from_ptx_with(ptx, &JitConfig::default())
     }
 
     /// Loads PTX text with JIT `options`.
     ///
     /// # Errors
     /// As [`Library::from_ptx`], and [`Error::InvalidArgument`] for an option out of range.
-    pub fn from_ptx_with(ptx: &str, options: &JitOptions) -> Result<Library> {
+    pub fn from_ptx_with(ptx: &str, options: &JitConfig) -> Result<Library> {
         let text = ptx_cstring(ptx)?;
         // SAFETY: a NUL-terminated string, alive during the call.
         unsafe { Self::load(text.as_ptr().cast(), options) }
@@ -1512,14 +1516,14 @@ impl Library {
         elf_extent(image)?;
         let copy = aligned_copy(image);
         // SAFETY: a complete ELF image in an 8-byte-aligned buffer alive during the call.
-        unsafe { Self::load(copy.as_ptr().cast(), &JitOptions::default()) }
+        unsafe { Self::load(copy.as_ptr().cast(), &JitConfig::default()) }
     }
 
     /// Loads a fatbin (checked as [`Module::from_fatbin`] checks it) with JIT `options`.
     ///
     /// # Errors
     /// As [`Library::from_ptx`] and [`Module::from_fatbin`].
-    pub fn from_fatbin_with(image: &[u8], options: &JitOptions) -> Result<Library> {
+    pub fn from_fatbin_with(image: &[u8], options: &JitConfig) -> Result<Library> {
         fatbin_extent(image)?;
         let copy = aligned_copy(image);
         // SAFETY: a complete fatbin in an 8-byte-aligned buffer alive during the call.
@@ -1531,7 +1535,7 @@ impl Library {
     /// # Errors
     /// As [`Library::from_fatbin_with`].
     pub fn from_fatbin(image: &[u8]) -> Result<Library> {
-        Self::from_fatbin_with(image, &JitOptions::default())
+        Self::from_fatbin_with(image, &JitConfig::default())
     }
 
     /// Loads a file: a cubin, a fatbin or PTX text, as [`Module::from_file`] tells them apart.
@@ -1539,14 +1543,14 @@ impl Library {
     /// # Errors
     /// As [`Module::from_file`] and [`Library::from_ptx`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<Library> {
-        Self::from_file_with(path, &JitOptions::default())
+        Self::from_file_with(path, &JitConfig::default())
     }
 
     /// Loads a file with JIT `options`.
     ///
     /// # Errors
     /// As [`Library::from_file`].
-    pub fn from_file_with(path: impl AsRef<Path>, options: &JitOptions) -> Result<Library> {
+    pub fn from_file_with(path: impl AsRef<Path>, options: &JitConfig) -> Result<Library> {
         match read_image(path.as_ref())? {
             Image::Cubin(bytes) => {
                 elf_extent(&bytes)?;
@@ -1561,7 +1565,7 @@ impl Library {
 
     /// # Safety
     /// `image` must point to a complete image (PTX NUL-terminated) valid during the call.
-    unsafe fn load(image: *const c_void, options: &JitOptions) -> Result<Library> {
+    unsafe fn load(image: *const c_void, options: &JitConfig) -> Result<Library> {
         if crate::host_fn::in_host_fn() {
             return Err(Error::InHostFunction { call: "Library::load" });
         }

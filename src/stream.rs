@@ -29,7 +29,8 @@ const CU_STREAM_PER_THREAD: usize = 0x2;
 /// dropped, and work still queued on it completes anyway (the driver's semantics). Streams made by
 /// [`Stream::new`] are non-blocking: they do not synchronise with the legacy default stream.
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream};
 /// let stream = Stream::new(&Device::get(0)?)?;
 /// stream.launch_host_fn(|| println!("everything queued before this has run"))?;
@@ -539,10 +540,11 @@ impl Stream {
         self.refuse_in_capture("Stream::launch_host_fn (in a graph, use Graph::add_host_node)")?;
         let _b = self.inner().ctx.bind()?;
         let data = Box::into_raw(Box::new(Box::new(f) as Boxed));
-        // SAFETY: the stream is valid, the trampoline has the driver's CUhostFn signature and
-        // `data` stays valid until the trampoline takes it back.
         let rc = driver().and_then(|d| {
-            check("cuLaunchHostFunc", unsafe { d.cuLaunchHostFunc(self.as_raw(), Some(trampoline), data.cast()) })
+            // SAFETY: the stream is valid, the trampoline has the driver's CUhostFn signature and
+            // `data` stays valid until the trampoline takes it back.
+            let rc = unsafe { d.cuLaunchHostFunc(self.as_raw(), Some(trampoline), data.cast()) };
+            check("cuLaunchHostFunc", rc)
         });
         if rc.is_err() {
             // SAFETY: the driver did not take `data`, so it is still ours to free.

@@ -100,10 +100,12 @@ fn main() {
         fs::write(&path, &raw).unwrap_or_else(|e| panic!("cannot write {}: {e}", Path::new(&path).display()));
     }
 
-    let (types, functions) = table::split(&raw).unwrap_or_else(|e| panic!("cannot read the bindings: {e}"));
-    fs::write(out_dir.join("types.rs"), &types).expect("OUT_DIR is writable");
-    let mut generated = table::generate(&functions);
-    generated.push_str(&table::generate_result_names(&types));
+    // The bindings used, for the tests that check the generated tables against them.
+    fs::write(out_dir.join("bindings.rs"), &raw).expect("OUT_DIR is writable");
+    let bindings = table::read(&raw).unwrap_or_else(|e| panic!("cannot read the bindings: {e}"));
+    fs::write(out_dir.join("types.rs"), &bindings.types).expect("OUT_DIR is writable");
+    let mut generated = table::generate(&bindings.functions);
+    generated.push_str(&table::generate_result_names(&bindings.results));
     fs::write(out_dir.join("functions.rs"), generated).expect("OUT_DIR is writable");
 
     println!("cargo:rustc-env=CUDRV_SYS_BINDINGS_SOURCE={}", source.replace('\n', " "));

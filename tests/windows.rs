@@ -4,7 +4,7 @@
 //!
 //! In CI these run under Wine (`.ci/windows`), with the fake `nvcuda.dll` copied into the Wine
 //! prefix's `system32`. Tests that need the fake there skip with a message when it is not (a
-//! machine without it, or one with a real NVIDIA driver). As in `fake_core.rs`, every body runs in a
+//! machine without it, or one with a real NVIDIA driver). As in `tests/fake/basics.rs`, every body runs in a
 //! child process (`run_with_fake`), and tests never set environment variables in this process.
 #![cfg(windows)]
 

@@ -71,7 +71,8 @@ pub(crate) fn byte_len<T>(len: usize) -> Result<usize> {
 ///   safety needs (the buffer's free, and host access to pinned memory); the order of your data
 ///   between streams is yours.
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream, memory::DeviceBuffer};
 /// let stream = Stream::new(&Device::get(0)?)?;
 /// let buf = DeviceBuffer::from_slice(&[1u32, 2, 3], &stream)?;
@@ -360,24 +361,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
+        let bits = element_bits(&value)?;
         self.use_on(&self.stream)?;
-        let _b = self.stream.context().bind()?;
-        let s = self.stream.as_raw();
-        // SAFETY: `value` is plain data of the matched size; reading its bytes is sound.
-        let bits = |n: usize| unsafe { std::slice::from_raw_parts((&raw const value).cast::<u8>(), n) }.to_vec();
-        // SAFETY (all three): the range is this buffer's memory; the fill is ordered on its stream.
-        match size_of::<T>() {
-            1 => unsafe { drv!(cuMemsetD8Async(self.ptr, bits(1)[0], self.len, s)) },
-            2 => {
-                let b = bits(2);
-                unsafe { drv!(cuMemsetD16Async(self.ptr, u16::from_ne_bytes([b[0], b[1]]), self.len, s)) }
-            }
-            4 => {
-                let b = bits(4);
-                unsafe { drv!(cuMemsetD32Async(self.ptr, u32::from_ne_bytes([b[0], b[1], b[2], b[3]]), self.len, s)) }
-            }
-            n => Err(Error::InvalidArgument(format!("fill needs 1-, 2- or 4-byte elements, not {n}-byte ones"))),
-        }
+        memset_async_range(self.ptr, self.len, bits, size_of::<T>(), &self.stream)
     }
 
     /// Sets every byte to `byte` and returns once it is done (`cuMemsetD8`), after the work queued
@@ -385,7 +371,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// default stream and may return before they finish on device memory, so cudrv waits for that
     /// stream too: work queued on the buffer's stream afterwards sees the new contents.
     ///
-    /// ```no_run
+    /// ```
+    /// # cudrv_test_support::doctest_driver();
     /// use cudrv::{Device, Stream, memory::DeviceBuffer};
     /// let stream = Stream::new(&Device::get(0)?)?;
     /// let mut buf = DeviceBuffer::<u8>::zeroed(1024, &stream)?;
@@ -418,7 +405,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// has run. The borrows keep the source and destination apart (use
     /// [`DeviceBuffer::copy_within`] inside one buffer).
     ///
-    /// ```no_run
+    /// ```
+    /// # cudrv_test_support::doctest_driver();
     /// use cudrv::{Device, Stream, memory::DeviceBuffer};
     /// let device = Device::get(0)?;
     /// let (a, b) = (Stream::new(&device)?, Stream::new(&device)?);
@@ -962,6 +950,25 @@ pub(crate) fn element_bits<T: DeviceRepr>(value: &T) -> Result<u32> {
 /// `CU_STREAM_LEGACY`, a macro bindgen cannot translate.
 const CU_STREAM_LEGACY: cudrv_sys::CUstream = std::ptr::without_provenance_mut(1);
 
+/// Queues a memset of `count` elements of `elem` bytes (1, 2 or 4) at `ptr` on `stream`, each set
+/// to the low `elem` bytes of `bits`.
+pub(crate) fn memset_async_range(ptr: DevicePtr, count: usize, bits: u32, elem: usize, stream: &Stream) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    let _b = stream.context().bind()?;
+    let s = stream.as_raw();
+    match elem {
+        // SAFETY: the caller passes live device memory of `count` elements of `elem` bytes that it
+        // may write, with its uses ordered on `stream`; the context is current.
+        1 => unsafe { drv!(cuMemsetD8Async(ptr, bits as u8, count, s)) },
+        // SAFETY: as above.
+        2 => unsafe { drv!(cuMemsetD16Async(ptr, bits as u16, count, s)) },
+        // SAFETY: as above.
+        _ => unsafe { drv!(cuMemsetD32Async(ptr, bits, count, s)) },
+    }
+}
+
 /// A synchronous memset of `count` elements of `elem` bytes (1, 2 or 4) at `ptr`: after the work
 /// queued on `stream` so far, and finished (the legacy default stream, where the driver runs it,
 /// is waited for) when this returns.
@@ -974,10 +981,51 @@ pub(crate) fn memset_sync_range(ptr: DevicePtr, count: usize, bits: u32, elem: u
     // SAFETY (all three): the caller passes live device memory of `count` elements of `elem`
     // bytes that it may write; the stream's earlier work is complete (above).
     match elem {
+        // SAFETY: as above.
         1 => unsafe { drv!(cuMemsetD8_v2(ptr, bits as u8, count)) },
+        // SAFETY: as above.
         2 => unsafe { drv!(cuMemsetD16_v2(ptr, bits as u16, count)) },
+        // SAFETY: as above.
         _ => unsafe { drv!(cuMemsetD32_v2(ptr, bits, count)) },
     }?;
     // SAFETY: the legacy stream of the current context.
     unsafe { drv!(cuStreamSynchronize(CU_STREAM_LEGACY)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounds_accept_every_range_form_inside_the_buffer() {
+        assert_eq!(bounds(.., 10).unwrap(), (0, 10));
+        assert_eq!(bounds(2..5, 10).unwrap(), (2, 5));
+        assert_eq!(bounds(2..=5, 10).unwrap(), (2, 6));
+        assert_eq!(bounds(..=9, 10).unwrap(), (0, 10));
+        assert_eq!(bounds(7.., 10).unwrap(), (7, 10));
+        assert_eq!(bounds(10.., 10).unwrap(), (10, 10), "an empty range at the end");
+        assert_eq!(bounds(3..3, 10).unwrap(), (3, 3));
+        use std::ops::Bound::{Excluded, Included};
+        assert_eq!(bounds((Excluded(2), Included(4)), 10).unwrap(), (3, 5));
+    }
+
+    #[test]
+    fn bounds_refuse_ranges_outside_or_reversed_or_overflowing() {
+        for bad in [bounds(0..11, 10), bounds(..=10, 10), bounds(11.., 10), bounds(0..usize::MAX, 10)] {
+            assert!(matches!(bad, Err(Error::InvalidArgument(ref m)) if m.contains("outside")), "{bad:?}");
+        }
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = bounds(5..2, 10);
+        assert!(matches!(reversed, Err(Error::InvalidArgument(_))), "{reversed:?}");
+        assert!(matches!(bounds(..=usize::MAX, 10), Err(Error::InvalidArgument(ref m)) if m.contains("overflow")));
+        use std::ops::Bound::{Excluded, Unbounded};
+        let past = bounds((Excluded(usize::MAX), Unbounded), 10);
+        assert!(matches!(past, Err(Error::InvalidArgument(ref m)) if m.contains("overflow")), "{past:?}");
+    }
+
+    #[test]
+    fn byte_len_refuses_overflow() {
+        assert_eq!(byte_len::<u32>(10).unwrap(), 40);
+        assert!(byte_len::<u64>(usize::MAX / 4).is_err());
+    }
 }

@@ -173,7 +173,8 @@ fn make(device: &Device, kind: ResourceKind) -> Result<Arc<dyn MemoryResource>> 
 impl Device {
     /// The device's memory resource, made on first use as [`choose`] decides, and shared.
     ///
-    /// ```no_run
+    /// ```
+    /// # cudrv_test_support::doctest_driver();
     /// let device = cudrv::Device::get(0)?;
     /// let (_resource, choice) = device.memory_resource_choice()?;
     /// println!("device 0 allocates with {}: {}", choice.kind, choice.reason);

@@ -13,9 +13,9 @@ use crate::error::{Error, Result};
 use crate::result::{driver, drv};
 use crate::stream::Stream;
 
-/// Options of an owned pool ([`DriverPool::with_options`]).
+/// The configuration of an owned pool ([`DriverPool::with_config`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DriverPoolOptions {
+pub struct DriverPoolConfig {
     /// Bytes the pool keeps cached at a synchronisation point before giving memory back to the
     /// driver. The default is `u64::MAX`, see [`DriverPool`].
     pub release_threshold: u64,
@@ -24,9 +24,9 @@ pub struct DriverPoolOptions {
     pub max_size: usize,
 }
 
-impl Default for DriverPoolOptions {
+impl Default for DriverPoolConfig {
     fn default() -> Self {
-        DriverPoolOptions { release_threshold: u64::MAX, max_size: 0 }
+        DriverPoolConfig { release_threshold: u64::MAX, max_size: 0 }
     }
 }
 
@@ -35,7 +35,7 @@ impl Default for DriverPoolOptions {
 /// The release threshold is raised to `u64::MAX` by default. The driver's default is 0, which
 /// gives every cached byte back to the OS at each synchronisation, so that the next allocation
 /// after a `synchronize` pays for a fresh mapping: about twice as slow overall (cuda.core #756).
-/// Use [`DriverPool::trim_to`] to give memory back explicitly.
+/// Use [`MemoryResource::trim`] to give memory back explicitly.
 ///
 /// If the driver refuses pool allocation at run time (`CUDA_ERROR_NOT_SUPPORTED`) although the
 /// device reports pools, the resource switches to a [`StreamOrderedPool`] for the rest of its
@@ -116,7 +116,7 @@ impl DriverPool {
     /// # Errors
     /// [`Error::Unsupported`] when the device has no pools (or `max_size` is asked of headers or a
     /// driver older than 12.2); the driver's error.
-    pub fn with_options(device: &Device, options: DriverPoolOptions) -> Result<DriverPool> {
+    pub fn with_config(device: &Device, config: DriverPoolConfig) -> Result<DriverPool> {
         Self::require_pools(device)?;
         let ctx = device.primary_context()?;
         #[allow(unused_mut)]
@@ -129,10 +129,10 @@ impl DriverPool {
             },
             ..Default::default()
         };
-        if options.max_size != 0 {
+        if config.max_size != 0 {
             #[cfg(cuda_12080)]
             {
-                props.maxSize = options.max_size;
+                props.maxSize = config.max_size;
             }
             #[cfg(not(cuda_12080))]
             return Err(device.unsupported(
@@ -154,7 +154,7 @@ impl DriverPool {
             fallback: OnceLock::new(),
             switched: AtomicBool::new(false),
         };
-        p.set_attribute(Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, options.release_threshold)?;
+        p.set_attribute(Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, config.release_threshold)?;
         Ok(p)
     }
 
@@ -182,38 +182,8 @@ impl DriverPool {
         Ok(value)
     }
 
-    /// Sets the release threshold.
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
-        self.set_attribute(Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, bytes)
-    }
-
-    /// Gives cached memory back until at most `keep_bytes` stay reserved (`cuMemPoolTrimTo`).
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
-        let _b = self.ctx.bind()?;
-        // SAFETY: valid pool handle.
-        unsafe { drv!(cuMemPoolTrimTo(self.pool.0, keep_bytes)) }
-    }
-
-    /// Resets the high-water marks to the current values.
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn reset_pool_peaks(&self) -> Result<()> {
-        self.set_attribute(Attr::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)?;
-        self.set_attribute(Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
-    }
-
     /// Reserved and used bytes, current and high-water, as the driver counts them.
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn pool_stats(&self) -> Result<MemoryStats> {
+    fn driver_stats(&self) -> Result<MemoryStats> {
         Ok(MemoryStats {
             reserved: self.attribute(Attr::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)? as usize,
             peak_reserved: self.attribute(Attr::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)? as usize,
@@ -284,7 +254,7 @@ impl DriverPool {
     }
 
     fn out_of_memory(&self, bytes: usize) -> Error {
-        let stats = self.pool_stats().unwrap_or_default();
+        let stats = self.driver_stats().unwrap_or_default();
         Error::OutOfMemory {
             requested: bytes,
             resource: "DriverPool",
@@ -355,21 +325,31 @@ unsafe impl MemoryResource for DriverPool {
     }
 
     fn stats(&self) -> Option<MemoryStats> {
-        self.pool_stats().ok()
+        self.driver_stats().ok()
     }
 
     fn reset_peaks(&self) -> Result<()> {
         if let Some(f) = self.fallback.get() {
             f.reset_peaks()?;
         }
-        self.reset_pool_peaks()
+        self.set_attribute(Attr::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)?;
+        self.set_attribute(Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
     }
 
     fn trim(&self, keep_bytes: usize) -> Result<()> {
         if let Some(f) = self.fallback.get() {
-            f.trim_to(keep_bytes)?;
+            f.trim(keep_bytes)?;
         }
-        self.trim_to(keep_bytes)
+        let _b = self.ctx.bind()?;
+        // SAFETY: valid pool handle.
+        unsafe { drv!(cuMemPoolTrimTo(self.pool.0, keep_bytes)) }
+    }
+
+    fn set_release_threshold(&self, bytes: usize) -> Result<()> {
+        if let Some(f) = self.fallback.get() {
+            f.set_release_threshold(bytes)?;
+        }
+        self.set_attribute(Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, bytes as u64)
     }
 }
 

@@ -25,7 +25,8 @@ use crate::stream::Stream;
 /// waits, on the GPU, for the earlier ones of other streams). If a wait fails, the host access
 /// returns the error and `Drop` leaks the memory rather than free it under a copy.
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream, memory::{DeviceBuffer, PinnedBuffer}};
 /// let device = Device::get(0)?;
 /// let stream = Stream::new(&device)?;
@@ -95,21 +96,50 @@ unsafe impl<T: DeviceRepr> Send for PinnedBuffer<T> {}
 // SAFETY: shared access only reads (after waiting for pending copies) or appends to the Mutex.
 unsafe impl<T: DeviceRepr> Sync for PinnedBuffer<T> {}
 
+/// How [`PinnedBuffer::with_flags`] allocates pinned memory. The default is cudrv's: portable
+/// (usable from every context), not write-combined.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct PinnedFlags {
+    /// Write-combined (`CU_MEMHOSTALLOC_WRITECOMBINED`): faster for the GPU to read over PCIe,
+    /// very slow for the host to read. Off by default (cudarc #579).
+    pub write_combined: bool,
+}
+
+impl PinnedFlags {
+    /// With write-combining set to `on`.
+    #[must_use]
+    pub fn write_combined(mut self, on: bool) -> PinnedFlags {
+        self.write_combined = on;
+        self
+    }
+}
+
 impl<T: DeviceRepr> PinnedBuffer<T> {
     /// `len` zeroed elements of pinned memory, not write-combined.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) on overflow; the driver's error (out of memory).
     pub fn new(device: &Device, len: usize) -> Result<PinnedBuffer<T>> {
-        Self::with_flags(device, len, false)
+        Self::with_flags(device, len, PinnedFlags::default())
     }
 
-    /// As [`PinnedBuffer::new`], write-combined when `write_combined` is set: faster for the GPU
-    /// to read over PCIe, very slow for the host to read. Off by default (cudarc #579).
+    /// As [`PinnedBuffer::new`], with `flags` (`cuMemHostAlloc` flags beyond cudrv's portable
+    /// default).
+    ///
+    /// ```
+    /// # cudrv_test_support::doctest_driver();
+    /// use cudrv::{Device, memory::{PinnedBuffer, PinnedFlags}};
+    /// let device = Device::get(0)?;
+    /// let upload = PinnedBuffer::<f32>::with_flags(&device, 1 << 20, PinnedFlags::default().write_combined(true))?;
+    /// assert_eq!(upload.len(), 1 << 20);
+    /// # Ok::<(), cudrv::Error>(())
+    /// ```
     ///
     /// # Errors
     /// As [`PinnedBuffer::new`].
-    pub fn with_flags(device: &Device, len: usize, write_combined: bool) -> Result<PinnedBuffer<T>> {
+    pub fn with_flags(device: &Device, len: usize, flags: PinnedFlags) -> Result<PinnedBuffer<T>> {
+        let write_combined = flags.write_combined;
         let bytes = byte_len::<T>(len)?;
         let align = align_of::<T>();
         let ctx = device.primary_context()?;

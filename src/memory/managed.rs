@@ -189,7 +189,8 @@ const CAPTURE: &str = "ManagedBuffer during a capture (capture work on DeviceBuf
 /// ([`ManagedBuffer::to_vec`], [`ManagedBuffer::copy_from_host`]) go through the driver instead.
 /// Prefetching needs concurrent managed access too (the driver refuses it otherwise).
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream, memory::{Advice, Location, ManagedBuffer}};
 /// let device = Device::get(0)?;
 /// let stream = Stream::new(&device)?;
@@ -357,14 +358,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
             return Ok(());
         }
         self.record_use(&self.stream)?;
-        let (p, n, s) = (self.ptr, self.len, self.stream.as_raw());
-        let _b = self.stream.context().bind()?;
-        // SAFETY (all three): the buffer's memory, held mutably; ordered on its stream.
-        match size_of::<T>() {
-            1 => unsafe { drv!(cuMemsetD8Async(p, bits as u8, n, s)) },
-            2 => unsafe { drv!(cuMemsetD16Async(p, bits as u16, n, s)) },
-            _ => unsafe { drv!(cuMemsetD32Async(p, bits, n, s)) },
-        }
+        super::buffer::memset_async_range(self.ptr, self.len, bits, size_of::<T>(), &self.stream)
     }
 
     /// Copies `src` into the buffer through the driver (on the buffer's stream) and waits: works

@@ -116,8 +116,11 @@ impl Pitched {
         // SAFETY (all three): the rows lie in this allocation, which the caller holds mutably;
         // ordered on the buffer's stream.
         match elem {
+            // SAFETY: as above.
             1 => unsafe { drv!(cuMemsetD2D8Async(ptr, pitch, bits as u8, count, rows, s)) },
+            // SAFETY: as above.
             2 => unsafe { drv!(cuMemsetD2D16Async(ptr, pitch, bits as u16, count, rows, s)) },
+            // SAFETY: as above.
             _ => unsafe { drv!(cuMemsetD2D32Async(ptr, pitch, bits, count, rows, s)) },
         }
     }
@@ -134,8 +137,11 @@ impl Pitched {
         // SAFETY (all three): the rows are this allocation's, held mutably by the caller; the
         // stream's earlier work is complete.
         match elem {
+            // SAFETY: as above.
             1 => unsafe { drv!(cuMemsetD2D8_v2(ptr, pitch, bits as u8, count, rows)) },
+            // SAFETY: as above.
             2 => unsafe { drv!(cuMemsetD2D16_v2(ptr, pitch, bits as u16, count, rows)) },
+            // SAFETY: as above.
             _ => unsafe { drv!(cuMemsetD2D32_v2(ptr, pitch, bits, count, rows)) },
         }?;
         // SAFETY: the legacy stream of the current context, where the driver ran the memset.
@@ -266,7 +272,8 @@ fn check_host(what: &str, len: usize, width: usize, rows: usize, stride: usize) 
 ///   then frees. For buffers made and dropped on a hot path, allocate a [`DeviceBuffer`] with a
 ///   pitch of your own instead: it is freed in stream order.
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream, memory::DeviceBuffer2D};
 /// let stream = Stream::new(&Device::get(0)?)?;
 /// let image: Vec<f32> = (0..640 * 480).map(|i| i as f32).collect();
@@ -763,7 +770,8 @@ impl<T: DeviceRepr> fmt::Debug for DeviceView2D<'_, T> {
 /// `cuMemcpy3DAsync`. Element `(x, y, z)` is at
 /// `as_raw() + (z * height + y) * pitch() + x * size_of::<T>()`.
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream, memory::DeviceBuffer3D};
 /// let stream = Stream::new(&Device::get(0)?)?;
 /// let volume: Vec<u16> = (0..64 * 64 * 16).map(|i| i as u16).collect();

@@ -84,6 +84,17 @@ pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Sets the release threshold: the most memory the resource keeps cached before giving free
+    /// memory back to the driver as it goes (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD` for the driver's
+    /// pools). Resources that cache nothing ignore it.
+    ///
+    /// # Errors
+    /// The driver's error.
+    fn set_release_threshold(&self, bytes: usize) -> Result<()> {
+        let _ = bytes;
+        Ok(())
+    }
+
     /// Resets the high-water marks of [`MemoryResource::stats`] to the current values.
     ///
     /// # Errors

@@ -48,7 +48,8 @@ use crate::stream::{Attachment, Stream, StreamKey, attachment_owner_id};
 /// When a stream's last user drops it, the pool records one last event on it (so other streams
 /// can still reuse its blocks after a GPU-side wait) and lets it go.
 ///
-/// ```no_run
+/// ```
+/// # cudrv_test_support::doctest_driver();
 /// use cudrv::{Device, Stream, memory::{MemoryResource, StreamOrderedPool}};
 /// let device = Device::get(0)?;
 /// let pool = StreamOrderedPool::new(&device)?;
@@ -267,21 +268,6 @@ impl StreamOrderedPool {
         pool::stats(&*self.shared)
     }
 
-    /// Gives free memory back to the driver until at most `keep_bytes` are reserved. Waits on the
-    /// host (with no lock held) for the frees in that memory to complete.
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
-        pool::trim_to(&*self.shared, keep_bytes)
-    }
-
-    /// Sets the release threshold: when growing would reserve more than this, chunks whose frees
-    /// have completed (checked without waiting) are given back first.
-    pub fn set_release_threshold(&self, bytes: usize) {
-        self.shared.arena(|a| a.config.release_threshold = bytes);
-    }
-
     /// Whether `ptr` is a live allocation of this pool (`stream` is where to look first).
     pub(crate) fn owns(&self, ptr: DevicePtr, stream: &Stream) -> bool {
         pool::owns(&*self.shared, ptr, stream.key())
@@ -353,8 +339,17 @@ unsafe impl MemoryResource for StreamOrderedPool {
         ResourceKind::StreamOrderedPool
     }
 
+    /// Gives free memory back to the driver until at most `keep_bytes` are reserved. Waits on the
+    /// host (with no lock held) for the frees in that memory to complete.
     fn trim(&self, keep_bytes: usize) -> Result<()> {
-        self.trim_to(keep_bytes)
+        pool::trim_to(&*self.shared, keep_bytes)
+    }
+
+    /// When growing would reserve more than `bytes`, chunks whose frees have completed (checked
+    /// without waiting) are given back first.
+    fn set_release_threshold(&self, bytes: usize) -> Result<()> {
+        self.shared.arena(|a| a.config.release_threshold = bytes);
+        Ok(())
     }
 
     fn reset_peaks(&self) -> Result<()> {

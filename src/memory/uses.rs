@@ -80,3 +80,19 @@ pub(crate) fn free_after_waiting(owner: Stream, used: Vec<Stream>, free: impl Fn
 pub(crate) fn check_len(what: &'static str, expected: usize, found: usize) -> Result<()> {
     if expected == found { Ok(()) } else { Err(Error::LengthMismatch { what, expected, found }) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_len_names_both_lengths() {
+        assert!(check_len("the DeviceBuffer", 4, 4).is_ok());
+        match check_len("the DeviceBuffer", 4, 3) {
+            Err(e @ Error::LengthMismatch { what: "the DeviceBuffer", expected: 4, found: 3 }) => {
+                assert_eq!(e.to_string(), "length mismatch: the DeviceBuffer has 4 elements, the other side 3");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -39,132 +39,100 @@ pub fn base_name(name: &str) -> &str {
     name
 }
 
-/// Splits bindgen's output into the bindings without `extern` blocks and the declared functions.
-pub fn split(bindings: &str) -> Result<(String, Vec<Function>), String> {
-    let mut rest = bindings;
-    let mut types = String::with_capacity(bindings.len());
+/// What [`read`] takes out of bindgen's output.
+pub struct Bindings {
+    /// The bindings without `extern` blocks: types, constants, impls.
+    pub types: String,
+    /// The declared functions.
+    pub functions: Vec<Function>,
+    /// `(name, value)` of every `CUresult` constant (`CUDA_ERROR_OUT_OF_MEMORY`, 2).
+    pub results: Vec<(String, u32)>,
+}
+
+/// Reads bindgen's output with `syn`: the functions declared in `extern` blocks, the `CUresult`
+/// constants, and the rest, pretty-printed again without the `extern` blocks.
+pub fn read(bindings: &str) -> Result<Bindings, String> {
+    let mut file = syn::parse_file(bindings).map_err(|e| format!("the bindings do not parse: {e}"))?;
     let mut functions = Vec::new();
-    while let Some(start) = find_extern_block(rest) {
-        types.push_str(&rest[..start.item_start]);
-        let body_start = start.brace + 1;
-        let body_len = matching(&rest[body_start..], '{', '}')
-            .ok_or_else(|| "unbalanced braces in an extern block".to_string())?;
-        let body = &rest[body_start..body_start + body_len];
-        for item in split_top_level(body, ';') {
-            let item = strip_attributes(item.trim());
-            if item.is_empty() {
-                continue;
+    let mut results = Vec::new();
+    let mut kept = Vec::with_capacity(file.items.len());
+    for item in std::mem::take(&mut file.items) {
+        match item {
+            syn::Item::ForeignMod(block) => {
+                let abi = block.abi.name.as_ref().map_or_else(|| "C".to_string(), syn::LitStr::value);
+                for foreign in block.items {
+                    match foreign {
+                        syn::ForeignItem::Fn(f) => functions.push(function(&f.sig, &abi)?),
+                        other => return Err(format!("unexpected item in an extern block: {}", tokens(&other))),
+                    }
+                }
             }
-            functions.push(parse_fn(item, &start.abi)?);
+            item => {
+                if let syn::Item::Impl(block) = &item {
+                    results.extend(result_constants(block));
+                }
+                kept.push(item);
+            }
         }
-        rest = &rest[body_start + body_len + 1..];
     }
-    types.push_str(rest);
     if functions.is_empty() {
         return Err("no extern function declarations found in the bindings".into());
     }
-    Ok((types, functions))
+    file.items = kept;
+    let types = prettyplease::unparse(&file);
+    Ok(Bindings { types, functions, results })
 }
 
-struct ExternStart {
-    item_start: usize,
-    brace: usize,
-    abi: String,
+fn tokens(t: &impl quote::ToTokens) -> String {
+    t.to_token_stream().to_string()
 }
 
-fn find_extern_block(text: &str) -> Option<ExternStart> {
-    let mut from = 0;
-    while let Some(rel) = text[from..].find("extern \"") {
-        let at = from + rel;
-        let abi_start = at + "extern \"".len();
-        let abi_end = abi_start + text[abi_start..].find('"')?;
-        let after = text[abi_end + 1..].trim_start();
-        if after.starts_with('{') {
-            let brace = text.len() - after.len();
-            let line_start = text[..at].rfind('\n').map_or(0, |p| p + 1);
-            // Include `unsafe ` and any attributes on the same line.
-            return Some(ExternStart { item_start: line_start, brace, abi: text[abi_start..abi_end].to_string() });
-        }
-        from = abi_end;
+/// A declared function: its name, parameters and return type, as Rust source.
+fn function(sig: &syn::Signature, abi: &str) -> Result<Function, String> {
+    let name = sig.ident.to_string();
+    if sig.variadic.is_some() {
+        return Err(format!("variadic driver function {name} is not supported"));
     }
-    None
-}
-
-/// Splits at `sep` where no bracket of any kind is open. `->` does not close an angle bracket.
-fn split_top_level(text: &str, sep: char) -> Vec<&str> {
-    let mut parts = Vec::new();
-    let mut depth = 0i32;
-    let mut last = 0;
-    let bytes = text.as_bytes();
-    for (i, c) in text.char_indices() {
-        match c {
-            '(' | '[' | '<' | '{' => depth += 1,
-            '>' if i > 0 && bytes[i - 1] == b'-' => {}
-            ')' | ']' | '>' | '}' => depth -= 1,
-            c if c == sep && depth == 0 => {
-                parts.push(&text[last..i]);
-                last = i + 1;
-            }
-            _ => {}
-        }
-    }
-    parts.push(&text[last..]);
-    parts
-}
-
-fn strip_attributes(mut item: &str) -> &str {
-    while let Some(rest) = item.strip_prefix("#[") {
-        let end = matching(rest, '[', ']').unwrap_or(rest.len() - 1);
-        item = rest[end + 1..].trim_start();
-    }
-    item
-}
-
-fn parse_fn(item: &str, abi: &str) -> Result<Function, String> {
-    let item = item.trim_start_matches("pub ").trim();
-    let sig = item.strip_prefix("fn ").ok_or_else(|| format!("not a function: {item}"))?;
-    let open = sig.find('(').ok_or_else(|| format!("no parameter list: {item}"))?;
-    let name = sig[..open].trim().to_string();
-    let close = open + 1 + matching(&sig[open + 1..], '(', ')').ok_or("unbalanced parameters")?;
-    let params_text = &sig[open + 1..close];
-    let tail = sig[close + 1..].trim();
-    let ret = match tail.strip_prefix("->") {
-        Some(r) => r.trim().to_string(),
-        None => "()".to_string(),
-    };
     let mut params = Vec::new();
-    for p in split_top_level(params_text, ',') {
-        let p = p.trim();
-        if p.is_empty() {
-            continue;
-        }
-        if p == "..." {
-            return Err(format!("variadic driver function {name} is not supported"));
-        }
-        let colon = p.find(':').ok_or_else(|| format!("parameter without a name in {name}"))?;
-        params.push((p[..colon].trim().to_string(), normalize(p[colon + 1..].trim())));
+    for (i, input) in sig.inputs.iter().enumerate() {
+        let syn::FnArg::Typed(arg) = input else { return Err(format!("{name} takes self")) };
+        let pname = match &*arg.pat {
+            syn::Pat::Ident(p) => p.ident.to_string(),
+            _ => format!("arg{i}"),
+        };
+        params.push((pname, normalize(&tokens(&*arg.ty))));
     }
-    Ok(Function { name, abi: abi.to_string(), params, ret: normalize(&ret) })
+    let ret = match &sig.output {
+        syn::ReturnType::Default => "()".to_string(),
+        syn::ReturnType::Type(_, ty) => normalize(&tokens(&**ty)),
+    };
+    Ok(Function { name, abi: abi.to_string(), params, ret })
 }
 
-/// The index of the `close` that balances an `open` already consumed, skipping nested pairs.
-fn matching(text: &str, open: char, close: char) -> Option<usize> {
-    let mut depth = 0usize;
-    for (i, c) in text.char_indices() {
-        if c == open {
-            depth += 1;
-        } else if c == close {
-            if depth == 0 {
-                return Some(i);
-            }
-            depth -= 1;
-        }
+/// The `CUresult` constants of an `impl cudaError_enum` block: `pub const CUDA_X: cudaError_enum
+/// = cudaError_enum(N);`.
+fn result_constants(block: &syn::ItemImpl) -> Vec<(String, u32)> {
+    let is_result = matches!(&*block.self_ty, syn::Type::Path(p) if p.path.is_ident("cudaError_enum"));
+    if !is_result {
+        return Vec::new();
     }
-    None
+    block
+        .items
+        .iter()
+        .filter_map(|item| {
+            let syn::ImplItem::Const(c) = item else { return None };
+            let syn::Expr::Call(call) = &c.expr else { return None };
+            let Some(syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Int(v), .. })) = call.args.first() else {
+                return None;
+            };
+            Some((c.ident.to_string(), v.base10_parse().ok()?))
+        })
+        .collect()
 }
 
+/// `* mut CUdeviceptr` → `*mut CUdeviceptr`: the token printer's spacing, tidied.
 fn normalize(ty: &str) -> String {
-    ty.split_whitespace().collect::<Vec<_>>().join(" ")
+    ty.split_whitespace().collect::<Vec<_>>().join(" ").replace("* mut ", "*mut ").replace("* const ", "*const ")
 }
 
 /// Writes the function table and the `Driver` methods.
@@ -262,22 +230,14 @@ fn version_of(name: &str) -> u32 {
     if base.len() == name.len() { 1 } else { name[base.len() + 2..].parse().unwrap_or(1) }
 }
 
-/// Writes `result_name`, which maps a `CUresult` to its constant's name, from the
-/// `pub const CUDA_...: cudaError_enum = cudaError_enum(N);` lines of the bindings.
-pub fn generate_result_names(types: &str) -> String {
+/// Writes `result_name`, which maps a `CUresult` to its constant's name (the first, where names
+/// share a value).
+pub fn generate_result_names(results: &[(String, u32)]) -> String {
     let mut arms = String::new();
     let mut seen = std::collections::BTreeSet::new();
-    // One item per `;`, whitespace removed: rustfmt wraps long constants over several lines.
-    for item in types.split(';') {
-        let item: String = item.split_whitespace().collect();
-        let Some(at) = item.find("pubconstCUDA_") else { continue };
-        let rest = &item[at + "pubconstCUDA_".len()..];
-        let Some((name, value)) = rest.split_once(":cudaError_enum=cudaError_enum(") else { continue };
-        let Some(value) = value.strip_suffix(')').map(|v| v.trim_end_matches(',')) else { continue };
-        if let Ok(v) = value.parse::<u32>()
-            && seen.insert(v)
-        {
-            let _ = writeln!(arms, "        {v} => Some(\"CUDA_{name}\"),");
+    for (name, v) in results {
+        if seen.insert(*v) {
+            let _ = writeln!(arms, "        {v} => Some(\"{name}\"),");
         }
     }
     format!(

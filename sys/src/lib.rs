@@ -23,6 +23,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 #![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
 #[allow(
@@ -33,6 +34,7 @@
     missing_docs,
     clippy::all,
     clippy::pedantic,
+    clippy::undocumented_unsafe_blocks,
     unsafe_op_in_unsafe_fn,
     unpredictable_function_pointer_comparisons
 )]

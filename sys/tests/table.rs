@@ -1,10 +1,10 @@
-//! The tables the build script generates from the bindings, checked against the committed CUDA
-//! 13.0 bindings: every `CUresult` constant has its name, and every function the table declares
-//! is a function of the bindings.
+//! The tables the build script generates from the bindings, checked against the bindings it used
+//! (generated from the installed headers, or the committed CUDA 13.0 ones): every `CUresult`
+//! constant has its name, and every function the table declares is a function of the bindings.
 
 use cudrv_sys::{CUresult, Driver, result_description, result_name};
 
-const COMMITTED: &str = include_str!("../bindings/cuda_13000.rs");
+const COMMITTED: &str = include_str!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 
 /// `(name, value)` of every `CUresult` constant in the committed bindings, however rustfmt
 /// wrapped its line.
@@ -27,7 +27,7 @@ fn result_constants() -> Vec<(String, u32)> {
 #[test]
 fn every_result_code_of_the_bindings_is_named() {
     let constants = result_constants();
-    assert!(constants.len() > 100, "found only {} CUresult constants", constants.len());
+    assert!(constants.len() > 50, "found only {} CUresult constants", constants.len());
     for (name, value) in &constants {
         let named = result_name(CUresult(*value)).unwrap_or_else(|| panic!("{name} ({value}) has no name"));
         // Aliases share a value: the table names the first.

@@ -136,7 +136,7 @@ pub fn pool_memory_of_a_graph_is_reserved_until_it_is_gone() {
     cudrv::flush_deferred_drops().unwrap();
     assert_eq!(pool.pool_stats().in_use, before, "given back after the last launch");
     drop((x, y, res));
-    pool.trim_to(0).unwrap();
+    pool.trim(0).unwrap();
     assert_eq!(pool.pool_stats().reserved, 0);
     drop(pool);
     release_everything(&dev);
@@ -213,7 +213,7 @@ pub fn a_buffer_used_by_a_graph_outlives_its_drop() {
     cudrv::flush_deferred_drops().unwrap();
     assert_eq!(pool.pool_stats().in_use, in_use, "freed once the graph is gone (`other` took as much)");
     drop((out, other, res));
-    pool.trim_to(0).unwrap();
+    pool.trim(0).unwrap();
     assert_eq!(pool.pool_stats().reserved, 0);
     drop(pool);
     release_everything(&dev);
@@ -322,7 +322,7 @@ pub fn a_buffer_dropped_during_a_capture_that_does_not_use_it_is_freed_at_its_en
     exec.launch(&stream).unwrap();
     assert_eq!(used.to_vec().unwrap(), vec![5; 64]);
     drop((exec, graph, used, res));
-    pool.trim_to(0).unwrap();
+    pool.trim(0).unwrap();
     drop(pool);
     release_everything(&dev);
 }
@@ -501,7 +501,7 @@ pub fn pool_work_on_other_threads_leaves_a_global_capture_valid() {
                     .map(|i| DeviceBuffer::<u8>::zeroed_in((i + 1) * (3 << 20), &s, res.clone()).unwrap())
                     .collect();
                 drop(bufs);
-                pool.trim_to(round % 2 * (8 << 20)).unwrap();
+                pool.trim(round % 2 * (8 << 20)).unwrap();
             }
         })
     };
@@ -511,7 +511,7 @@ pub fn pool_work_on_other_threads_leaves_a_global_capture_valid() {
     exec.launch(&stream).unwrap();
     assert_eq!(out.to_vec().unwrap(), vec![8; 4096]);
     drop((exec, graph, out));
-    pool.trim_to(0).unwrap();
+    pool.trim(0).unwrap();
     drop(pool);
     release_everything(&dev);
 }

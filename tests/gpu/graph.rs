@@ -3,9 +3,8 @@
 //! driver's pool (memory nodes); through the TCC interposer, and with `CUDRV_MEMORY_RESOURCE=pool`,
 //! to cudrv's `StreamOrderedPool`; with `=sync` the device's resource refuses and the cases use a
 //! `StreamOrderedPool` of their own.
-#![cfg(feature = "gpu")]
 
-mod graph_cases;
+use crate::graph_cases;
 
 #[test]
 fn a_captured_graph_replays_its_work_at_every_launch() {

@@ -4,6 +4,7 @@
 //!
 //! Every test body runs in a child process of this test binary (`run_with_fake`).
 
+use crate::{invalid_argument, invalid_launch};
 use cudrv_test_support::{random_u64s, time_seed};
 use std::ffi::c_void;
 
@@ -16,7 +17,7 @@ use cudrv_test_support::{
     assert_no_leaks, fake_report, fill_pattern_u8, legacy_fake_driver_path, run_with_fake, run_with_fake_modes,
 };
 
-const PTX: &str = include_str!("../examples/kernels/vector_add.ptx");
+const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
 const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
 
 fn setup() -> (Device, Module, Stream) {
@@ -24,20 +25,6 @@ fn setup() -> (Device, Module, Stream) {
     let module = Module::from_ptx(&dev, PTX).unwrap();
     let stream = Stream::new(&dev).unwrap();
     (dev, module, stream)
-}
-
-fn invalid_argument(e: Error) -> String {
-    match e {
-        Error::InvalidArgument(msg) => msg,
-        other => panic!("expected InvalidArgument, got {other:?}"),
-    }
-}
-
-fn invalid_launch(e: Error) -> String {
-    match e {
-        Error::InvalidLaunch { kernel, reason } => format!("launch of `{kernel}`: {reason}"),
-        other => panic!("expected InvalidLaunch, got {other:?}"),
-    }
 }
 
 #[test]

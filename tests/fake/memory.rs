@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use cudrv::memory::{
-    DeviceBuffer, DriverPool, DriverPoolOptions, MemoryResource, PinnedBuffer, PoolConfig, ResourceKind,
+    DeviceBuffer, DriverPool, DriverPoolConfig, MemoryResource, PinnedBuffer, PoolConfig, ResourceKind,
     StreamOrderedPool, SyncResource, register_host,
 };
 use cudrv::sys::CUresult;
@@ -397,25 +397,25 @@ fn driver_pool_stats_trim_and_owned_pools() {
     run_with_fake_modes(&["linux", "wddm"], &[], || {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
-        let pool = Arc::new(DriverPool::with_options(&dev, DriverPoolOptions::default()).unwrap());
+        let pool = Arc::new(DriverPool::with_config(&dev, DriverPoolConfig::default()).unwrap());
         {
             let b = DeviceBuffer::from_slice_in(&[1u8; 1 << 20], &s, pool.clone()).unwrap();
             assert_eq!(b.to_vec().unwrap()[12345], 1);
-            let st = pool.pool_stats().unwrap();
+            let st = pool.stats().unwrap();
             assert!(st.in_use >= 1 << 20 && st.reserved >= st.in_use, "{st:?}");
         }
         s.synchronize().unwrap();
-        let st = pool.pool_stats().unwrap();
+        let st = pool.stats().unwrap();
         assert_eq!(st.in_use, 0);
         assert!(st.reserved > 0, "the raised release threshold keeps memory cached: {st:?}");
-        pool.trim_to(0).unwrap();
-        assert_eq!(pool.pool_stats().unwrap().reserved, 0);
+        pool.trim(0).unwrap();
+        assert_eq!(pool.stats().unwrap().reserved, 0);
         assert!(st.peak_in_use >= 1 << 20);
-        pool.reset_pool_peaks().unwrap();
+        pool.reset_peaks().unwrap();
     });
     run_with_fake(&[("CUDRV_FAKE_MODE", "tcc")], || {
         let dev = Device::get(0).unwrap();
-        let err = DriverPool::with_options(&dev, DriverPoolOptions::default()).unwrap_err();
+        let err = DriverPool::with_config(&dev, DriverPoolConfig::default()).unwrap_err();
         assert!(matches!(err, Error::Unsupported { feature: "memory pools", .. }), "{err}");
     });
 }
@@ -479,7 +479,7 @@ fn pool_with_a_small_config_still_merges_and_trims() {
         let live = pool.pool_stats();
         assert_eq!(live.driver_allocs, 1, "64 small buffers share one chunk");
         drop(bufs);
-        pool.trim_to(0).unwrap();
+        pool.trim(0).unwrap();
         assert_eq!(pool.pool_stats().reserved, 0);
         let err = CUresult::CUDA_SUCCESS;
         assert_eq!(err.0, 0);

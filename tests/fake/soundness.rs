@@ -17,7 +17,7 @@ use cudrv::sys::CUresult;
 use cudrv::{Device, Error, Event, Stream};
 use cudrv_test_support::{assert_no_leaks, fake_report, legacy_fake_driver_path, run_with_fake, run_with_fake_modes};
 
-const PTX: &str = include_str!("../examples/kernels/vector_add.ptx");
+const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
 const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
 
 /// Ends the child process with a message if `body` has not finished within `limit`: a deadlock

@@ -1,6 +1,5 @@
 //! Several GPUs (`--features gpu`, needs two devices; with one it says so and passes nothing
 //! else): per-device resources, peer access, and 1 GiB peer copies both ways, checked.
-#![cfg(feature = "gpu")]
 
 use cudrv::memory::DeviceBuffer;
 use cudrv::{Device, Error, Stream};

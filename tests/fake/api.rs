@@ -10,6 +10,7 @@
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
+use crate::{invalid_argument, invalid_launch};
 use cudrv::ipc::{
     ImportedPool, IpcBuffer, IpcEvent, IpcEventHandle, IpcMemHandle, IpcMemKind, PoolShareableHandle,
     ShareableHandleType, SharedPool,
@@ -19,14 +20,14 @@ use cudrv::memory::{
     Advice, DeviceBuffer, DeviceBuffer2D, DeviceBuffer3D, DriverPool, Location, ManagedBuffer, ManagedResource,
     MemoryResource, PinnedBuffer, PoolConfig, StreamOrderedPool, SyncResource,
 };
-use cudrv::module::{JitCacheMode, JitFallback, JitOptions, JitTarget, LinkInput, Linker, Module};
+use cudrv::module::{JitCacheMode, JitConfig, JitFallback, JitTarget, LinkInput, Linker, Module};
 use cudrv::sys::CUresult;
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{
     fake_library, fake_report, legacy_fake_driver_path, random_u64s, run_with_fake, run_with_fake_modes, time_seed,
 };
 
-const PTX: &str = include_str!("../examples/kernels/vector_add.ptx");
+const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
 
 /// PTX text whose only entry is `name` (the fake compiles `.entry` lines; a GPU would need bodies).
 fn entries(names: &[&str]) -> String {
@@ -35,20 +36,6 @@ fn entries(names: &[&str]) -> String {
         s.push_str(&format!(".visible .entry {n}()\n{{\n\tret;\n}}\n"));
     }
     s
-}
-
-fn invalid_argument(e: Error) -> String {
-    match e {
-        Error::InvalidArgument(msg) => msg,
-        other => panic!("expected InvalidArgument, got {other:?}"),
-    }
-}
-
-fn invalid_launch(e: Error) -> String {
-    match e {
-        Error::InvalidLaunch { kernel, reason } => format!("launch of `{kernel}`: {reason}"),
-        other => panic!("expected InvalidLaunch, got {other:?}"),
-    }
 }
 
 fn unsupported(e: Error) -> (&'static str, String) {
@@ -166,7 +153,7 @@ fn memory_info_sees_allocations_come_and_go() {
 fn jit_options_reach_the_compiler() {
     run_with_fake(&[], || {
         let dev = Device::get(0).unwrap();
-        let options = JitOptions::new()
+        let options = JitConfig::new()
             .max_registers(8)
             .optimization_level(3)
             .target(JitTarget::of_device(&dev).unwrap())
@@ -191,10 +178,10 @@ fn jit_options_reach_the_compiler() {
         assert!(!plain.info_log().contains('('), "{}", plain.info_log());
         assert_eq!(plain.function("add_f32").unwrap().attributes().unwrap().num_registers, 16);
         // A log of 8 bytes holds 7 characters.
-        let short = Module::from_ptx_with(&dev, PTX, &JitOptions::new().log_size(8)).unwrap();
+        let short = Module::from_ptx_with(&dev, PTX, &JitConfig::new().log_size(8)).unwrap();
         assert_eq!(short.info_log(), "fake pt");
         // The other constructors take options too.
-        Module::from_file_with(&dev, write_temp("jit.ptx", PTX.as_bytes()), &JitOptions::new().optimization_level(0))
+        Module::from_file_with(&dev, write_temp("jit.ptx", PTX.as_bytes()), &JitConfig::new().optimization_level(0))
             .unwrap();
     });
 }
@@ -204,11 +191,11 @@ fn jit_options_out_of_range_are_refused_first() {
     run_with_fake(&[], || {
         let dev = Device::get(0).unwrap();
         for (options, what) in [
-            (JitOptions::new().optimization_level(5), "optimization_level is 5"),
-            (JitOptions::new().max_registers(0), "max_registers is 0"),
-            (JitOptions::new().max_registers(256), "max_registers is 256"),
-            (JitOptions::new().target(JitTarget::compute(2, 0)), "compute_20"),
-            (JitOptions::new().log_size(0), "log_size is 0"),
+            (JitConfig::new().optimization_level(5), "optimization_level is 5"),
+            (JitConfig::new().max_registers(0), "max_registers is 0"),
+            (JitConfig::new().max_registers(256), "max_registers is 256"),
+            (JitConfig::new().target(JitTarget::compute(2, 0)), "compute_20"),
+            (JitConfig::new().log_size(0), "log_size is 0"),
         ] {
             let msg = invalid_argument(Module::from_ptx_with(&dev, PTX, &options).unwrap_err());
             assert!(msg.contains(what), "{msg}");
@@ -216,7 +203,7 @@ fn jit_options_out_of_range_are_refused_first() {
         assert_eq!(fake_report().live_modules, 0);
         // A target the device cannot run: the driver's error, with its log.
         let err =
-            Module::from_ptx_with(&dev, PTX, &JitOptions::new().target(JitTarget::arch_specific(10, 0))).unwrap_err();
+            Module::from_ptx_with(&dev, PTX, &JitConfig::new().target(JitTarget::arch_specific(10, 0))).unwrap_err();
         assert_eq!(err.code(), Some(CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU));
         let Error::Jit { log, .. } = err else { panic!() };
         assert!(log.contains("compute_100a cannot run"), "{log}");
@@ -250,7 +237,7 @@ fn the_linker_links_several_inputs_into_one_module() {
     run_with_fake(&[], || {
         let dev = Device::get(0).unwrap();
         let stream = Stream::new(&dev).unwrap();
-        let mut linker = Linker::new(&dev, &JitOptions::new().optimization_level(2)).unwrap();
+        let mut linker = Linker::new(&dev, &JitConfig::new().optimization_level(2)).unwrap();
         assert!(linker.is_empty());
         linker
             .add_ptx("fill.ptx", &entries(&["fill_u32"]))
@@ -277,14 +264,14 @@ fn the_linker_links_several_inputs_into_one_module() {
 fn linked_images_round_trip_through_cubins_files_and_libraries() {
     run_with_fake(&[], || {
         let dev = Device::get(0).unwrap();
-        let mut first = Linker::new(&dev, &JitOptions::new()).unwrap();
+        let mut first = Linker::new(&dev, &JitConfig::new()).unwrap();
         first.add_ptx("a.ptx", &entries(&["fill_u32", "empty"])).unwrap();
         let cubin = first.complete_cubin().unwrap();
         assert!(cubin.starts_with(b"\x7fELF"));
         // The linked image loads as a cubin ...
         Module::from_cubin(&dev, &cubin).unwrap().function("empty").unwrap();
         // ... and links again, as data and as files of every kind.
-        let mut second = Linker::new(&dev, &JitOptions::new()).unwrap();
+        let mut second = Linker::new(&dev, &JitConfig::new()).unwrap();
         second.add_cubin("a.cubin", &cubin).unwrap();
         second.add_file(write_temp("b.ptx", entries(&["add_f32"]).as_bytes())).unwrap();
         second.add_file_as(LinkInput::Library, write_temp("c.bin", &second_image(&dev))).unwrap();
@@ -299,7 +286,7 @@ fn linked_images_round_trip_through_cubins_files_and_libraries() {
 
 /// A linked image with `spin_fill_u32`.
 fn second_image(dev: &Device) -> Vec<u8> {
-    let mut l = Linker::new(dev, &JitOptions::new()).unwrap();
+    let mut l = Linker::new(dev, &JitConfig::new()).unwrap();
     l.add_ptx("spin.ptx", &entries(&["spin_fill_u32"])).unwrap();
     l.complete_cubin().unwrap()
 }
@@ -309,7 +296,7 @@ fn linker_errors_carry_the_log() {
     run_with_fake(&[], || {
         let dev = Device::get(0).unwrap();
         // A compile error names the input and the line.
-        let mut linker = Linker::new(&dev, &JitOptions::new()).unwrap();
+        let mut linker = Linker::new(&dev, &JitConfig::new()).unwrap();
         let err = linker.add_ptx("broken.ptx", &entries(&["no_such_kernel"])).unwrap_err();
         let Error::Jit { log, source } = &err else { panic!("{err:?}") };
         assert!(log.contains("broken.ptx") && log.contains("line 4") && log.contains("no_such_kernel"), "{log}");
@@ -318,13 +305,13 @@ fn linker_errors_carry_the_log() {
         // Nothing added: completing is refused before the driver.
         assert!(invalid_argument(linker.complete().unwrap_err()).contains("no inputs"));
         // A symbol defined twice fails the link.
-        let mut linker = Linker::new(&dev, &JitOptions::new()).unwrap();
+        let mut linker = Linker::new(&dev, &JitConfig::new()).unwrap();
         linker.add_ptx("one.ptx", &entries(&["empty"])).unwrap();
         linker.add_ptx("two.ptx", &entries(&["empty"])).unwrap();
         let Error::Jit { log, .. } = linker.complete().unwrap_err() else { panic!() };
         assert!(log.contains("duplicate definition of 'empty' in two.ptx"), "{log}");
         // Inputs cudrv can check are checked before the driver.
-        let mut linker = Linker::new(&dev, &JitOptions::new()).unwrap();
+        let mut linker = Linker::new(&dev, &JitConfig::new()).unwrap();
         assert!(invalid_argument(linker.add_cubin("x.cubin", b"junk").unwrap_err()).contains("ELF magic"));
         assert!(invalid_argument(linker.add_ptx("x.ptx", "a\0b").unwrap_err()).contains("NUL"));
         assert!(invalid_argument(linker.add_data(LinkInput::Object, "x.o", &[]).unwrap_err()).contains("empty"));
@@ -337,7 +324,7 @@ fn linker_errors_carry_the_log() {
         let err = linker.add_object("host.o", &object).unwrap_err();
         assert_eq!(err.code(), Some(CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU));
         // Options are checked as for modules.
-        assert!(Linker::new(&dev, &JitOptions::new().optimization_level(9)).is_err());
+        assert!(Linker::new(&dev, &JitConfig::new().optimization_level(9)).is_err());
         drop(linker); // destroys the link state
     });
 }
@@ -347,7 +334,7 @@ fn linker_errors_carry_the_log() {
 fn library_kernels_launch_on_every_device() {
     use cudrv::module::Library;
     run_with_fake(&[("CUDRV_FAKE_DEVICES", "linux,tcc")], || {
-        let library = Library::from_ptx_with(PTX, &JitOptions::new().max_registers(12)).unwrap();
+        let library = Library::from_ptx_with(PTX, &JitConfig::new().max_registers(12)).unwrap();
         assert!(library.info_log().contains("max registers 12"), "{}", library.info_log());
         assert_eq!(fake_report().live_modules, 1);
         #[cfg(cuda_12050)]
@@ -1031,7 +1018,7 @@ fn legacy_ipc_between_two_processes() {
         assert_eq!(b.to_vec().unwrap(), vec![0xCAFE; 3000]);
         done.synchronize().unwrap();
         drop((a, b, filler, done));
-        pool.trim_to(0).unwrap();
+        pool.trim(0).unwrap();
         assert_no_leaks_but_streams();
     });
 }
@@ -1080,7 +1067,7 @@ fn pool_ipc_between_two_processes() {
         assert!(pool.stats().unwrap().in_use >= 4000);
         drop(buf);
         s.synchronize().unwrap();
-        pool.trim_to(0).unwrap();
+        pool.trim(0).unwrap();
     });
 }
 

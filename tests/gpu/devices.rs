@@ -2,7 +2,6 @@
 //!
 //! Run natively, and through the TCC interposer with `CUDRV_DRIVER_PATH=<libcudrv_tcc.so>` and
 //! `CUDRV_EXPECT_DRIVER_MODEL=tcc` (see the README, "Testing on a GPU").
-#![cfg(feature = "gpu")]
 
 use std::sync::{Arc, Mutex};
 

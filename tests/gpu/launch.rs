@@ -2,7 +2,6 @@
 //! `examples/kernels/vector_add.ptx` JIT-compiled by the driver, checked element by element on
 //! fresh random data; a bad PTX's log; cooperative and cluster launches (an H200 has compute
 //! capability 9.0).
-#![cfg(feature = "gpu")]
 
 use cudrv::launch::LaunchConfig;
 use cudrv::memory::DeviceBuffer;
@@ -11,7 +10,7 @@ use cudrv::sys::CUresult;
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{random_u64s, time_seed};
 
-const PTX: &str = include_str!("../examples/kernels/vector_add.ptx");
+const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
 
 fn device() -> Device {
     Device::get(0).expect("a CUDA device (these tests need a GPU)")

@@ -4,7 +4,7 @@
 //! updates. The bodies are shared with `gpu_graph.rs` (`graph_cases`); here each runs in a child
 //! process with the fake driver, and ends with a leak check.
 
-mod graph_cases;
+use crate::graph_cases;
 
 use cudrv_test_support::{assert_no_leaks, run_with_fake_modes};
 

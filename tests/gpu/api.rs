@@ -7,7 +7,6 @@
 //! pool exported with a file descriptor).
 //!
 //! Written for an H200 (compute capability 9.0, Linux); each test says what it skips elsewhere.
-#![cfg(feature = "gpu")]
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -21,11 +20,11 @@ use cudrv::memory::{
     Advice, DeviceBuffer, DeviceBuffer2D, DeviceBuffer3D, DriverPool, Location, ManagedBuffer, PoolConfig,
     StreamOrderedPool, SyncResource,
 };
-use cudrv::module::{JitCacheMode, JitOptions, JitTarget, Linker, Module};
+use cudrv::module::{JitCacheMode, JitConfig, JitTarget, Linker, Module};
 use cudrv::{Device, Error, Function, Stream};
 use cudrv_test_support::{random_u64s, time_seed};
 
-const PTX: &str = include_str!("../examples/kernels/vector_add.ptx");
+const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
 
 /// A kernel that calls a function it does not define: `out[0] = add_seven(x)`.
 const USES_HELPER: &str = r#"
@@ -167,7 +166,7 @@ fn capabilities_and_memory_info() {
 #[test]
 fn jit_options_change_the_code() {
     let dev = device();
-    let limited = Module::from_ptx_with(&dev, PTX, &JitOptions::new().max_registers(16).optimization_level(3)).unwrap();
+    let limited = Module::from_ptx_with(&dev, PTX, &JitConfig::new().max_registers(16).optimization_level(3)).unwrap();
     let attrs = limited.function("add_f32").unwrap().attributes().unwrap();
     println!(
         "max registers 16: {attrs:?}\ninfo log: {}\ncompile time: {:?}",
@@ -182,12 +181,12 @@ fn jit_options_change_the_code() {
     assert!(attrs.num_registers <= unlimited.num_registers.max(16 + 8), "{attrs:?} against {unlimited:?}");
     let target = JitTarget::of_device(&dev).unwrap();
     for options in [
-        JitOptions::new().optimization_level(0),
-        JitOptions::new().line_info(true),
-        JitOptions::new().debug_info(true),
-        JitOptions::new().cache_mode(JitCacheMode::L2Only),
-        JitOptions::new().target(target),
-        JitOptions::new().log_verbose(false).log_size(64),
+        JitConfig::new().optimization_level(0),
+        JitConfig::new().line_info(true),
+        JitConfig::new().debug_info(true),
+        JitConfig::new().cache_mode(JitCacheMode::L2Only),
+        JitConfig::new().target(target),
+        JitConfig::new().log_verbose(false).log_size(64),
     ] {
         let m = Module::from_ptx_with(&dev, PTX, &options).unwrap_or_else(|e| panic!("{options:?}: {e}"));
         let (_, _, stream) = setup();
@@ -204,7 +203,7 @@ fn jit_options_change_the_code() {
     // Code for a newer architecture does not run here.
     let (major, _) = dev.compute_capability().unwrap();
     let newer = JitTarget::compute(major as u32 + 1, 0);
-    let err = Module::from_ptx_with(&dev, PTX, &JitOptions::new().target(newer)).unwrap_err();
+    let err = Module::from_ptx_with(&dev, PTX, &JitConfig::new().target(newer)).unwrap_err();
     println!("{newer}: {err}");
 }
 
@@ -215,7 +214,7 @@ fn the_linker_resolves_an_external_function() {
     // Alone, the kernel's call is unresolved.
     let err = Module::from_ptx(&dev, USES_HELPER).unwrap_err();
     println!("unlinked: {err}");
-    let mut linker = Linker::new(&dev, &JitOptions::new().optimization_level(3)).unwrap();
+    let mut linker = Linker::new(&dev, &JitConfig::new().optimization_level(3)).unwrap();
     linker.add_ptx("uses_helper.ptx", USES_HELPER).unwrap().add_ptx("helper.ptx", HELPER).unwrap();
     println!("linker log: {}", linker.info_log());
     let module = linker.complete().unwrap();
@@ -225,7 +224,7 @@ fn the_linker_resolves_an_external_function() {
     unsafe { f.launch(LaunchConfig::linear(1, 1), &stream, (&mut out, 35u32)).unwrap() };
     assert_eq!(out.to_vec().unwrap(), [42]);
     // The linked cubin loads again, as a module and as a library.
-    let mut linker = Linker::new(&dev, &JitOptions::new()).unwrap();
+    let mut linker = Linker::new(&dev, &JitConfig::new()).unwrap();
     linker.add_ptx("a.ptx", USES_HELPER).unwrap().add_ptx("b.ptx", HELPER).unwrap();
     let cubin = linker.complete_cubin().unwrap();
     let again = Module::from_cubin(&dev, &cubin).unwrap().function("use_helper").unwrap();
@@ -242,7 +241,7 @@ fn the_linker_resolves_an_external_function() {
         assert_eq!(out.to_vec().unwrap(), [9]);
     }
     // Undefined at link time: an error with the linker's log.
-    let mut linker = Linker::new(&dev, &JitOptions::new()).unwrap();
+    let mut linker = Linker::new(&dev, &JitConfig::new()).unwrap();
     linker.add_ptx("uses_helper.ptx", USES_HELPER).unwrap();
     let err = linker.complete().unwrap_err();
     println!("undefined: {err}");
