@@ -171,7 +171,7 @@ impl FromStr for IpcEventHandle {
 /// [`IpcEvent::open`]. Records in one process order waits in the other.
 ///
 /// ```
-/// # cudrv_test_support::doctest_driver();
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
 /// use cudrv::{Device, Stream, ipc::{IpcEvent, IpcEventHandle}};
 /// // Process A:
 /// let device = Device::get(0)?;
@@ -505,7 +505,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// (`cuIpcGetMemHandle` of the allocation, with the buffer's offset) for `cuMemAlloc` memory.
     ///
     /// ```
-    /// # cudrv_test_support::doctest_driver();
+    /// # if !cudrv::__doctest_driver() { return Ok(()); }
     /// use std::sync::Arc;
     /// use cudrv::{Device, Stream, memory::{DeviceBuffer, SyncResource}};
     /// let device = Device::get(0)?;
@@ -637,7 +637,7 @@ const CAPTURE: &str = "IpcBuffer during a capture (capture work on DeviceBuffers
 /// must keep the memory alive until then (see [the module documentation](crate::ipc)).
 ///
 /// ```
-/// # cudrv_test_support::doctest_driver();
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
 /// use cudrv::{Device, Stream, ipc::{IpcBuffer, IpcMemHandle}};
 /// // In the process that opens a buffer another process exported (`DeviceBuffer::ipc_handle`),
 /// // its handle received as text:
@@ -1024,7 +1024,7 @@ impl Drop for PoolInner {
 /// [`IpcMemKind::Pool`] ([`DeviceBuffer::ipc_handle`]).
 ///
 /// ```
-/// # cudrv_test_support::doctest_driver();
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
 /// use std::sync::Arc;
 /// use cudrv::{Device, Stream, ipc::SharedPool, memory::DeviceBuffer};
 /// let device = Device::get(0)?;

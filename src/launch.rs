@@ -133,7 +133,7 @@ impl AccessProperty {
 /// `miss` property. A hint to the cache only: it changes no result, and touches no memory.
 ///
 /// ```
-/// # cudrv_test_support::doctest_driver();
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
 /// use cudrv::{Device, Stream, launch::{AccessPolicyWindow, LaunchAttributes}, memory::DeviceBuffer};
 /// let stream = Stream::new(&Device::get(0)?)?;
 /// let table = DeviceBuffer::<f32>::zeroed(1 << 20, &stream)?;
@@ -703,7 +703,7 @@ impl Function {
     /// cooperative grid as in [`Function::launch_cluster`] and [`Function::launch_cooperative`].
     ///
     /// ```
-    /// # cudrv_test_support::doctest_driver();
+    /// # if !cudrv::__doctest_driver() { return Ok(()); }
     /// use cudrv::{Device, Stream, launch::{LaunchAttributes, LaunchConfig}, memory::DeviceBuffer, module::Module};
     /// let device = Device::get(0)?;
     /// let module = Module::from_ptx(&device, include_str!("../examples/kernels/vector_add.ptx"))?;

@@ -62,6 +62,30 @@ pub fn driver_version() -> Result<i32> {
     Ok(sys::Driver::global()?.version())
 }
 
+/// For cudrv's doctests (their hidden first line): whether a driver with a device is there to run
+/// them on. Without `CUDRV_DRIVER_PATH`, a `CUDRV_TEST_LIB_DIR` that holds the emulated driver of
+/// `cudrv-test-support` is used (CI sets it); with `CUDRV_DOCTEST_REQUIRE=1`, having no driver
+/// panics instead of skipping the example. Each doctest is a process of its own, and this is its
+/// first statement.
+#[doc(hidden)]
+pub fn __doctest_driver() -> bool {
+    let set = |var: &str| std::env::var_os(var).filter(|v| !v.is_empty());
+    if set(sys::DRIVER_PATH_VAR).is_none()
+        && let Some(dir) = set("CUDRV_TEST_LIB_DIR")
+    {
+        let fake = std::path::Path::new(&dir).join(if cfg!(windows) { "nvcuda.dll" } else { "libcuda.so" });
+        if fake.is_file() {
+            // SAFETY: the first statement of a doctest's process: no other thread exists yet.
+            unsafe { std::env::set_var(sys::DRIVER_PATH_VAR, fake) };
+        }
+    }
+    let usable = Device::count().is_ok_and(|n| n > 0);
+    if !usable && set("CUDRV_DOCTEST_REQUIRE").is_some_and(|v| v == "1") {
+        panic!("CUDRV_DOCTEST_REQUIRE=1 but no CUDA driver with a device: set CUDRV_TEST_LIB_DIR or CUDRV_DRIVER_PATH");
+    }
+    usable
+}
+
 /// The CUDA version of the headers cudrv was built against (`13000` for 13.0).
 pub const HEADER_VERSION: i32 = sys::CUDA_HEADER_VERSION;
 

@@ -110,21 +110,6 @@ pub fn lib_dir() -> PathBuf {
     }
 }
 
-/// For cudrv's doctests: makes this process use the fake driver (sets `CUDRV_DRIVER_PATH`),
-/// unless `CUDRV_DRIVER_PATH` is set already or `CUDRV_DOCTEST_DRIVER=real` asks for the
-/// installed driver. Call it first, before any other thread starts: each doctest is a process of
-/// its own and begins with this hidden line, so that the examples run (and are checked) where
-/// there is no GPU.
-pub fn doctest_driver() {
-    let real = std::env::var("CUDRV_DOCTEST_DRIVER").is_ok_and(|v| v == "real");
-    let set = std::env::var_os("CUDRV_DRIVER_PATH").is_some_and(|v| !v.is_empty());
-    if !real && !set && FAKE_AVAILABLE {
-        // SAFETY: called at the start of a doctest's `main`, before any other thread exists, so
-        // nothing reads the environment concurrently.
-        unsafe { std::env::set_var("CUDRV_DRIVER_PATH", fake_driver_path()) };
-    }
-}
-
 /// Path of the fake driver: `lib_dir()/libcuda.so` (`nvcuda.dll` on Windows).
 pub fn fake_driver_path() -> PathBuf {
     lib_dir().join(DRIVER_FILE)
