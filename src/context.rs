@@ -40,7 +40,23 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::result::drv;
 
-/// A device's primary context, retained while this value lives.
+/// A device's primary context, retained while this value lives. cudrv makes it current around
+/// each driver call and restores the caller's context after; [`Context::bind`] does the same for
+/// raw calls of your own.
+///
+/// ```
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
+/// use cudrv::Device;
+/// let device = Device::get(0)?;
+/// let ctx = device.primary_context()?;
+/// assert_eq!(ctx.device(), device);
+/// {
+///     let _current = ctx.bind()?; // current on this thread until dropped
+///     // ... raw cudrv::sys calls that need a current context ...
+/// }
+/// ctx.synchronize()?; // waits for the device's work; reports errors kept from drops
+/// # Ok::<(), cudrv::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Context {
     device: Device,

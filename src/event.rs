@@ -38,7 +38,23 @@ impl EventFlags {
     }
 }
 
-/// A CUDA event.
+/// A CUDA event: a point in a stream's order, to wait for (on the GPU with
+/// [`Stream::wait_event`], on the host with [`Event::synchronize`]) or to time.
+///
+/// ```
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
+/// use cudrv::{Device, Event, EventFlags, Stream};
+/// let device = Device::get(0)?;
+/// let (a, b) = (Stream::new(&device)?, Stream::new(&device)?);
+/// let (start, end) = (Event::with_flags(&device, EventFlags::timing())?, Event::with_flags(&device, EventFlags::timing())?);
+/// start.record(&a)?;
+/// // ... work on `a` ...
+/// end.record(&a)?;
+/// b.wait_event(&end)?; // work queued on `b` from now on runs after `a`'s work above
+/// end.synchronize()?;
+/// println!("{:?}", Event::elapsed(&start, &end)?);
+/// # Ok::<(), cudrv::Error>(())
+/// ```
 pub struct Event {
     raw: CUevent,
     ctx: Arc<Context>,

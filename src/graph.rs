@@ -202,6 +202,25 @@ impl GraphNode {
 /// A CUDA graph (`CUgraph`): nodes of work with dependencies between them. Made by
 /// [`Stream::end_capture`] or [`Graph::new`] and the `add_*` methods; run by instantiating it
 /// ([`Graph::instantiate`]). Dropping it destroys it (executable graphs made from it stay valid).
+///
+/// ```
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
+/// use std::sync::{Arc, atomic::{AtomicUsize, Ordering}};
+/// use cudrv::{Device, Graph, Stream};
+/// let device = Device::get(0)?;
+/// let mut graph = Graph::new(&device)?;
+/// let calls = Arc::new(AtomicUsize::new(0));
+/// let c = calls.clone();
+/// let first = graph.add_host_node(&[], move || { c.fetch_add(1, Ordering::SeqCst); })?;
+/// graph.add_empty_node(&[first])?;
+/// let exec = graph.instantiate()?;
+/// let stream = Stream::new(&device)?;
+/// exec.launch(&stream)?;
+/// exec.launch(&stream)?;
+/// stream.synchronize()?;
+/// assert_eq!(calls.load(Ordering::SeqCst), 2);
+/// # Ok::<(), cudrv::Error>(())
+/// ```
 pub struct Graph {
     raw: CUgraph,
     ctx: Arc<Context>,
@@ -591,6 +610,7 @@ impl InstantiateFlags {
 
 /// An executable graph (`CUgraphExec`): launched on a stream with one call. Launches of one
 /// executable graph run in order (the driver orders each after the previous one, on any stream).
+/// See the [module documentation](self) for an example.
 pub struct GraphExec {
     raw: CUgraphExec,
     ctx: Arc<Context>,

@@ -19,6 +19,24 @@
 //! the reason and an alternative, never as a bare driver code.
 //!
 //! The raw bindings and the loader are in [`sys`] (the `cudrv-sys` crate).
+//!
+//! ```
+//! # if !cudrv::__doctest_driver() { return Ok(()); }
+//! use cudrv::{Device, LaunchConfig, Module, Stream, memory::DeviceBuffer};
+//! let device = Device::get(0)?;
+//! println!("{} ({:?}), allocating with {:?}", device.name()?, device.driver_model()?,
+//!          device.memory_resource()?.kind());
+//! let stream = Stream::new(&device)?;
+//! let module = Module::from_ptx(&device, include_str!("../examples/kernels/vector_add.ptx"))?;
+//! let add = module.function("add_f32")?;
+//! let a = DeviceBuffer::from_slice(&[1.0f32, 2.0, 3.0], &stream)?;
+//! let b = DeviceBuffer::from_slice(&[10.0f32, 20.0, 30.0], &stream)?;
+//! let mut sum = DeviceBuffer::<f32>::zeroed(3, &stream)?;
+//! // SAFETY: add_f32(const float*, const float*, float*, u64) touches [0..3] of each buffer.
+//! unsafe { add.launch(LaunchConfig::for_num_elems(3), &stream, (&a, &b, &mut sum, 3u64))? };
+//! assert_eq!(sum.to_vec()?, [11.0, 22.0, 33.0]);
+//! # Ok::<(), cudrv::Error>(())
+//! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]

@@ -541,7 +541,17 @@ impl Drop for ModuleInner {
 /// A loaded module: PTX compiled by the driver's JIT, or a cubin or fatbin.
 ///
 /// `Module` is `Send + Sync` and cheap to clone (clones share the module). See the
-/// [module documentation](self) for an example and for how loading reports errors.
+/// [module documentation](self) for how loading reports errors.
+///
+/// ```
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
+/// use cudrv::{Device, Module};
+/// let module = Module::from_ptx(&Device::get(0)?, include_str!("../examples/kernels/vector_add.ptx"))?;
+/// let fill = module.function("fill_u32")?;
+/// assert_eq!(fill.name(), "fill_u32");
+/// assert!(module.function("no_such_kernel").is_err());
+/// # Ok::<(), cudrv::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Module {
     inner: Arc<ModuleInner>,
@@ -868,6 +878,20 @@ fn fatbin_extent(image: &[u8]) -> Result<()> {
 /// the other `launch_*` methods in [`crate::launch`]).
 ///
 /// `Function` is `Send + Sync` and cheap to clone.
+///
+/// ```
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
+/// use cudrv::{Device, LaunchConfig, Module, Stream, memory::DeviceBuffer};
+/// let device = Device::get(0)?;
+/// let stream = Stream::new(&device)?;
+/// let fill = Module::from_ptx(&device, include_str!("../examples/kernels/vector_add.ptx"))?.function("fill_u32")?;
+/// println!("{:?}", fill.attributes()?);
+/// let mut out = DeviceBuffer::<u32>::zeroed(1000, &stream)?;
+/// // SAFETY: fill_u32(u32*, u32, u64) writes out[0..1000].
+/// unsafe { fill.launch(LaunchConfig::for_num_elems(1000), &stream, (&mut out, 7u32, 1000u64))? };
+/// assert_eq!(out.to_vec()?, vec![7; 1000]);
+/// # Ok::<(), cudrv::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Function {
     pub(crate) raw: CUfunction,

@@ -40,6 +40,21 @@ impl Default for DriverPoolConfig {
 /// If the driver refuses pool allocation at run time (`CUDA_ERROR_NOT_SUPPORTED`) although the
 /// device reports pools, the resource switches to a [`StreamOrderedPool`] for the rest of its
 /// life and says so on stderr, instead of failing.
+///
+/// ```
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
+/// use std::sync::Arc;
+/// use cudrv::{Device, Stream, memory::{DeviceBuffer, DriverPool, DriverPoolConfig, MemoryResource}};
+/// let device = Device::get(0)?;
+/// if device.capabilities()?.memory_pools {
+///     // A pool of its own, that gives memory back above 1 GiB cached.
+///     let pool = Arc::new(DriverPool::with_config(&device, DriverPoolConfig { release_threshold: 1 << 30, ..Default::default() })?);
+///     let stream = Stream::new(&device)?;
+///     let buf = DeviceBuffer::<f32>::zeroed_in(1 << 20, &stream, pool.clone())?;
+///     assert_eq!(buf.len(), 1 << 20);
+/// }
+/// # Ok::<(), cudrv::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct DriverPool {
     ctx: Arc<Context>,

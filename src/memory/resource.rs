@@ -16,6 +16,26 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// A stream-ordered memory resource: memory is allocated for use on a stream and freed in that
 /// stream's order, like `cuMemAllocAsync` / `cuMemFreeAsync`.
 ///
+/// Most code allocates through [`DeviceBuffer`](super::DeviceBuffer), which holds the resource and
+/// frees in order; the raw calls:
+///
+/// ```
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
+/// use cudrv::{Device, Stream, memory::MemoryResource};
+/// let device = Device::get(0)?;
+/// let stream = Stream::new(&device)?;
+/// let resource = device.memory_resource()?; // the driver's pool, or StreamOrderedPool on TCC
+/// let ptr = resource.allocate(1 << 20, &stream)?;
+/// // ... work on `stream` that uses `ptr` ...
+/// // SAFETY: `ptr` came from this resource with this size, and its uses are queued on `stream`.
+/// unsafe { resource.deallocate(ptr, 1 << 20, &stream)? };
+/// if let Some(stats) = resource.stats() {
+///     println!("{} bytes reserved", stats.reserved);
+/// }
+/// resource.trim(0)?; // give cached memory back to the driver
+/// # Ok::<(), cudrv::Error>(())
+/// ```
+///
 /// # Safety
 /// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least
 /// `bytes` bytes, aligned to at least 256 bytes, that is not in use by anything else on the GPU or

@@ -15,6 +15,18 @@ use crate::stream::Stream;
 /// cudarc do on devices without memory pools: it keeps no memory cached, and it is slow (about
 /// 90 µs per allocation and free on an H200, plus the synchronisation). cudrv keeps it as a
 /// reference point and for when memory is tighter than speed.
+///
+/// ```
+/// # if !cudrv::__doctest_driver() { return Ok(()); }
+/// use std::sync::Arc;
+/// use cudrv::{Device, Stream, memory::{DeviceBuffer, MemoryResource, SyncResource}};
+/// let device = Device::get(0)?;
+/// let stream = Stream::new(&device)?;
+/// let sync: Arc<dyn MemoryResource> = Arc::new(SyncResource::new(&device)?);
+/// let buf = DeviceBuffer::from_slice_in(&[1u8, 2, 3], &stream, sync)?;
+/// assert_eq!(buf.to_vec()?, [1, 2, 3]);
+/// # Ok::<(), cudrv::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct SyncResource {
     ctx: Arc<Context>,
