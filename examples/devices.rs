@@ -116,7 +116,11 @@ fn print_json(driver_version: i32, reports: &[Report]) {
                 "\"concurrent_managed_access\":{},\"pageable_memory_access\":{},\"host_register\":{},",
                 "\"stream_priority_range\":{{\"greatest\":{},\"least\":{}}},",
                 "\"cooperative_launch\":{},\"cluster_launch\":{},",
-                "\"unified_addressing\":{},\"integrated\":{},\"memory_resource\":{},\"memory_resource_reason\":{}}}"
+                "\"unified_addressing\":{},\"integrated\":{},\"managed_prefetch\":{},",
+                "\"programmatic_dependent_launch\":{},\"mem_sync_domain_count\":{},",
+                "\"max_access_policy_window_size\":{},\"max_persisting_l2_cache_size\":{},",
+                "\"preferred_cluster_dimension\":{},\"ipc_events\":{},\"legacy_ipc\":{},",
+                "\"memory_resource\":{},\"memory_resource_reason\":{}}}"
             ),
             r.ordinal,
             quote(&r.name),
@@ -139,6 +143,14 @@ fn print_json(driver_version: i32, reports: &[Report]) {
             c.cluster_launch,
             c.unified_addressing,
             c.integrated,
+            c.managed_prefetch,
+            c.programmatic_dependent_launch,
+            c.mem_sync_domain_count,
+            c.max_access_policy_window_size,
+            c.max_persisting_l2_cache_size,
+            c.preferred_cluster_dimension,
+            c.ipc_events,
+            c.legacy_ipc,
             quote(&r.resource),
             quote(&r.resource_reason),
         ));

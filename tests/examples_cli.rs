@@ -169,3 +169,26 @@ fn devices_reports_stream_priorities_the_same_way_in_text_and_json() {
     let (report, _) = expect(&run_env("devices", &[], &env), 0, "");
     assert!(report.contains("-5..=0 (greatest..=least)"), "{report}");
 }
+
+#[test]
+fn devices_reports_the_launch_memory_and_ipc_capabilities_in_text_and_json() {
+    let fake = fake_driver_path();
+    let fake = fake.to_str().expect("a UTF-8 path");
+    // Windows models (tcc) have no IPC and no concurrent managed access, so no prefetch.
+    for (mode, prefetch, ipc) in [("linux", true, true), ("tcc", false, false)] {
+        let env = [("CUDRV_DRIVER_PATH", fake), ("CUDRV_FAKE_MODE", mode)];
+        let (json, _) = expect(&run_env("devices", &["--json"], &env), 0, "");
+        for field in [
+            format!("\"managed_prefetch\":{prefetch}"),
+            "\"programmatic_dependent_launch\":true".to_string(),
+            "\"mem_sync_domain_count\":4".to_string(),
+            format!("\"ipc_events\":{ipc}"),
+            format!("\"legacy_ipc\":{ipc}"),
+        ] {
+            assert!(json.contains(&field), "{mode}: {field} missing in {json}");
+        }
+        assert!(json.contains("\"max_access_policy_window_size\":"), "{json}");
+        let (report, _) = expect(&run_env("devices", &[], &env), 0, "");
+        assert!(report.contains("persisting L2 cache"), "{mode}: {report}");
+    }
+}
