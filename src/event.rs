@@ -213,15 +213,20 @@ impl Stream {
     /// # Errors
     /// The driver's error.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
-        // If `event` was recorded in a capture, this wait makes the stream join it: note where
-        // the stream stood before, for the graph's first launch (see `crate::graph`).
+        self.wait_raw_event(event.as_raw())
+    }
+
+    /// [`Stream::wait_event`] for a raw event of the stream's context (an IPC event): if the event
+    /// was recorded in a capture, the wait makes the stream join it, and cudrv notes where the
+    /// stream stood before, for the graph's first launch (see `crate::graph`).
+    pub(crate) fn wait_raw_event(&self, event: cudrv_sys::CUevent) -> Result<()> {
         let hooks = crate::stream::join_hooks()
             .filter(|_| crate::capture::any_active() && crate::capture::session(self.key().capture_id()).is_none());
         let before = match hooks {
             Some(h) => Some((h.before)(self)?),
             None => None,
         };
-        self.wait_event_untracked(event)?;
+        self.wait_raw_untracked(event)?;
         if let (Some(h), Some(before)) = (hooks, before) {
             (h.waited)(self, before);
         }
@@ -230,8 +235,13 @@ impl Stream {
 
     /// `cuStreamWaitEvent`, for an event known not to be of a capture.
     pub(crate) fn wait_event_untracked(&self, event: &Event) -> Result<()> {
+        self.wait_raw_untracked(event.as_raw())
+    }
+
+    fn wait_raw_untracked(&self, event: cudrv_sys::CUevent) -> Result<()> {
         let _b = self.context().bind()?;
-        // SAFETY: both handles are valid while their owners live; the context is current.
-        unsafe { drv!(cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)) }
+        // SAFETY: both handles are valid while their owners live (the caller holds the event);
+        // the context is current.
+        unsafe { drv!(cuStreamWaitEvent(self.as_raw(), event, 0)) }
     }
 }

@@ -49,16 +49,27 @@
 //!   would invalidate the capture: copies to and from host memory (pageable or pinned),
 //!   synchronous memsets, [`Stream::synchronize`], host functions (a graph calls them at every
 //!   launch; use [`Graph::add_host_node`]), allocation from resources that cannot allocate inside
-//!   a graph (`SyncResource`, `ManagedResource`), and launching an executable graph into a
-//!   capture.
+//!   a graph (`SyncResource`, `ManagedResource`), `DeviceBuffer2D`/`3D`, `ManagedBuffer` and
+//!   `IpcBuffer` (their frees cannot wait for graphs), launching an executable graph into a
+//!   capture, and using a buffer whose stream captures on a stream outside the capture: ordering
+//!   that stream after the buffer's would make it join the capture unseen. Join it first, with
+//!   [`Stream::wait_stream`]; the driver's own joins (through events) are tracked.
 //! * Kernel launches stay `unsafe`, as outside a capture; their contract covers every launch of
 //!   the graph.
 //! * A buffer dropped during a capture that does not use it, while its stream takes part in the
 //!   capture, is freed when the capture ends (a free queued then would become part of the graph).
 //!
 //! cudrv's pool never lets a capture see its own driver calls: its growth and waits run with the
-//! thread's capture mode relaxed, as PyTorch's allocator does. Graphs made by raw driver calls are
-//! unknown to cudrv and get none of this.
+//! thread's capture mode relaxed, as PyTorch's allocator does, and it records, waits on and
+//! queries no event of a capturing stream (its blocks stay unavailable to other streams until the
+//! capture ends). A stream on which another thread is beginning a capture makes cudrv's work on
+//! it wait until the capture's id is known. Graphs made by raw driver calls are unknown to cudrv
+//! and get none of this.
+//!
+//! [`Graph`] and [`GraphExec`] are `Send` but not `Sync`: the driver does not synchronise calls on
+//! one graph or executable graph (not even `cuGraphInstantiate` or `cuGraphLaunch`); share them
+//! behind a `Mutex`. Once an executable graph of a graph that owns pool memory is dropped, the next
+//! one's first launch waits for its last launch: they never run at once on that memory.
 //!
 //! Device-side launch (`CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`) and conditional nodes are not
 //! offered yet.
@@ -116,14 +127,22 @@ impl Stream {
     pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
         // Where the stream stands before the capture: the graph's first launch waits for it.
         let before = mark_before_join(self)?;
-        {
-            let _b = self.context().bind()?;
+        // Other threads' cudrv work on this stream waits until the capture's id is known.
+        let marked = self.key().mark_capture_starting();
+        let begun = self.context().bind().and_then(|_b| {
             // SAFETY: a valid stream of the current context; a valid mode.
-            unsafe { drv!(cuStreamBeginCapture_v2(self.as_raw(), mode_raw(mode))) }?;
+            unsafe { drv!(cuStreamBeginCapture_v2(self.as_raw(), mode_raw(mode))) }
+        });
+        if let Err(e) = begun {
+            if marked {
+                self.key().set_capture_id(0);
+            }
+            return Err(e);
         }
         let id = match self.capture_state() {
             Ok((_, id)) => id,
             Err(e) => {
+                self.key().set_capture_id(0);
                 // Cannot track the capture: end it, so that nothing is captured unseen.
                 let mut raw = std::ptr::null_mut();
                 if let Ok(_b) = self.context().bind() {
@@ -228,13 +247,11 @@ pub struct Graph {
     res: Arc<GraphResources>,
 }
 
-// SAFETY: a CUgraph handle may be used from any thread; mutation goes through `&mut self` (the
-// driver does not make graph construction thread-safe for one graph, and Rust's borrows keep it
-// to one thread at a time); what it keeps is `Send + Sync`.
+// SAFETY: a CUgraph handle may be used from any thread, one at a time: the driver does not
+// synchronise calls on one graph (not even `cuGraphInstantiate`), so `Graph` is `Send` but not
+// `Sync`, and every call on it goes through `&self` or `&mut self` of one thread. What it keeps is
+// `Send + Sync`.
 unsafe impl Send for Graph {}
-// SAFETY: `&self` methods only read the graph (instantiate, clone, node lists), which the driver
-// allows from several threads.
-unsafe impl Sync for Graph {}
 
 /// The context and closure of a host node.
 type HostFn = Box<dyn Fn() + Send + Sync + 'static>;
@@ -627,11 +644,11 @@ pub struct GraphExec {
     started: AtomicBool,
 }
 
-// SAFETY: a CUgraphExec may be launched and updated from any thread; what it keeps is
-// `Send + Sync`.
+// SAFETY: a CUgraphExec may be launched and updated from any thread, one at a time: the driver
+// does not synchronise calls on one executable graph (`cuGraphLaunch` is documented not
+// thread-safe), so `GraphExec` is `Send` but not `Sync` (share it behind a `Mutex`). What it keeps
+// is `Send + Sync`.
 unsafe impl Send for GraphExec {}
-// SAFETY: as above; the driver serialises launches of one executable graph.
-unsafe impl Sync for GraphExec {}
 
 /// Why [`GraphExec::update`] refused a graph (`CUgraphExecUpdateResult`), and the node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -691,22 +708,20 @@ impl GraphExec {
         if !self.started.load(Ordering::Acquire) {
             self.first_launch(stream)?;
         }
-        let fenced = self.fenced.load(Ordering::Acquire);
-        // Noted before the launch: a drop racing with it must not miss it (a stream noted but
-        // not launched on only makes the release wait a little longer).
-        let mut last =
-            if fenced { Some(self.last_launch.lock().unwrap_or_else(PoisonError::into_inner)) } else { None };
-        if let Some(last) = last.as_mut()
-            && last.as_ref().is_none_or(|s| s.id() != stream.id())
-        {
-            **last = Some(stream.clone());
-        }
         let _b = self.ctx.bind()?;
         // SAFETY: a valid executable graph and stream of the current context. What the graph's
         // nodes refer to is valid for this launch: kept by the graph's resources until its launches
         // complete, or vouched for by the `unsafe` calls that added it; the first launch waited for
         // the allocations of the buffers the capture used.
-        unsafe { drv!(cuGraphLaunch(self.raw, stream.as_raw())) }
+        unsafe { drv!(cuGraphLaunch(self.raw, stream.as_raw())) }?;
+        // Noted only once queued: the release waits for the stream of the last launch that is.
+        if self.fenced.load(Ordering::Acquire) {
+            let mut last = self.last_launch.lock().unwrap_or_else(PoisonError::into_inner);
+            if last.as_ref().is_none_or(|s| s.id() != stream.id()) {
+                *last = Some(stream.clone());
+            }
+        }
+        Ok(())
     }
 
     /// Before the first launch: makes `stream` wait for where the capture's streams, and the
@@ -840,7 +855,31 @@ impl Drop for GraphExec {
                     r.lock().fences.push(stream.clone());
                 }
                 if pool_memory {
-                    r.exec_alive.store(false, Ordering::Release);
+                    // The next executable graph runs on the same reserved memory: its first launch
+                    // waits for this one's last (or, where that cannot be recorded now, it may be
+                    // made once the host has seen that launch complete).
+                    match last.as_ref() {
+                        None => r.exec_alive.store(false, Ordering::Release),
+                        Some(stream) => {
+                            // A record on a capturing stream would be captured.
+                            let done = match stream.key().capture_id() {
+                                0 => crate::session::mark_before_join(stream).ok(),
+                                _ => None,
+                            };
+                            match done {
+                                Some(done) => {
+                                    r.lock().prelude.push(done);
+                                    r.exec_alive.store(false, Ordering::Release);
+                                }
+                                None => {
+                                    let r = r.clone();
+                                    crate::session::after_stream_work(stream.clone(), move || {
+                                        r.exec_alive.store(false, Ordering::Release)
+                                    });
+                                }
+                            }
+                        }
+                    }
                 }
             }
         };

@@ -274,9 +274,8 @@ impl IpcEvent {
     /// [`Error::DeviceMismatch`] for a stream of another device; the driver's error.
     pub fn wait_in(&self, stream: &Stream) -> Result<()> {
         self.check_stream("IpcEvent::wait_in", stream)?;
-        let _b = self.ctx.bind()?;
-        // SAFETY: both handles are valid; the context is current.
-        unsafe { drv!(cuStreamWaitEvent(stream.as_raw(), self.raw, 0)) }
+        // As Stream::wait_event: a wait on an event recorded in a capture joins it, tracked.
+        stream.wait_raw_event(self.raw)
     }
 
     /// Waits on the host until the event completes.
@@ -754,8 +753,10 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// # Errors
     /// [`Error::DeviceMismatch`] for a stream of another device; the driver's error.
     pub fn record_use(&self, stream: &Stream) -> Result<()> {
-        // A graph could not keep the mapping alive: refused in a capture (see crate::graph).
+        // A graph could not keep the mapping alive: refused in a capture (see crate::graph), on
+        // the use's stream and on the buffer's (ordering the one after the other would join it).
         stream.refuse_in_capture(CAPTURE)?;
+        self.stream.refuse_in_capture(CAPTURE)?;
         if stream.id() == self.stream.id() {
             return Ok(());
         }
@@ -769,6 +770,8 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len("the IpcBuffer", self.len, src.len())?;
+        // Captured, the copy would touch `src` at every launch, long after this call.
+        self.stream.refuse_in_capture("IpcBuffer::copy_from_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }
@@ -789,6 +792,8 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// As [`IpcBuffer::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         check_len("the IpcBuffer", self.len, dst.len())?;
+        // Captured, the copy would touch `dst` at every launch, long after this call.
+        self.stream.refuse_in_capture("IpcBuffer::copy_to_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }

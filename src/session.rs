@@ -351,6 +351,12 @@ impl GraphUse {
         std::ptr::eq(self.res.as_ptr(), Arc::as_ptr(res))
     }
 
+    /// Whether the graph is gone and every launch of it has completed (its resources were
+    /// released): the buffer owes it nothing.
+    pub(crate) fn is_done(&self) -> bool {
+        self.res.strong_count() == 0 && self.done.state.lock().unwrap_or_else(PoisonError::into_inner).0
+    }
+
     /// Runs `job` once the graph's launches can no longer touch the buffer.
     pub(crate) fn after_launches(self, job: Box<dyn GraphOwned>) {
         match self.res.upgrade() {
@@ -388,6 +394,24 @@ impl Completion {
             job.release();
         }
     }
+}
+
+/// Runs `job` on cudrv's deferred-work thread once the work queued on `stream` so far has
+/// completed (seen on the host). A stream that is capturing cannot be waited on: the job comes
+/// back later. If the wait fails, `job` never runs (what it would release stays, which is sound).
+pub(crate) fn after_stream_work(stream: Stream, job: impl FnOnce() + Send + 'static) {
+    host_fn::defer(move || {
+        if stream.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            after_stream_work(stream, job);
+            return;
+        }
+        let waited = Event::new(&stream.device()).and_then(|e| e.record(&stream).and_then(|()| e.wait()));
+        match waited.or_else(|_| stream.wait_for_memory()) {
+            Ok(()) => job(),
+            Err(e) => report_drop_error(Some(stream.context()), e),
+        }
+    });
 }
 
 /// Waits (on cudrv's deferred-work thread) for the last launch of each executable graph, then

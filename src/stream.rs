@@ -87,12 +87,35 @@ impl StreamKey {
     /// [`StreamKey::capture`] to know for sure.
     #[inline]
     pub(crate) fn capture_id(&self) -> u64 {
-        self.0.capture.load(Ordering::Acquire)
+        match self.0.capture.load(Ordering::Acquire) {
+            CAPTURE_STARTING => self.settled_capture_id(),
+            id => id,
+        }
+    }
+
+    /// While another thread begins a capture on the stream (`CAPTURE_STARTING`), waits until it
+    /// knows the capture's id (or that it failed): work queued meanwhile would be captured unseen.
+    #[cold]
+    fn settled_capture_id(&self) -> u64 {
+        loop {
+            std::thread::yield_now();
+            match self.0.capture.load(Ordering::Acquire) {
+                CAPTURE_STARTING => {}
+                id => return id,
+            }
+        }
     }
 
     /// Notes that the stream takes part in capture `id` (0: none).
     pub(crate) fn set_capture_id(&self, id: u64) {
         self.0.capture.store(id, Ordering::Release);
+    }
+
+    /// Marks the stream as beginning a capture, if it takes part in none: until
+    /// [`StreamKey::set_capture_id`], other threads' cudrv work on it waits (see
+    /// [`StreamKey::capture_id`]). `false` when it takes part in one already.
+    pub(crate) fn mark_capture_starting(&self) -> bool {
+        self.0.capture.compare_exchange(0, CAPTURE_STARTING, Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 
     /// Runs `f` on the attachment of `owner`, made with `make` if the stream has none. The
@@ -135,6 +158,10 @@ impl StreamKey {
         Some(list.swap_remove(i).1)
     }
 }
+
+/// The capture id of a stream on which a capture is being begun (the driver's ids count up from
+/// 1 and never reach it).
+const CAPTURE_STARTING: u64 = u64::MAX;
 
 /// What a stream's waits do about captures: set by [`crate::graph`] when it begins its first
 /// capture (streams sit below graphs, which keep the capture sessions).

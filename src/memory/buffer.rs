@@ -624,7 +624,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     #[inline]
     fn use_on(&self, stream: &Stream) -> Result<()> {
         let capture = stream.key().capture_id();
-        if capture | self.capture != 0 {
+        let owner = if stream.id() == self.stream.id() { capture } else { self.stream.key().capture_id() };
+        if capture | owner | self.capture != 0 {
             return self.use_in_capture(stream, capture);
         }
         self.order_use(stream)
@@ -649,6 +650,14 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     #[cold]
     fn use_in_capture(&self, stream: &Stream, capture: u64) -> Result<()> {
         let session = if capture == 0 { None } else { stream.capture() };
+        if session.is_none() && stream.id() != self.stream.id() && self.stream.capture().is_some() {
+            // Ordering `stream` after the buffer's capturing stream would make it join the
+            // capture without cudrv (or the caller) knowing.
+            return Err(Error::Capturing {
+                what: "using a buffer whose stream is capturing on a stream outside the capture (make \
+                       that stream join it first: stream.wait_stream(buffer.stream()))",
+            });
+        }
         let Some(session) = session else {
             if self.capture == 0 {
                 // A capture that has ended.
@@ -672,6 +681,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if uses.graphs.iter().any(|g| g.is(&session.res)) {
             return Ok(());
         }
+        // Graphs whose launches have all completed need nothing of the buffer any more.
+        uses.graphs.retain(|g| !g.is_done());
         let allocated = match self.stream.key().capture_id() {
             // The buffer's stream takes part in the capture: the session noted where it stood
             // when it began or joined, after the allocation.
@@ -755,6 +766,9 @@ impl GraphOwned for Free {
 impl Free {
     /// Frees now if nothing stands in the way, else hands itself to what does.
     fn run(mut self) {
+        // Graphs whose launches have all completed need nothing (and handing the free to each in
+        // turn would recurse once per graph).
+        self.uses.graphs.retain(|g| !g.is_done());
         if let Some(graph) = self.uses.graphs.pop() {
             // After that graph's last launch (then the next graph, if any).
             graph.after_launches(Box::new(self));

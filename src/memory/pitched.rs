@@ -91,8 +91,10 @@ impl Pitched {
     /// Records a use on `stream` (any stream of the device), as [`DeviceBuffer::record_use`]:
     /// the stream first waits for the buffer's stream, and the free waits for the stream.
     fn record_use(&self, stream: &Stream) -> Result<()> {
-        // A graph could not keep this memory alive: refused in a capture (see crate::graph).
+        // A graph could not keep this memory alive: refused in a capture (see crate::graph), on
+        // the use's stream and on the buffer's (ordering the one after the other would join it).
         stream.refuse_in_capture(CAPTURE)?;
+        self.stream.refuse_in_capture(CAPTURE)?;
         if stream.id() == self.stream.id() {
             return Ok(());
         }

@@ -95,9 +95,23 @@ struct StreamCache {
 impl Attachment for StreamCache {
     fn retire(self: Box<Self>, stream: &StreamKey) {
         let Some(shared) = self.pool.upgrade() else { return };
-        if let Err(e) = pool::retire(&*shared, stream, self.cache) {
-            report_drop_error(Some(&shared.backend.ctx), e);
-        }
+        retire_when_not_capturing(shared, stream.clone(), self.cache);
+    }
+}
+
+/// Forgets `stream` in the pool, which records one last event on it: not while the stream
+/// captures a graph (the record would be captured, and order nothing), but once the capture has
+/// ended, on cudrv's deferred-work thread. The key keeps the stream valid meanwhile.
+fn retire_when_not_capturing(shared: Arc<Shared>, stream: StreamKey, cache: Cache) {
+    if shared.backend.is_capturing(&stream) {
+        host_fn::defer(move || {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            retire_when_not_capturing(shared, stream, cache);
+        });
+        return;
+    }
+    if let Err(e) = pool::retire(&*shared, &stream, cache) {
+        report_drop_error(Some(&shared.backend.ctx), e);
     }
 }
 
@@ -224,6 +238,12 @@ impl Backend for CudaBackend {
         let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: valid event.
         unsafe { drv!(cuEventSynchronize(event.raw)) }
+    }
+
+    fn is_capturing(&self, stream: &StreamKey) -> bool {
+        // The captures cudrv tracks. Raw-driver captures of a cudrv stream are the caller's to
+        // keep apart from the pool's work (they go through `unsafe` code).
+        stream.capture().is_some()
     }
 
     fn query(&self, event: &Arc<PoolEvent>) -> Result<bool> {

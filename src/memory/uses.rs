@@ -63,10 +63,22 @@ pub(crate) fn wait_for_uses(owner: &Stream, used: &[Stream]) -> Result<()> {
 }
 
 /// A synchronous free (`cuMemFree` does not wait for queued work) of memory used on `owner` and
-/// `used`: waits for them, then runs `free`. Outside host functions (deferred from inside one).
+/// `used`: waits for them, then runs `free`. Outside host functions (deferred from inside one),
+/// and after the end of a capture that any of the streams takes part in.
 /// A failed wait leaks the memory (its work may still run), which is sound, and reports the
 /// error.
 pub(crate) fn free_after_waiting(owner: Stream, used: Vec<Stream>, free: impl FnOnce() -> Result<()> + Send + 'static) {
+    // A stream that takes part in a capture cannot be waited for (and work queued on it would be
+    // captured): the free waits for the end of the capture.
+    let capturing = std::iter::once(&owner)
+        .chain(&used)
+        .map(|s| s.key().capture_id())
+        .filter(|&id| id != 0)
+        .find_map(crate::session::CaptureSession::active);
+    if let Some(session) = capturing {
+        session.after_end(Box::new(move || free_after_waiting(owner, used, free)));
+        return;
+    }
     let run = move || {
         if let Err(e) = wait_for_uses(&owner, &used).and_then(|()| free()) {
             crate::context::report_drop_error(Some(owner.context()), e);

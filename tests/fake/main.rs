@@ -29,3 +29,4 @@ pub fn invalid_launch(e: Error) -> String {
         other => panic!("expected InvalidLaunch, got {other:?}"),
     }
 }
+mod capture_review;

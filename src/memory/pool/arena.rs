@@ -149,6 +149,10 @@ impl<B: Backend> Arena<B> {
     /// Finds the best-fitting free block among the other streams and makes it (and, after a wait,
     /// every other block the wait covers) stream `a`'s. Returns the block, taken off `a`'s list.
     fn borrow_from_others(&mut self, b: &B, a: u32, kind: Kind, size: usize) -> Result<Option<u32>, B::Error> {
+        // A stream that captures a graph can neither record nor wait (either would be captured):
+        // only host-safe blocks can move to or from it.
+        let capturing = |st: &StreamState<B>| st.key.as_ref().is_some_and(|k| b.is_capturing(k));
+        let a_capturing = capturing(&self.streams[a]);
         let mut best: Option<((usize, u64), u32, u32)> = None;
         for (i, st) in self.streams.iter() {
             if i == a {
@@ -158,7 +162,11 @@ impl<B: Backend> Arena<B> {
             if let Some(key) = self.best_fit(list, kind, size)
                 && best.is_none_or(|(k, _, _)| key < k)
             {
-                best = Some((key, list[&key], i));
+                let blk = list[&key];
+                let host_safe = matches!(self.blocks[blk].state, State::Free { seq, .. } if seq <= st.completed);
+                if host_safe || !(a_capturing || capturing(st)) {
+                    best = Some((key, blk, i));
+                }
             }
         }
         let Some((_, blk, src)) = best else { return Ok(None) };

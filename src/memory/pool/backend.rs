@@ -40,4 +40,11 @@ pub(crate) trait Backend {
     fn synchronize(&self, event: &Self::Event) -> Result<(), Self::Error>;
     /// Whether `event` has completed (`cuEventQuery`), without blocking.
     fn query(&self, event: &Self::Event) -> Result<bool, Self::Error>;
+    /// Whether `stream` is capturing a graph: then nothing may be recorded, waited or queried on
+    /// it (it would be captured, not run), and its frees are not ordered before anything outside
+    /// the capture. The real backend answers for the captures cudrv tracks.
+    fn is_capturing(&self, stream: &Self::Stream) -> bool {
+        let _ = stream;
+        false
+    }
 }

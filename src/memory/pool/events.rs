@@ -93,6 +93,10 @@ impl<B: Backend> Arena<B> {
         if seq <= self.streams[s].completed {
             return Ok(true);
         }
+        if self.streams[s].key.as_ref().is_some_and(|k| b.is_capturing(k)) {
+            // Its events cannot be recorded or queried now; its frees stay pending.
+            return Ok(false);
+        }
         let st = &self.streams[s];
         if st.completed < st.recorded {
             // A record is pending: ask whether it is done.
@@ -134,6 +138,10 @@ impl<B: Backend> Arena<B> {
         for s in self.streams.indices() {
             let st = &self.streams[s];
             if !st.has_free_blocks() || st.seq <= st.completed {
+                continue;
+            }
+            if st.key.as_ref().is_some_and(|k| b.is_capturing(k)) {
+                // Waiting for a capturing stream is impossible: its frees stay pending.
                 continue;
             }
             if st.seq > st.recorded && st.key.is_some() {
