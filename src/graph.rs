@@ -89,7 +89,7 @@ use crate::event::Event;
 use crate::host_fn::{self, SendHandle};
 use crate::launch::LaunchConfig;
 use crate::module::Function;
-use crate::result::{driver, drv};
+use crate::result::{driver, drv, drv_compat};
 pub use crate::session::{CaptureInfo, CaptureStatus};
 use crate::session::{CaptureSession, GraphResources, mark_before_join};
 use crate::stream::Stream;
@@ -347,7 +347,7 @@ impl Graph {
         let mut node = std::ptr::null_mut();
         // SAFETY: a valid graph and nodes; the parameters are complete and valid during the call
         // (the driver copies the arguments); the caller vouches for what they refer to.
-        unsafe { drv!(cuGraphAddKernelNode_v2(&mut node, self.raw, d, n, &p)) }?;
+        unsafe { drv_compat!(cuGraphAddKernelNode_v2 | cuGraphAddKernelNode(&mut node, self.raw, d, n, &p)) }?;
         Ok(GraphNode(node))
     }
 
@@ -538,8 +538,23 @@ impl Graph {
         }
         let mut raw = std::ptr::null_mut();
         let made = self.ctx.bind().and_then(|_b| {
+            let d = driver()?;
             // SAFETY: a valid graph of the current context; a valid out-pointer and flags.
-            unsafe { drv!(cuGraphInstantiateWithFlags(&mut raw, self.raw, flags.bits())) }
+            match unsafe { d.cuGraphInstantiateWithFlags(&mut raw, self.raw, flags.bits()) } {
+                Err(_) if flags == InstantiateFlags::default() => {
+                    // SAFETY: as above; the error node and log are optional (null, 0).
+                    let rc = unsafe {
+                        d.cuGraphInstantiate_v2(&mut raw, self.raw, std::ptr::null_mut(), std::ptr::null_mut(), 0)
+                    };
+                    check("cuGraphInstantiate_v2", rc)
+                }
+                Err(_) => Err(self.device().unsupported(
+                    "instantiation flags",
+                    "the driver predates cuGraphInstantiateWithFlags (CUDA 11.4)",
+                    Some("instantiate with the default flags, or update the driver"),
+                )),
+                rc => check("cuGraphInstantiateWithFlags", rc),
+            }
         });
         if let Err(e) = made {
             if pool_memory {
@@ -786,8 +801,13 @@ impl GraphExec {
                 self.fenced.store(true, Ordering::Release);
             }
         }
+        let d = driver()?;
         // SAFETY: a valid executable graph and graph; a valid out-pointer.
-        let rc = unsafe { driver()?.cuGraphExecUpdate_v2(self.raw, graph.raw, &mut info) };
+        let rc = match unsafe { d.cuGraphExecUpdate_v2(self.raw, graph.raw, &mut info) } {
+            // SAFETY: as above, with the older ABI's out-pointers (CUDA 11.x).
+            Err(_) => unsafe { d.cuGraphExecUpdate(self.raw, graph.raw, &mut info.errorNode, &mut info.result) },
+            rc => rc,
+        };
         match rc {
             Ok(CUresult::CUDA_SUCCESS) => Ok(Ok(())),
             Ok(CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE) => Ok(Err(UpdateError {
@@ -819,7 +839,7 @@ impl GraphExec {
         let _b = self.ctx.bind()?;
         // SAFETY: a valid executable graph and kernel node; complete parameters valid during the
         // call; the caller vouches for what they refer to.
-        unsafe { drv!(cuGraphExecKernelNodeSetParams_v2(self.raw, node.0, &p)) }
+        unsafe { drv_compat!(cuGraphExecKernelNodeSetParams_v2 | cuGraphExecKernelNodeSetParams(self.raw, node.0, &p)) }
     }
 
     fn check_stream(&self, what: &'static str, stream: &Stream) -> Result<()> {
@@ -912,9 +932,11 @@ impl Device {
     /// What the driver's graph memory nodes use on this device (`cuDeviceGetGraphMemAttribute`).
     ///
     /// # Errors
-    /// The driver's error (`CUDA_ERROR_NOT_SUPPORTED` without memory pools).
+    /// [`Error::Unsupported`] without memory pools (TCC, or a driver older than CUDA 11.4): graph
+    /// memory nodes come from them. The driver's error.
     pub fn graph_memory(&self) -> Result<GraphMemoryInfo> {
         use cudrv_sys::CUgraphMem_attribute as A;
+        self.require_graph_memory()?;
         let ctx = self.primary_context()?;
         let _b = ctx.bind()?;
         let get = |attr: A| -> Result<u64> {
@@ -935,11 +957,32 @@ impl Device {
     /// not running (`cuDeviceGraphMemTrim`).
     ///
     /// # Errors
-    /// The driver's error.
+    /// As [`Device::graph_memory`].
     pub fn trim_graph_memory(&self) -> Result<()> {
+        self.require_graph_memory()?;
         let ctx = self.primary_context()?;
         let _b = ctx.bind()?;
         // SAFETY: a valid device.
         unsafe { drv!(cuDeviceGraphMemTrim(self.as_raw())) }
+    }
+
+    /// Graph memory nodes need memory pools, and the driver's graph memory entry points (11.4).
+    fn require_graph_memory(&self) -> Result<()> {
+        let caps = self.capabilities()?;
+        let reason = if !caps.memory_pools {
+            crate::memory::pools_missing_reason(caps)
+        } else if !driver()?.has("cuDeviceGraphMemTrim") {
+            format!(
+                "the driver ({}) predates graph memory nodes (CUDA 11.4)",
+                crate::version_string(caps.driver_version)
+            )
+        } else {
+            return Ok(());
+        };
+        Err(self.unsupported(
+            "graph memory",
+            reason,
+            Some("allocate in captures from StreamOrderedPool, whose memory the graph owns and reports"),
+        ))
     }
 }

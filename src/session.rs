@@ -4,6 +4,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -11,10 +12,10 @@ use cudrv_sys::CUgraphNode;
 
 use crate::capture;
 use crate::context::report_drop_error;
-use crate::error::Result;
+use crate::error::{Result, check};
 use crate::event::Event;
 use crate::host_fn;
-use crate::result::drv;
+use crate::result::{driver, drv};
 use crate::stream::{JoinHooks, Stream, StreamKey};
 
 /// Whether a stream is capturing (`CUstreamCaptureStatus`).
@@ -74,19 +75,26 @@ impl Stream {
         let mut deps: *const CUgraphNode = std::ptr::null();
         let mut edges: *const cudrv_sys::CUgraphEdgeData = std::ptr::null();
         let mut n = 0usize;
+        let d = driver()?;
+        let stream = self.as_raw();
         // SAFETY: a valid stream of the current context; valid out-pointers; the returned arrays
         // are owned by the driver and not read here.
-        unsafe {
-            drv!(cuStreamGetCaptureInfo_v3(
-                self.as_raw(),
-                &mut status,
-                &mut id,
-                std::ptr::null_mut(),
-                &mut deps,
-                &mut edges,
-                &mut n
-            ))
-        }?;
+        let v3 = unsafe {
+            d.cuStreamGetCaptureInfo_v3(stream, &mut status, &mut id, null_mut(), &mut deps, &mut edges, &mut n)
+        };
+        let rc = match v3 {
+            // SAFETY: as above, with the ABI of CUDA 11.3 to 12.2.
+            Err(_) => match unsafe {
+                d.cuStreamGetCaptureInfo_v2(stream, &mut status, &mut id, null_mut(), &mut deps, &mut n)
+            } {
+                // SAFETY: as above, with the ABI of CUDA 10 to 11.2, which does not report the
+                // dependencies (left at 0).
+                Err(_) => unsafe { d.cuStreamGetCaptureInfo(stream, &mut status, &mut id) },
+                rc => rc,
+            },
+            rc => rc,
+        };
+        check("cuStreamGetCaptureInfo", rc)?;
         Ok(CaptureInfo { status: status_of(status), id, dependencies: n })
     }
 

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use cudrv_test_support::fake_driver_path;
+use cudrv_test_support::{fake_driver_path, legacy_fake_driver_path};
 
 /// The path of example `name`, built by `cargo test` (or staged by `gpu-bundle`).
 fn example(name: &str) -> PathBuf {
@@ -191,4 +191,23 @@ fn devices_reports_the_launch_memory_and_ipc_capabilities_in_text_and_json() {
         let (report, _) = expect(&run_env("devices", &[], &env), 0, "");
         assert!(report.contains("persisting L2 cache"), "{mode}: {report}");
     }
+}
+
+/// On the oldest supported driver (CUDA 11.1: no memory pools, no `cuDeviceGetUuid_v2`, none of
+/// the newer graph entry points), the examples run through the older entry points and cudrv's pool.
+#[test]
+fn examples_run_on_a_cuda_11_1_driver() {
+    let legacy = legacy_fake_driver_path();
+    let env = [("CUDRV_DRIVER_PATH", legacy.to_str().expect("a UTF-8 path"))];
+    let (report, _) = expect(&run_env("devices", &[], &env), 0, "");
+    assert!(report.contains("11.1"), "{report}");
+    assert!(report.contains("StreamOrderedPool"), "{report}");
+    let (json, _) = expect(&run_env("devices", &["--json"], &env), 0, "");
+    assert!(json.contains("\"memory_pools\":false"), "{json}");
+    assert!(json.contains("\"uuid\":\""), "{json}");
+    let (stdout, _) = expect(&run_env("vector_add", &["5000"], &env), 0, "");
+    assert!(stdout.contains("all elements correct"), "{stdout}");
+    let (stdout, _) = expect(&run_env("graph", &["20"], &env), 0, "");
+    assert!(stdout.contains("memory resource StreamOrderedPool"), "{stdout}");
+    assert!(stdout.contains("all 65536 elements correct after 20 replays"), "{stdout}");
 }

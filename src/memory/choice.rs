@@ -76,7 +76,8 @@ pub fn choose(device: &Device) -> Result<Choice> {
     }
 }
 
-fn pools_missing_reason(caps: &crate::Capabilities) -> String {
+/// Why `caps` has no memory pools.
+pub(crate) fn pools_missing_reason(caps: &crate::Capabilities) -> String {
     if caps.driver_model == crate::DriverModel::Tcc {
         "the device has no memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0: TCC driver model)".into()
     } else if caps.driver_version < 11020 {

@@ -24,7 +24,7 @@ use crate::context::Context;
 use crate::device::Device;
 #[cfg(doc)]
 use crate::error::Error;
-use crate::error::Result;
+use crate::error::{Result, check};
 use crate::result::drv;
 use crate::stream::Stream;
 
@@ -548,56 +548,39 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     }
 }
 
-/// `cuMemPrefetchAsync`: the `_v2` form (a `CUmemLocation`) where the headers have it, falling
-/// back to the first form (a device ordinal) on drivers that lack `_v2` while the headers have both.
+/// `cuMemPrefetchAsync`: the `_v2` form (a `CUmemLocation`, CUDA 12.2) where the headers and the
+/// driver have it, else the first form (a device ordinal, -1 for the host), which cudrv-sys
+/// declares where the headers no longer do.
 ///
 /// # Safety
 /// `[ptr, ptr + bytes)` must be live managed memory; `stream` a valid stream of the current
 /// context, which the memory's free waits for.
-#[cfg(cuda_12050)]
 unsafe fn prefetch(ptr: DevicePtr, bytes: usize, location: Location, stream: cudrv_sys::CUstream) -> Result<()> {
-    #[cfg(not(cuda_13000))]
-    if !crate::result::driver()?.has("cuMemPrefetchAsync_v2") {
-        // SAFETY: forwarded to the caller.
-        return unsafe { drv!(cuMemPrefetchAsync(ptr, bytes, location.legacy(), stream)) };
+    let d = crate::result::driver()?;
+    #[cfg(cuda_12050)]
+    // SAFETY: forwarded to the caller.
+    match unsafe { d.cuMemPrefetchAsync_v2(ptr, bytes, location.raw(), 0, stream) } {
+        Err(_) => {} // not in this driver
+        rc => return check("cuMemPrefetchAsync_v2", rc),
     }
     // SAFETY: forwarded to the caller.
-    unsafe { drv!(cuMemPrefetchAsync_v2(ptr, bytes, location.raw(), 0, stream)) }
-}
-
-/// `cuMemPrefetchAsync` (headers without the `_v2` form).
-///
-/// # Safety
-/// As above.
-#[cfg(not(cuda_12050))]
-unsafe fn prefetch(ptr: DevicePtr, bytes: usize, location: Location, stream: cudrv_sys::CUstream) -> Result<()> {
-    // SAFETY: forwarded to the caller.
-    unsafe { drv!(cuMemPrefetchAsync(ptr, bytes, location.legacy(), stream)) }
+    check("cuMemPrefetchAsync", unsafe { d.cuMemPrefetchAsync(ptr, bytes, location.legacy(), stream) })
 }
 
 /// `cuMemAdvise`, in the form the headers and the driver have (as [`prefetch`]).
 ///
 /// # Safety
 /// `[ptr, ptr + bytes)` must be live managed memory.
-#[cfg(cuda_12050)]
 unsafe fn advise(ptr: DevicePtr, bytes: usize, advice: cudrv_sys::CUmem_advise, location: Location) -> Result<()> {
-    #[cfg(not(cuda_13000))]
-    if !crate::result::driver()?.has("cuMemAdvise_v2") {
-        // SAFETY: forwarded to the caller.
-        return unsafe { drv!(cuMemAdvise(ptr, bytes, advice, location.legacy())) };
+    let d = crate::result::driver()?;
+    #[cfg(cuda_12050)]
+    // SAFETY: forwarded to the caller.
+    match unsafe { d.cuMemAdvise_v2(ptr, bytes, advice, location.raw()) } {
+        Err(_) => {} // not in this driver
+        rc => return check("cuMemAdvise_v2", rc),
     }
     // SAFETY: forwarded to the caller.
-    unsafe { drv!(cuMemAdvise_v2(ptr, bytes, advice, location.raw())) }
-}
-
-/// `cuMemAdvise` (headers without the `_v2` form).
-///
-/// # Safety
-/// As above.
-#[cfg(not(cuda_12050))]
-unsafe fn advise(ptr: DevicePtr, bytes: usize, advice: cudrv_sys::CUmem_advise, location: Location) -> Result<()> {
-    // SAFETY: forwarded to the caller.
-    unsafe { drv!(cuMemAdvise(ptr, bytes, advice, location.legacy())) }
+    check("cuMemAdvise", unsafe { d.cuMemAdvise(ptr, bytes, advice, location.legacy()) })
 }
 
 // SAFETY: the buffer owns its memory (as a Box<[T]>); host access goes through methods that wait

@@ -30,8 +30,8 @@ mod sync;
 mod uses;
 
 pub use buffer::{DeviceBuffer, DeviceRepr, DeviceView};
-pub(crate) use choice::device_resource_for_buffers;
 pub use choice::{Choice, RESOURCE_VAR, choose};
+pub(crate) use choice::{device_resource_for_buffers, pools_missing_reason};
 pub use driver_pool::{DriverPool, DriverPoolConfig};
 pub use host::{HostRegistration, PinnedBuffer, PinnedFlags, PinnedHostResource, register_host};
 pub use managed::{Advice, Location, ManagedBuffer, ManagedResource};

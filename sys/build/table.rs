@@ -19,6 +19,9 @@ pub struct Function {
     pub params: Vec<(String, String)>,
     /// The return type (`CUresult`), or `()`.
     pub ret: String,
+    /// An older ABI declared by cudrv-sys itself: always resolved by its exported name, never
+    /// through `cuGetProcAddress` (which would hand back the newest ABI of its base name).
+    pub older: bool,
 }
 
 impl Function {
@@ -106,7 +109,7 @@ fn function(sig: &syn::Signature, abi: &str) -> Result<Function, String> {
         syn::ReturnType::Default => "()".to_string(),
         syn::ReturnType::Type(_, ty) => normalize(&tokens(&**ty)),
     };
-    Ok(Function { name, abi: abi.to_string(), params, ret })
+    Ok(Function { name, abi: abi.to_string(), params, ret, older: false })
 }
 
 /// The `CUresult` constants of an `impl cudaError_enum` block: `pub const CUDA_X: cudaError_enum
@@ -161,7 +164,7 @@ pub fn generate(functions: &[Function]) -> String {
             f.name,
             f.base_name(),
             f.base_name() != f.name,
-            newest(f)
+            newest(f) && !f.older
         );
     }
     let _ = writeln!(out, "];");
@@ -210,19 +213,64 @@ pub fn generate(functions: &[Function]) -> String {
 const OLDER_VARIANTS: [(&str, &str); 2] =
     [("cuEventElapsedTime_v2", "cuEventElapsedTime"), ("cuDeviceGetUuid_v2", "cuDeviceGetUuid")];
 
+/// Older variants with another signature than the declared newer one, which `cuda.h` no longer
+/// declares: the stream-capture and graph entry points that changed after CUDA 11.1, and the
+/// managed-memory hints that changed in 12.2, so that they work on the drivers that lack the newer
+/// ones (the safe crate falls back to these). The
+/// kernel-node parameters of the older variants are a prefix of the newer struct.
+const OLDER_DECLARATIONS: &str = r#"extern "C" {
+    pub fn cuStreamGetCaptureInfo(hStream: CUstream, captureStatus_out: *mut CUstreamCaptureStatus, id_out: *mut cuuint64_t) -> CUresult;
+    pub fn cuStreamGetCaptureInfo_v2(hStream: CUstream, captureStatus_out: *mut CUstreamCaptureStatus, id_out: *mut cuuint64_t, graph_out: *mut CUgraph, dependencies_out: *mut *const CUgraphNode, numDependencies_out: *mut usize) -> CUresult;
+    pub fn cuGraphInstantiate_v2(phGraphExec: *mut CUgraphExec, hGraph: CUgraph, phErrorNode: *mut CUgraphNode, logBuffer: *mut ::std::os::raw::c_char, bufferSize: usize) -> CUresult;
+    pub fn cuGraphExecUpdate(hGraphExec: CUgraphExec, hGraph: CUgraph, hErrorNode_out: *mut CUgraphNode, updateResult_out: *mut CUgraphExecUpdateResult) -> CUresult;
+    pub fn cuGraphAddKernelNode(phGraphNode: *mut CUgraphNode, hGraph: CUgraph, dependencies: *const CUgraphNode, numDependencies: usize, nodeParams: *const CUDA_KERNEL_NODE_PARAMS) -> CUresult;
+    pub fn cuGraphExecKernelNodeSetParams(hGraphExec: CUgraphExec, hNode: CUgraphNode, nodeParams: *const CUDA_KERNEL_NODE_PARAMS) -> CUresult;
+    pub fn cuMemPrefetchAsync(devPtr: CUdeviceptr, count: usize, dstDevice: CUdevice, hStream: CUstream) -> CUresult;
+    pub fn cuMemAdvise(devPtr: CUdeviceptr, count: usize, advice: CUmem_advise, device: CUdevice) -> CUresult;
+}"#;
+
 /// `functions` plus a declaration of each [`OLDER_VARIANTS`] entry whose newer variant is declared
-/// and whose older name is not. Such an older variant is resolved by its exact exported name (it
-/// is not the newest of its base name), so the driver hands back the older ABI.
+/// and whose older name is not, and of each [`OLDER_DECLARATIONS`] entry of a base name the
+/// bindings declare in a newer variant only. Such an older variant is resolved by its exact
+/// exported name (it is not the newest of its base name), so the driver hands back the older ABI.
 fn with_older_variants(functions: &[Function]) -> Vec<Function> {
     let mut all = functions.to_vec();
     for (newer, older) in OLDER_VARIANTS {
         if let Some(f) = functions.iter().find(|f| f.name == newer)
             && !functions.iter().any(|f| f.name == older)
         {
-            all.push(Function { name: older.to_string(), ..f.clone() });
+            all.push(Function { name: older.to_string(), older: true, ..f.clone() });
+        }
+    }
+    let older = read_declarations(OLDER_DECLARATIONS).expect("the older declarations are valid Rust");
+    for f in older {
+        // Not declared by the bindings, which declare a newer variant, or (cuGraphInstantiate,
+        // which cuda.h maps to cuGraphInstantiateWithFlags) none under the base name.
+        let newer_declared =
+            functions.iter().any(|g| g.base_name() == f.base_name() && version_of(&g.name) > version_of(&f.name));
+        let base_declared = functions.iter().any(|g| g.base_name() == f.base_name());
+        if (newer_declared || !base_declared) && !all.iter().any(|g| g.name == f.name) {
+            all.push(Function { older: true, ..f });
         }
     }
     all
+}
+
+/// The functions declared in `extern` blocks of `source`.
+fn read_declarations(source: &str) -> Result<Vec<Function>, String> {
+    let file = syn::parse_file(source).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for item in file.items {
+        if let syn::Item::ForeignMod(block) = item {
+            let abi = block.abi.name.as_ref().map_or_else(|| "C".to_string(), syn::LitStr::value);
+            for foreign in block.items {
+                if let syn::ForeignItem::Fn(f) = foreign {
+                    out.push(function(&f.sig, &abi)?);
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn version_of(name: &str) -> u32 {

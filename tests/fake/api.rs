@@ -875,17 +875,23 @@ fn managed_host_access_and_prefetch_need_concurrent_access() {
         let buf = DeviceBuffer::from_slice_in(&[3u8; 5], &s, Arc::new(ManagedResource::new(&dev).unwrap())).unwrap();
         assert_eq!(buf.to_vec().unwrap(), [3; 5]);
     });
-    // A driver without cuMemPrefetchAsync_v2 (CUDA 11.1): the missing function, not a refusal.
+    // A driver without cuMemPrefetchAsync_v2 and cuMemAdvise_v2 (CUDA 11.1): the first forms,
+    // which cudrv-sys declares where the headers (13.0) no longer do.
     let legacy = legacy_fake_driver_path().to_string_lossy().into_owned();
     run_with_fake(&[("CUDRV_DRIVER_PATH", &legacy)], || {
-        let s = Stream::new(&Device::get(0).unwrap()).unwrap();
-        let m = ManagedBuffer::from_slice(&[1u8; 8], &s).unwrap();
-        // Headers of 13.0 have only the `_v2` form; older ones fall back to the first form.
-        match m.prefetch_to(Location::Host, &s) {
-            Err(Error::MissingSymbol { name: "cuMemPrefetchAsync_v2", .. }) if cfg!(cuda_13000) => {}
-            Ok(()) if !cfg!(cuda_13000) => {}
-            other => panic!("{other:?}"),
-        }
+        let d = cudrv::sys::Driver::global().unwrap();
+        assert!(!d.has("cuMemPrefetchAsync_v2") && !d.has("cuMemAdvise_v2"));
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let mut m = ManagedBuffer::from_slice(&[1u8; 8], &s).unwrap();
+        m.prefetch_to(Location::Device(dev.clone()), &s).unwrap();
+        m.prefetch_to(Location::Host, &s).unwrap();
+        m.advise(Advice::SetReadMostly).unwrap();
+        assert!(m.is_read_mostly().unwrap());
+        m.advise(Advice::SetPreferredLocation(Location::Host)).unwrap();
+        assert_eq!(m.preferred_location().unwrap(), Some(Location::Host));
+        m.as_mut_slice().unwrap()[3] = 9;
+        assert_eq!(m.to_vec().unwrap(), [1, 1, 1, 9, 1, 1, 1, 1]);
     });
 }
 

@@ -6,7 +6,7 @@
 
 use crate::graph_cases;
 
-use cudrv_test_support::{assert_no_leaks, run_with_fake_modes};
+use cudrv_test_support::{assert_no_leaks, legacy_fake_driver_path, run_with_fake_modes};
 
 const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
 
@@ -80,4 +80,43 @@ fn graph_memory_nodes_where_the_driver_has_pools() {
 #[test]
 fn an_invalidated_capture_reports_it_and_the_stream_stays_usable() {
     each_mode("0", graph_cases::an_invalidated_capture_reports_it_and_the_stream_stays_usable);
+}
+
+/// On a CUDA 11.1 driver, which has neither memory pools nor the newer graph entry points
+/// (`cuStreamGetCaptureInfo_v2`/`_v3`, `cuGraphInstantiateWithFlags`, `cuGraphAddKernelNode_v2`,
+/// `cuGraphExecUpdate_v2`, `cuGraphExecKernelNodeSetParams_v2`), graphs work through the older
+/// ones, and allocation in a capture through cudrv's pool.
+#[test]
+fn graphs_work_on_a_cuda_11_1_driver() {
+    let legacy = legacy_fake_driver_path().to_string_lossy().into_owned();
+    let env = [("CUDRV_DRIVER_PATH", legacy.as_str()), ("CUDRV_FAKE_DELAY_US", "20")];
+    run_with_fake_modes(&MODES, &env, || {
+        let driver = cudrv::sys::Driver::global().unwrap();
+        assert_eq!(driver.version(), 11010);
+        for newer in ["cuStreamGetCaptureInfo_v2", "cuGraphInstantiateWithFlags", "cuGraphExecUpdate_v2"] {
+            assert!(!driver.has(newer), "{newer}");
+        }
+        graph_cases::a_captured_graph_replays_its_work_at_every_launch(10);
+        graph_cases::pool_memory_of_a_graph_is_reserved_until_it_is_gone();
+        graph_cases::a_capture_refuses_what_a_graph_cannot_keep_sound();
+        graph_cases::an_invalidated_capture_reports_it_and_the_stream_stays_usable();
+        graph_cases::streams_join_a_capture_and_the_graph_keeps_their_order();
+        graph_cases::graphs_built_node_by_node_run_in_dependency_order();
+        graph_cases::executable_graphs_update_in_place_or_say_why_not();
+        graph_cases::graph_memory_nodes_where_the_driver_has_pools();
+        // Flags need cuGraphInstantiateWithFlags (11.4): refused, with what to do instead.
+        let dev = cudrv::Device::get(0).unwrap();
+        let mut graph = cudrv::graph::Graph::new(&dev).unwrap();
+        graph.add_empty_node(&[]).unwrap();
+        let flags = cudrv::graph::InstantiateFlags { auto_free_on_launch: true, ..Default::default() };
+        match graph.instantiate_with(flags) {
+            Err(cudrv::Error::Unsupported { feature: "instantiation flags", reason, .. }) => {
+                assert!(reason.contains("cuGraphInstantiateWithFlags"), "{reason}")
+            }
+            other => panic!("expected Unsupported, got {:?}", other.map(|_| ())),
+        }
+        drop(graph);
+        graph_cases::release_everything(&dev);
+        assert_no_leaks();
+    });
 }

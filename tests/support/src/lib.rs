@@ -89,6 +89,10 @@ pub const DRIVER_PATH_ENV: &str = "CUDRV_DRIVER_PATH";
 pub const LIB_DIR_ENV: &str = "CUDRV_TEST_LIB_DIR";
 /// Marker set in the child process: `<test name>#<index of the run_with_fake call>`.
 pub const CHILD_ENV: &str = "CUDRV_FAKE_CHILD";
+/// Environment variable choosing the fake driver that [`fake_driver_path`] names: `full` (the
+/// default, CUDA 13.0) or `legacy` (CUDA 11.1, [`legacy_fake_driver_path`]), to run the whole suite
+/// on the oldest supported driver: `CUDRV_TEST_DRIVER=legacy cargo test`.
+pub const TEST_DRIVER_ENV: &str = "CUDRV_TEST_DRIVER";
 
 #[cfg(windows)]
 const DRIVER_FILE: &str = "nvcuda.dll";
@@ -110,9 +114,28 @@ pub fn lib_dir() -> PathBuf {
     }
 }
 
-/// Path of the fake driver: `lib_dir()/libcuda.so` (`nvcuda.dll` on Windows).
+/// Path of the fake driver the tests run on: [`full_fake_driver_path`], or
+/// [`legacy_fake_driver_path`] with `CUDRV_TEST_DRIVER=legacy` ([`TEST_DRIVER_ENV`]).
 pub fn fake_driver_path() -> PathBuf {
+    if testing_oldest_driver() { legacy_fake_driver_path() } else { full_fake_driver_path() }
+}
+
+/// Path of the fake driver of CUDA 13.0: `lib_dir()/libcuda.so` (`nvcuda.dll` on Windows), for
+/// tests about a newer driver whatever [`TEST_DRIVER_ENV`] says (those that emulate other versions
+/// with `CUDRV_FAKE_DRIVER_VERSION`).
+pub fn full_fake_driver_path() -> PathBuf {
     lib_dir().join(DRIVER_FILE)
+}
+
+/// Whether the tests run on the CUDA 11.1 fake (`CUDRV_TEST_DRIVER=legacy`): tests of features
+/// that 11.1 lacks then check the error that says so. Panics on a value other than `full` or
+/// `legacy`.
+pub fn testing_oldest_driver() -> bool {
+    match std::env::var(TEST_DRIVER_ENV).as_deref() {
+        Err(_) | Ok("" | "full") => false,
+        Ok("legacy") => true,
+        Ok(other) => panic!("{TEST_DRIVER_ENV}={other:?}: expected full or legacy"),
+    }
 }
 
 /// Path of the fake driver that exports only the functions of CUDA 11.1 (no `cuGetProcAddress`, no
