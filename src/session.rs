@@ -137,6 +137,11 @@ const JOIN_HOOKS: JoinHooks = JoinHooks {
             note_join(stream, *before);
         }
     },
+    abandoned: |key| {
+        if let Some(session) = key.capture() {
+            session.abandon(key);
+        }
+    },
 };
 
 /// An event recorded on `stream` now, before it joins (or begins) a capture: the graph's first
@@ -220,6 +225,34 @@ impl CaptureSession {
         }
         for free in std::mem::take(&mut *self.after_end.lock().unwrap_or_else(PoisonError::into_inner)) {
             free();
+        }
+    }
+
+    /// The last user of `origin` let go of it during the capture: ends the capture and destroys
+    /// its graph, then the session, which gives back what the capture reserved (nothing of it
+    /// ever ran). Only from the origin, and only when no buffer allocated during the capture is
+    /// alive (its memory would be the graph's); otherwise, or if the driver refuses (another
+    /// thread began a capture in global or thread-local mode), the capture goes on, as before.
+    fn abandon(&self, origin: &StreamKey) {
+        let is_origin = self.streams.lock().unwrap_or_else(PoisonError::into_inner).first() == Some(origin);
+        if !is_origin || self.live_buffers.load(Ordering::Acquire) != 0 {
+            return;
+        }
+        let ended = || -> Result<()> {
+            let _b = origin.context().bind()?;
+            let mut graph = std::ptr::null_mut();
+            // SAFETY: a valid stream of the current context (its last user is letting go of it,
+            // and it is destroyed after this); a valid out-pointer.
+            unsafe { drv!(cuStreamEndCapture(origin.as_raw(), &mut graph)) }?;
+            if !graph.is_null() {
+                // SAFETY: the graph the capture just made, never instantiated; destroyed once.
+                // Failing, it leaks: the capture has ended all the same.
+                let _ = unsafe { drv!(cuGraphDestroy(graph)) };
+            }
+            Ok(())
+        };
+        if ended().is_ok() {
+            self.finish();
         }
     }
 

@@ -56,6 +56,10 @@ pub(crate) struct StreamKey(Arc<Inner>);
 impl StreamKey {
     /// The raw handle that means this stream on the calling thread (see [`Stream::as_raw`]).
     #[inline]
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.0.ctx
+    }
+
     pub(crate) fn as_raw(&self) -> CUstream {
         self.0.raw_here()
     }
@@ -173,6 +177,10 @@ pub(crate) struct JoinHooks {
     pub(crate) joined: fn(&Stream, u64, Box<dyn Any + Send>),
     /// `stream` waited on an event: if that made it join a capture cudrv tracks, it is tracked.
     pub(crate) waited: fn(&Stream, Box<dyn Any + Send>),
+    /// The last user of `stream` let go of it while it was capturing (a panic between
+    /// `begin_capture` and `end_capture`): the capture is ended and its graph dropped, so that
+    /// the driver does not go on refusing other threads' work for it (global mode).
+    pub(crate) abandoned: fn(&StreamKey),
 }
 
 static JOIN_HOOKS: std::sync::OnceLock<JoinHooks> = std::sync::OnceLock::new();
@@ -205,6 +213,11 @@ impl Drop for Handle {
     fn drop(&mut self) {
         let key = self.key.clone();
         let retire = move || {
+            if key.capture_id() != 0
+                && let Some(hooks) = join_hooks()
+            {
+                (hooks.abandoned)(&key);
+            }
             let attachments =
                 std::mem::take(&mut *key.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
             for (_, a) in attachments {

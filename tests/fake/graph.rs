@@ -120,3 +120,29 @@ fn graphs_work_on_a_cuda_11_1_driver() {
         assert_no_leaks();
     });
 }
+
+/// A test that panics between `begin_capture` and `end_capture` drops its stream while it captures:
+/// the capture ends with it, so that the driver stops refusing what other threads do (in global
+/// mode, their event synchronisations), and what the capture allocated goes back.
+#[test]
+fn a_stream_dropped_during_its_capture_ends_it() {
+    each_mode("0", || {
+        let dev = cudrv::Device::get(0).unwrap();
+        let caught = std::panic::catch_unwind(|| {
+            let stream = cudrv::Stream::new(&dev).unwrap();
+            stream.begin_capture(cudrv::graph::CaptureMode::Global).unwrap();
+            let _tmp = cudrv::memory::DeviceBuffer::<u32>::zeroed(1 << 10, &stream).unwrap();
+            panic!("a test fails during its capture");
+        });
+        assert!(caught.is_err());
+        std::thread::spawn(move || {
+            let other = cudrv::Stream::new(&dev).unwrap();
+            let event = cudrv::Event::new(&dev).unwrap();
+            event.record(&other).unwrap();
+            event.synchronize().unwrap();
+        })
+        .join()
+        .unwrap();
+        graph_cases::release_everything(&dev);
+    });
+}
