@@ -884,7 +884,7 @@ fn managed_host_access_and_prefetch_need_concurrent_access() {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
         let mut m = ManagedBuffer::from_slice(&[1u8; 8], &s).unwrap();
-        m.prefetch_to(Location::Device(dev.clone()), &s).unwrap();
+        m.prefetch_to(Location::Device(dev), &s).unwrap();
         m.prefetch_to(Location::Host, &s).unwrap();
         m.advise(Advice::SetReadMostly).unwrap();
         assert!(m.is_read_mostly().unwrap());

@@ -343,9 +343,12 @@ fn host_functions_drop_buffers_while_another_thread_trims() {
         std::sync::Arc::new(cudrv::memory::StreamOrderedPool::new(&dev).unwrap());
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::scope(|scope| {
+        // Owned here, so that a panic below drops it and the trimmer stops.
+        let done_tx = done_tx;
         let pool = &pool;
         let trimmer = scope.spawn(move || {
-            while done_rx.try_recv().is_err() {
+            // Until told, or until the sender is gone.
+            while matches!(done_rx.try_recv(), Err(std::sync::mpsc::TryRecvError::Empty)) {
                 pool.trim(0).unwrap();
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }

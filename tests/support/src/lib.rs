@@ -216,6 +216,20 @@ pub struct ChildOutput {
 /// }
 /// ```
 pub fn run_with_fake_output(env: &[(&str, &str)], body: impl FnOnce()) -> Option<ChildOutput> {
+    run_in_child(env, true, body)
+}
+
+/// Runs `body` in a child process of this test binary (as [`run_with_fake`] does), with the
+/// parent's environment and driver, real or emulated: for GPU tests that change what the other
+/// threads of their process may do. A stream capture in global mode makes the driver refuse the
+/// other threads' allocations and synchronisations, and an invalidated one can leave the process
+/// unusable: tests that run beside it in libtest's threads would fail or hang.
+pub fn run_in_own_process(body: impl FnOnce()) {
+    run_in_child(&[], false, body);
+}
+
+/// [`run_with_fake_output`], with the fake driver set (`fake`) or the parent's driver kept.
+fn run_in_child(env: &[(&str, &str)], fake: bool, body: impl FnOnce()) -> Option<ChildOutput> {
     let name = current_test_name();
     let k = CALLS.with(|c| {
         let mut c = c.borrow_mut();
@@ -246,14 +260,14 @@ pub fn run_with_fake_output(env: &[(&str, &str)], body: impl FnOnce()) -> Option
         return None;
     }
 
-    if cfg!(fake_unavailable) {
+    if fake && cfg!(fake_unavailable) {
         panic!("the fake CUDA driver was not built for this target (see the build warnings)");
     }
     let exe = std::env::current_exe().expect("current_exe");
     let mut cmd = Command::new(&exe);
     cmd.args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"]);
     let mut shown: Vec<(String, String)> = Vec::new();
-    if !env.iter().any(|(k, _)| *k == DRIVER_PATH_ENV) {
+    if fake && !env.iter().any(|(k, _)| *k == DRIVER_PATH_ENV) {
         let path = fake_driver_path().to_string_lossy().into_owned();
         shown.push((DRIVER_PATH_ENV.to_string(), path));
     }
@@ -269,7 +283,7 @@ pub fn run_with_fake_output(env: &[(&str, &str)], body: impl FnOnce()) -> Option
     if !out.status.success() || !ran {
         let env_text = shown.iter().map(|(k, v)| format!("  {k}={v}")).collect::<Vec<_>>().join("\n");
         panic!(
-            "test body {marker} {} in the fake-driver child process ({})\n\
+            "test body {marker} {} in the child process ({})\n\
              environment:\n{env_text}\n\
              ---- child stdout ----\n{stdout}\n---- child stderr ----\n{stderr}",
             if out.status.success() { "did not run" } else { "failed" },
