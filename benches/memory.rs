@@ -7,7 +7,9 @@
 //! 1. alloc+free pair latency at 256 B, 1 MiB, 64 MiB, 1 GiB: raw `cuMemAllocAsync` and
 //!    `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` (default pool, release threshold at its
 //!    maximum), raw `cuMemAlloc`+`cuMemFree`, and cudrv's `DriverPool`, `StreamOrderedPool` and
-//!    `SyncResource`, each through the resource and through `DeviceBuffer` (uninit + drop);
+//!    `SyncResource`, each through the resource and through `DeviceBuffer` (uninit + drop); then
+//!    `DeviceBuffer` against what it wraps (its resource, and for `DriverPool` the raw
+//!    `cuMemAllocFromPoolAsync` pair), measured in alternating rounds;
 //! 2. cross-stream reuse: the pair alternating between two streams; and a buffer allocated on one
 //!    stream, used on another (`record_use`), then dropped;
 //! 3. threads: 1, 2, 4, 8 and 16 threads, each allocating and freeing 1 MiB on its own stream:
@@ -188,6 +190,30 @@ fn pair_ns(dev: &Device, a: &Alloc, bytes: usize, streams: &[Stream], rounds: us
     Ok(median(per))
 }
 
+/// ns per pair of `a` and of `b` on stream `s`, measured in alternating rounds of the same number
+/// of pairs (so that drift in clock speed or in the driver's state affects both alike): medians.
+fn interleaved_ns(dev: &Device, a: &Alloc, b: &Alloc, bytes: usize, s: &Stream, rounds: usize) -> Res<(f64, f64)> {
+    a.prepare(dev)?;
+    b.prepare(dev)?;
+    let iters = if quick() { 20 } else { 20_000 };
+    for _ in 0..4 {
+        a.pair(bytes, s)?;
+        b.pair(bytes, s)?;
+    }
+    let (mut pa, mut pb) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        for (x, per) in [(a, &mut pa), (b, &mut pb)] {
+            let t = Instant::now();
+            for _ in 0..iters {
+                x.pair(bytes, s)?;
+            }
+            per.push(t.elapsed().as_nanos() as f64 / iters as f64);
+        }
+    }
+    s.synchronize()?;
+    Ok((median(pa), median(pb)))
+}
+
 /// A buffer allocated on `a`, used on `b` (`record_use`), dropped: ns per round.
 fn cross_use_ns(dev: &Device, r: &Arc<dyn MemoryResource>, a: &Stream, b: &Stream) -> Res<f64> {
     dev.set_memory_resource(r.clone(), "bench")?;
@@ -314,29 +340,44 @@ fn run() -> Res<()> {
     println!();
     println!("|---|{}", "---|---|".repeat(sizes.len()));
     let mut base = vec![0f64; sizes.len()];
-    let mut resource_ns: Vec<Vec<f64>> = Vec::new();
     for (k, a) in allocs.iter().enumerate() {
         print!("| {} |", a.name());
-        let mut row = Vec::new();
         for (i, (bytes, _)) in sizes.iter().enumerate() {
             let ns = pair_ns(&dev, a, *bytes, std::slice::from_ref(&s), 7)?;
             if k == 0 {
                 base[i] = ns;
             }
-            row.push(ns);
             print!(" {ns:.0} | {:.3}x |", ns / base[i]);
         }
         println!();
-        if let Alloc::Buffer { .. } = a {
-            let own = resource_ns.last().cloned().unwrap_or_default();
-            print!("| (DeviceBuffer over its resource) |");
-            for (i, ns) in row.iter().enumerate() {
-                print!(" | {:.3}x |", ns / own.get(i).copied().unwrap_or(f64::NAN));
+        a.reset()?;
+    }
+
+    // DeviceBuffer against what it wraps, in alternating rounds: a row measured minutes after
+    // another drifts with the clock speed and the driver's state by as much as the overhead.
+    println!("\n## DeviceBuffer against what it wraps (ns per pair, alternating rounds, median of 15)\n");
+    print!("| DeviceBuffer on | against |");
+    for (_, n) in &sizes {
+        print!(" {n}: base | buffer | ratio |");
+    }
+    println!();
+    println!("|---|---|{}", "---|---|---|".repeat(sizes.len()));
+    for buffer in allocs.iter().filter(|a| matches!(a, Alloc::Buffer { .. }) && !a.slow()) {
+        let Alloc::Buffer { name, r } = buffer else { unreachable!() };
+        let mut bases = vec![Alloc::Resource { name, r: r.clone() }];
+        if *name == "DriverPool" {
+            // The raw pair on the same (default) pool, by handle: what DriverPool calls.
+            bases.extend(allocs.iter().filter(|a| matches!(a, Alloc::RawAsync { from_pool: true, .. })).cloned());
+        }
+        for base in &bases {
+            print!("| {name} | {} |", base.name());
+            for (bytes, _) in &sizes {
+                let (b_ns, ns) = interleaved_ns(&dev, base, buffer, *bytes, &s, 15)?;
+                print!(" {b_ns:.0} | {ns:.0} | {:.3}x |", ns / b_ns);
             }
             println!();
+            buffer.reset()?;
         }
-        resource_ns.push(row);
-        a.reset()?;
     }
 
     println!("\n## cross-stream (ns per pair; ratio vs the first row)\n");
