@@ -13,7 +13,7 @@
 //! 2. cross-stream reuse: the pair alternating between two streams; and a buffer allocated on one
 //!    stream, used on another (`record_use`), then dropped;
 //! 3. threads: 1, 2, 4, 8 and 16 threads, each allocating and freeing 1 MiB on its own stream:
-//!    pairs per second, all threads together;
+//!    pairs per second, all threads together (median of 5 rounds of 100 ms);
 //! 4. replay of the allocation traces in `traces/` (with their streams): ns per event, cold (after
 //!    a full trim) and warm (the next replay), and peak reserved / peak live.
 //!
@@ -21,8 +21,9 @@
 //! driver. Without a driver it prints the error and exits 0 (CI builds benches but has no GPU).
 //! `CUDRV_BENCH_QUICK=1` cuts every loop (for a check on the emulated driver).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudrv::memory::{DeviceBuffer, DriverPool, MemoryResource, StreamOrderedPool, SyncResource, Trace, TraceEvent};
 use cudrv::sys::{CUresult, Driver};
@@ -237,12 +238,24 @@ fn cross_use_ns(dev: &Device, r: &Arc<dyn MemoryResource>, a: &Stream, b: &Strea
 /// Pairs per second of `threads` threads, each on its own stream, for about `secs` seconds.
 fn threads_rate(dev: &Device, a: &Alloc, threads: usize) -> Res<f64> {
     a.prepare(dev)?;
-    let iters = if a.slow() || quick() { 20 } else { 40_000 };
+    // Fixed-time rounds: a round of a fixed number of pairs lasts a few milliseconds at 60 ns a
+    // pair, where one thread started late decides the figure.
+    let (rounds, window) = if quick() { (1, Duration::from_millis(5)) } else { (5, Duration::from_millis(100)) };
+    let mut rates = Vec::new();
+    for _ in 0..rounds {
+        rates.push(threads_round(dev, a, threads, window)?);
+    }
+    Ok(median(rates))
+}
+
+/// `threads` threads, each on its own stream, pair for `window`: pairs per second, all threads.
+fn threads_round(dev: &Device, a: &Alloc, threads: usize, window: Duration) -> Res<f64> {
     let barrier = Arc::new(Barrier::new(threads + 1));
+    let stop = Arc::new(AtomicBool::new(false));
     let handles: Vec<_> = (0..threads)
         .map(|_| {
-            let (a, dev, barrier) = (a.clone(), *dev, barrier.clone());
-            std::thread::spawn(move || -> Res<()> {
+            let (a, dev, barrier, stop) = (a.clone(), *dev, barrier.clone(), stop.clone());
+            std::thread::spawn(move || -> Res<(u64, Instant)> {
                 let ctx = dev.primary_context()?;
                 let _bound = ctx.bind()?; // the raw driver needs the context current
                 let s = Stream::new(&dev)?;
@@ -250,23 +263,30 @@ fn threads_rate(dev: &Device, a: &Alloc, threads: usize) -> Res<f64> {
                     a.pair(1 << 20, &s)?;
                 }
                 barrier.wait();
-                for _ in 0..iters {
-                    a.pair(1 << 20, &s)?;
+                let mut pairs = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..if a.slow() { 1 } else { 64 } {
+                        a.pair(1 << 20, &s)?;
+                    }
+                    pairs += if a.slow() { 1 } else { 64 };
                 }
-                barrier.wait();
+                let end = Instant::now();
                 s.synchronize()?;
-                Ok(())
+                Ok((pairs, end))
             })
         })
         .collect();
     barrier.wait();
-    let t = Instant::now();
-    barrier.wait();
-    let secs = t.elapsed().as_secs_f64();
+    let start = Instant::now();
+    std::thread::sleep(window);
+    stop.store(true, Ordering::Relaxed);
+    let (mut pairs, mut end) = (0, start);
     for h in handles {
-        h.join().map_err(|_| "a bench thread panicked")??;
+        let (n, t) = h.join().map_err(|_| "a bench thread panicked")??;
+        pairs += n;
+        end = end.max(t);
     }
-    Ok((threads * iters) as f64 / secs)
+    Ok(pairs as f64 / (end - start).as_secs_f64())
 }
 
 /// Replays a trace on its streams; returns ns per event (the trace's leftovers freed after).
