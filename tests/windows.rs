@@ -286,6 +286,12 @@ fn legacy_driver_by_path() {
         assert_eq!(dev.driver_model().unwrap(), DriverModel::Wddm);
         let (_, choice) = dev.memory_resource_choice().unwrap();
         assert_eq!(choice.kind, ResourceKind::StreamOrderedPool, "{}", choice.reason);
+        // Without CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED (12.0), IPC is Linux's: refused, saying why.
+        let Err(Error::Unsupported { feature: "interprocess events", reason, .. }) = cudrv::ipc::IpcEvent::new(&dev)
+        else {
+            panic!("IPC events on Windows with CUDA 11.1")
+        };
+        assert!(reason.contains("the driver (11.1) predates CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED"), "{reason}");
     });
 }
 
