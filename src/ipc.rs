@@ -95,13 +95,34 @@ fn unhex(s: &str, what: &str) -> Result<Vec<u8>> {
         .collect()
 }
 
+/// Why [`Capabilities::ipc_events`](crate::Capabilities::ipc_events) is false: the attribute says
+/// so, or there is none to ask (a driver or headers older than CUDA 12.0) and the host is not Linux
+/// (or the device has no unified addressing).
+fn no_ipc_reason(caps: &crate::Capabilities) -> String {
+    if cfg!(cuda_12000) && caps.driver_version >= 12000 {
+        "CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED is 0 (Windows without IPC support, WSL, or a driver that does not allow it)"
+            .into()
+    } else {
+        let lacking = if cfg!(cuda_12000) {
+            format!("the driver ({}) predates", crate::version_string(caps.driver_version))
+        } else {
+            "cudrv was built against headers older than CUDA 12.0, which lack".into()
+        };
+        format!(
+            "{lacking} CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED (CUDA 12.0); without it cudrv allows IPC on Linux \
+             with unified addressing only"
+        )
+    }
+}
+
 fn require_ipc_events(device: &Device) -> Result<()> {
-    if device.capabilities()?.ipc_events {
+    let caps = device.capabilities()?;
+    if caps.ipc_events {
         return Ok(());
     }
     Err(device.unsupported(
         "interprocess events",
-        "CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED is 0 (Windows without IPC support, WSL, or a driver that does not allow it)",
+        no_ipc_reason(caps),
         Some("another way to signal the other process (a pipe), after Stream::synchronize"),
     ))
 }
@@ -111,11 +132,8 @@ fn require_legacy_ipc(device: &Device) -> Result<()> {
     if caps.legacy_ipc {
         return Ok(());
     }
-    let reason = if !caps.unified_addressing {
-        "the device has no unified addressing"
-    } else {
-        "CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED is 0 (Windows without IPC support, WSL, or a driver that does not allow it)"
-    };
+    let reason =
+        if !caps.unified_addressing { "the device has no unified addressing".into() } else { no_ipc_reason(caps) };
     Err(device.unsupported("legacy IPC of device memory", reason, Some("ipc::SharedPool where pools export handles")))
 }
 

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use cudrv_test_support::{fake_driver_path, legacy_fake_driver_path};
+use cudrv_test_support::{fake_driver_path, legacy_fake_driver_path, testing_oldest_driver};
 
 /// The path of example `name`, built by `cargo test` (or staged by `gpu-bundle`).
 fn example(name: &str) -> PathBuf {
@@ -127,7 +127,9 @@ fn graph_replays_correctly_with_and_without_driver_pools() {
     let fake = fake_driver_path();
     let fake = fake.to_str().expect("a UTF-8 path");
     expect(&run("graph", &["0"]), 2, "REPLAYS must be a whole number of at least 1");
-    for (mode, resource) in [("linux", "DriverPool"), ("tcc", "StreamOrderedPool")] {
+    // CUDA 11.1 predates memory pools: cudrv's pool in every mode.
+    let pools = if testing_oldest_driver() { "StreamOrderedPool" } else { "DriverPool" };
+    for (mode, resource) in [("linux", pools), ("tcc", "StreamOrderedPool")] {
         let out = run_env("graph", &["40"], &[("CUDRV_DRIVER_PATH", fake), ("CUDRV_FAKE_MODE", mode)]);
         let (stdout, _) = expect(&out, 0, "");
         assert!(stdout.contains(&format!("memory resource {resource}")), "{mode}: {stdout}");
@@ -174,13 +176,20 @@ fn devices_reports_stream_priorities_the_same_way_in_text_and_json() {
 fn devices_reports_the_launch_memory_and_ipc_capabilities_in_text_and_json() {
     let fake = fake_driver_path();
     let fake = fake.to_str().expect("a UTF-8 path");
-    // Windows models (tcc) have no IPC and no concurrent managed access, so no prefetch.
-    for (mode, prefetch, ipc) in [("linux", true, true), ("tcc", false, false)] {
+    // Windows models (tcc) have no IPC and no concurrent managed access, so no prefetch. Before
+    // CUDA 12.0, which has no IPC attribute, the host decides (Linux has IPC) in every mode;
+    // CUDA 11.1 has no cuLaunchKernelEx, so no programmatic dependent launch.
+    let oldest = testing_oldest_driver();
+    let (linux_ipc, tcc_ipc) =
+        if oldest { (cfg!(target_os = "linux"), cfg!(target_os = "linux")) } else { (true, false) };
+    for (mode, prefetch, ipc) in [("linux", true, linux_ipc), ("tcc", false, tcc_ipc)] {
         let env = [("CUDRV_DRIVER_PATH", fake), ("CUDRV_FAKE_MODE", mode)];
         let (json, _) = expect(&run_env("devices", &["--json"], &env), 0, "");
         for field in [
             format!("\"managed_prefetch\":{prefetch}"),
-            "\"programmatic_dependent_launch\":true".to_string(),
+            format!("\"programmatic_dependent_launch\":{}", !oldest),
+            format!("\"cluster_launch\":{}", !oldest),
+            format!("\"memory_pools\":{}", mode == "linux" && !oldest),
             "\"mem_sync_domain_count\":4".to_string(),
             format!("\"ipc_events\":{ipc}"),
             format!("\"legacy_ipc\":{ipc}"),

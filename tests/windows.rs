@@ -17,12 +17,29 @@ use cudrv::memory::{DeviceBuffer, ResourceKind};
 use cudrv::sys::Driver;
 use cudrv::{Device, DriverModel, Error, Stream};
 use cudrv_test_support::{
-    assert_no_leaks, fake_driver_path, in_fake_child, legacy_fake_driver_path, run_with_fake, run_with_fake_modes,
+    assert_no_leaks, fake_driver_path, fake_driver_version, in_fake_child, legacy_fake_driver_path, run_with_fake,
+    run_with_fake_modes, testing_oldest_driver,
 };
 
-/// Driver version that the fake reports by default, and the one of the legacy (CUDA 11.1) fake.
-const FAKE_VERSION: i32 = 13000;
-const LEGACY_VERSION: i32 = 11010;
+/// Driver version that the full fake reports by default, and the one of the legacy (CUDA 11.1) fake.
+const FAKE_VERSION: i32 = cudrv_test_support::FULL_DRIVER_VERSION;
+const LEGACY_VERSION: i32 = cudrv_test_support::LEGACY_DRIVER_VERSION;
+
+/// Checks the choice of resource for a device that is not in TCC mode: the driver's pool, or on
+/// the CUDA 11.1 fake (`CUDRV_TEST_DRIVER=legacy`), which predates memory pools, cudrv's pool, with
+/// `DriverPool` refused. Returns whether the driver's pool was chosen.
+fn check_wddm_choice(dev: &Device) -> bool {
+    let choice = cudrv::memory::choose(dev).unwrap();
+    if !testing_oldest_driver() {
+        assert_eq!(choice.kind, ResourceKind::DriverPool, "{}", choice.reason);
+        return true;
+    }
+    assert_eq!(choice.kind, ResourceKind::StreamOrderedPool, "{}", choice.reason);
+    assert!(choice.reason.contains("the driver (11.1) predates memory pools (CUDA 11.2)"), "{}", choice.reason);
+    let refused = cudrv::memory::DriverPool::default_pool(dev).unwrap_err();
+    assert!(matches!(refused, Error::Unsupported { feature: "memory pools", .. }), "{refused:?}");
+    false
+}
 
 #[link(name = "kernel32")]
 unsafe extern "system" {
@@ -92,8 +109,14 @@ fn nvcuda_dll_is_loaded_from_the_system_folder() {
     };
     let sys_dir = system_dir().to_string_lossy().into_owned();
     // An empty CUDRV_DRIVER_PATH means "not set". CUDRV_TEST_LIB_DIR makes the runner's leak and
-    // violation checks read the same library instance that cudrv loaded.
-    let env = [("CUDRV_DRIVER_PATH", ""), ("CUDRV_TEST_LIB_DIR", sys_dir.as_str()), ("CUDRV_FAKE_MODE", "tcc")];
+    // violation checks read the same library instance that cudrv loaded: the full fake there
+    // (CUDRV_TEST_DRIVER=full), whatever this run's CUDRV_TEST_DRIVER says.
+    let env = [
+        ("CUDRV_DRIVER_PATH", ""),
+        ("CUDRV_TEST_LIB_DIR", sys_dir.as_str()),
+        ("CUDRV_TEST_DRIVER", "full"),
+        ("CUDRV_FAKE_MODE", "tcc"),
+    ];
     run_with_fake(&env, || {
         assert_eq!(Driver::candidates(), [PathBuf::from("nvcuda.dll")]);
         let driver = Driver::global().unwrap();
@@ -269,7 +292,7 @@ fn driver_path_with_forward_slashes() {
     run_with_fake(&[("CUDRV_DRIVER_PATH", &path), ("CUDRV_FAKE_MODE", "wddm")], || {
         let driver = Driver::global().unwrap();
         assert_eq!(driver.library_path(), path);
-        assert_eq!(driver.version(), FAKE_VERSION);
+        assert_eq!(driver.version(), fake_driver_version());
         assert_eq!(Device::get(0).unwrap().driver_model().unwrap(), DriverModel::Wddm);
     });
 }
@@ -286,6 +309,12 @@ fn legacy_driver_by_path() {
         assert_eq!(dev.driver_model().unwrap(), DriverModel::Wddm);
         let (_, choice) = dev.memory_resource_choice().unwrap();
         assert_eq!(choice.kind, ResourceKind::StreamOrderedPool, "{}", choice.reason);
+        // Without CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED (12.0), IPC is Linux's: refused, saying why.
+        let Err(Error::Unsupported { feature: "interprocess events", reason, .. }) = cudrv::ipc::IpcEvent::new(&dev)
+        else {
+            panic!("IPC events on Windows with CUDA 11.1")
+        };
+        assert!(reason.contains("the driver (11.1) predates CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED"), "{reason}");
     });
 }
 
@@ -299,7 +328,7 @@ fn driver_model_per_mode() {
             assert_eq!(dev.driver_model().unwrap(), expected);
             let caps = dev.capabilities().unwrap();
             assert_eq!(caps.driver_model, expected);
-            assert_eq!(caps.memory_pools, mode != "tcc");
+            assert_eq!(caps.memory_pools, mode != "tcc" && !testing_oldest_driver());
             let report = caps.to_string();
             let shown = if expected == DriverModel::Tcc { "TCC" } else { "WDDM" };
             assert!(report.contains(&format!("driver model                {shown}")), "{report}");
@@ -341,6 +370,9 @@ fn wddm_allocates_from_the_driver_pool() {
     // Every cuMemAlloc fails: allocation works only through the driver's pool.
     run_with_fake(&[("CUDRV_FAKE_MODE", "wddm"), ("CUDRV_FAKE_FAIL", "cuMemAlloc_v2:1+:2")], || {
         let dev = Device::get(0).unwrap();
+        if !check_wddm_choice(&dev) {
+            return; // CUDA 11.1: no driver's pool (checked), and cudrv's pool needs cuMemAlloc
+        }
         let (resource, choice) = dev.memory_resource_choice().unwrap();
         assert_eq!(choice.kind, ResourceKind::DriverPool, "{}", choice.reason);
         let s = Stream::new(&dev).unwrap();
@@ -360,9 +392,11 @@ fn wddm_allocates_from_the_driver_pool() {
 fn resource_choice_per_mode() {
     run_with_fake_modes(&["linux", "wddm", "tcc"], &[], || {
         let dev = Device::get(0).unwrap();
-        let choice = cudrv::memory::choose(&dev).unwrap();
-        let tcc = dev.driver_model().unwrap() == DriverModel::Tcc;
-        let expected = if tcc { ResourceKind::StreamOrderedPool } else { ResourceKind::DriverPool };
-        assert_eq!(choice.kind, expected, "{}", choice.reason);
+        if dev.driver_model().unwrap() == DriverModel::Tcc {
+            let choice = cudrv::memory::choose(&dev).unwrap();
+            assert_eq!(choice.kind, ResourceKind::StreamOrderedPool, "{}", choice.reason);
+        } else {
+            check_wddm_choice(&dev);
+        }
     });
 }

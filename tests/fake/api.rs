@@ -10,7 +10,10 @@
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
-use crate::{invalid_argument, invalid_launch};
+use crate::{
+    assert_missing_on_oldest, assert_no_pools_on_oldest, invalid_argument, invalid_launch, ipc_refused_on_oldest,
+    oldest, pool_kind,
+};
 use cudrv::ipc::{
     ImportedPool, IpcBuffer, IpcEvent, IpcEventHandle, IpcMemHandle, IpcMemKind, PoolShareableHandle,
     ShareableHandleType, SharedPool,
@@ -24,7 +27,8 @@ use cudrv::module::{JitCacheMode, JitConfig, JitFallback, JitTarget, LinkInput, 
 use cudrv::sys::CUresult;
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{
-    fake_library, fake_report, legacy_fake_driver_path, random_u64s, run_with_fake, run_with_fake_modes, time_seed,
+    fake_library, fake_report, full_fake_driver, legacy_fake_driver_path, random_u64s, run_with_fake,
+    run_with_fake_modes, time_seed,
 };
 
 const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
@@ -94,33 +98,48 @@ fn last_launch() -> LastLaunch {
 fn capabilities_report_the_new_device_properties() {
     run_with_fake(&[("CUDRV_FAKE_DEVICES", "linux,wddm,tcc")], || {
         let caps: Vec<_> = Device::all().unwrap().iter().map(|d| d.capabilities().unwrap().clone()).collect();
+        // CUDA 11.1 has no cuLaunchKernelEx: no programmatic dependent launch, no clusters.
+        let launch_ex = !oldest();
         let linux = &caps[0];
-        assert!(linux.managed_prefetch && linux.programmatic_dependent_launch);
+        assert!(linux.managed_prefetch);
+        assert_eq!((linux.programmatic_dependent_launch, linux.cluster_launch), (launch_ex, launch_ex));
         assert_eq!(linux.mem_sync_domain_count, 4);
         assert_eq!(linux.max_access_policy_window_size, 134_213_632);
         assert_eq!(linux.max_persisting_l2_cache_size, 82_837_504);
-        assert_eq!(linux.preferred_cluster_dimension, cfg!(cuda_12080));
-        assert!(linux.ipc_events && linux.legacy_ipc);
+        assert_eq!(linux.preferred_cluster_dimension, cfg!(cuda_12080) && launch_ex);
+        // Before CUDA 12.0 no attribute says whether IPC works: the host's system decides, in
+        // every mode of the fake.
+        let (linux_ipc, windows_ipc) =
+            if oldest() { (cfg!(target_os = "linux"), cfg!(target_os = "linux")) } else { (true, false) };
+        assert_eq!((linux.ipc_events, linux.legacy_ipc), (linux_ipc, linux_ipc));
         for windows in &caps[1..] {
-            assert!(!windows.managed_prefetch && !windows.ipc_events && !windows.legacy_ipc, "{windows}");
-            assert!(windows.programmatic_dependent_launch);
+            assert!(!windows.managed_prefetch, "{windows}");
+            assert_eq!((windows.ipc_events, windows.legacy_ipc), (windows_ipc, windows_ipc), "{windows}");
+            assert_eq!(windows.programmatic_dependent_launch, launch_ex, "{windows}");
         }
         let report = linux.to_string();
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        let pdl = format!("dependent launch (PDL)      {}", yes(launch_ex));
+        let (ipc_events, legacy_ipc) = (
+            format!("IPC events                  {}", yes(linux_ipc)),
+            format!("legacy IPC memory           {}", yes(linux_ipc)),
+        );
         for line in [
             "managed prefetch            yes",
-            "dependent launch (PDL)      yes",
+            &pdl,
             "memory sync domains         4",
             "access-policy window        128.0 MiB",
             "persisting L2 cache         79.0 MiB",
-            "IPC events                  yes",
-            "legacy IPC memory           yes",
+            &ipc_events,
+            &legacy_ipc,
         ] {
             assert!(report.contains(line), "{line:?} missing from\n{report}");
         }
-        assert!(caps[2].to_string().contains("legacy IPC memory           no"));
+        let windows_legacy_ipc = format!("legacy IPC memory           {}", yes(windows_ipc));
+        assert!(caps[2].to_string().contains(&windows_legacy_ipc));
     });
     // An older driver: no preferred cluster dimension (12.8), no IPC attribute (12.0: Linux decides).
-    run_with_fake(&[("CUDRV_FAKE_DRIVER_VERSION", "11080")], || {
+    run_with_fake(&[full_fake_driver(), ("CUDRV_FAKE_DRIVER_VERSION", "11080")], || {
         let caps = Device::get(0).unwrap().capabilities().unwrap();
         assert!(!caps.preferred_cluster_dimension);
         assert_eq!(caps.ipc_events, cfg!(target_os = "linux"));
@@ -333,7 +352,12 @@ fn linker_errors_carry_the_log() {
 #[test]
 fn library_kernels_launch_on_every_device() {
     use cudrv::module::Library;
+    // Drivers before CUDA 12.0 have no libraries.
+    let without_libraries = || assert_missing_on_oldest(Library::from_ptx(PTX), "cuLibraryLoadData");
     run_with_fake(&[("CUDRV_FAKE_DEVICES", "linux,tcc")], || {
+        if oldest() {
+            return without_libraries();
+        }
         let library = Library::from_ptx_with(PTX, &JitConfig::new().max_registers(12)).unwrap();
         assert!(library.info_log().contains("max registers 12"), "{}", library.info_log());
         assert_eq!(fake_report().live_modules, 1);
@@ -371,12 +395,8 @@ fn library_kernels_launch_on_every_device() {
         assert!(matches!(err, Error::Jit { .. }), "{err:?}");
         Library::from_file(write_temp("lib.ptx", PTX.as_bytes())).unwrap().kernel("empty").unwrap();
     });
-    // Drivers before CUDA 12.0 have no libraries.
     let legacy = legacy_fake_driver_path().to_string_lossy().into_owned();
-    run_with_fake(&[("CUDRV_DRIVER_PATH", &legacy)], || {
-        let err = Library::from_ptx(PTX).unwrap_err();
-        assert!(matches!(err, Error::MissingSymbol { name: "cuLibraryLoadData", driver_version: 11010 }), "{err:?}");
-    });
+    run_with_fake(&[("CUDRV_DRIVER_PATH", &legacy)], without_libraries);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -389,9 +409,49 @@ fn fill_setup() -> (Device, cudrv::Function, Stream) {
     (dev, module.function("fill_u32").unwrap(), Stream::new(&dev).unwrap())
 }
 
+/// On a driver without `cuLaunchKernelEx` (CUDA 11.1): the capabilities say so, every launch with
+/// attributes (whatever they are, none included) and every cluster query is refused with
+/// `MissingSymbol` before the driver, and plain and cooperative launches work.
+fn launches_need_launch_kernel_ex() {
+    let (dev, fill, stream) = fill_setup();
+    let caps = dev.capabilities().unwrap();
+    assert!(!caps.programmatic_dependent_launch && !caps.cluster_launch && !caps.preferred_cluster_dimension);
+    let mut out = DeviceBuffer::<u32>::zeroed(64, &stream).unwrap();
+    let cfg = LaunchConfig::linear(2, 32);
+    let before = last_launch().launches;
+    let window = AccessPolicyWindow::new(out.as_raw(), 256);
+    for attrs in [
+        LaunchAttributes::new(),
+        LaunchAttributes::new().programmatic_stream_serialization(true),
+        LaunchAttributes::new().priority(0),
+        LaunchAttributes::new().access_policy_window(window),
+        LaunchAttributes::new().cluster_dim((2, 1, 1)),
+        LaunchAttributes::new().mem_sync_domain(MemSyncDomain::Remote),
+        LaunchAttributes::new().cooperative(true),
+    ] {
+        // SAFETY: fill_u32 writes out[0..64]; refused.
+        let launched = unsafe { fill.launch_with(cfg, &attrs, &stream, (&mut out, 1u32, 64u64)) };
+        assert_missing_on_oldest(launched, "cuLaunchKernelEx");
+    }
+    assert_missing_on_oldest(fill.max_potential_cluster_size(cfg), "cuLaunchKernelEx");
+    assert_missing_on_oldest(fill.max_active_clusters(cfg, (2, 1, 1)), "cuLaunchKernelEx");
+    assert_missing_on_oldest(fill.set_non_portable_cluster_size_allowed(true), "cuLaunchKernelEx");
+    assert_eq!(last_launch().launches, before, "nothing reached the driver");
+    // SAFETY: fill_u32 writes out[0..64].
+    unsafe { fill.launch(cfg, &stream, (&mut out, 5u32, 64u64)).unwrap() };
+    assert_eq!(last_launch().api(), "cuLaunchKernel");
+    // SAFETY: as above.
+    unsafe { fill.launch_cooperative(cfg, &stream, (&mut out, 6u32, 64u64)).unwrap() };
+    assert_eq!((last_launch().api(), last_launch().cooperative), ("cuLaunchCooperativeKernel", 1));
+    assert_eq!(out.to_vec().unwrap(), vec![6; 64]);
+}
+
 #[test]
 fn launch_attributes_reach_the_driver() {
     run_with_fake(&[("CUDRV_FAKE_DELAY_US", "100")], || {
+        if oldest() {
+            return launches_need_launch_kernel_ex();
+        }
         let (dev, fill, stream) = fill_setup();
         let n = 4096usize;
         let mut out = DeviceBuffer::<u32>::zeroed(n, &stream).unwrap();
@@ -448,6 +508,9 @@ fn launch_attributes_reach_the_driver() {
 #[test]
 fn launch_attributes_are_checked_before_the_driver() {
     run_with_fake(&[], || {
+        if oldest() {
+            return launches_need_launch_kernel_ex();
+        }
         let (_dev, fill, stream) = fill_setup();
         let mut out = DeviceBuffer::<u32>::zeroed(64, &stream).unwrap();
         let cfg = LaunchConfig::linear(4, 64);
@@ -498,6 +561,11 @@ fn launch_attributes_are_checked_before_the_driver() {
             fill.launch_with(LaunchConfig::linear(1, 64), &LaunchAttributes::new(), &stream, (&mut out, 1u32, 64u64))
         }
         .unwrap_err();
+        if oldest() {
+            // Refused before the driver: the injected failure is never reached.
+            assert_missing_on_oldest(Err::<(), _>(err), "cuLaunchKernelEx");
+            return;
+        }
         assert!(matches!(err, Error::Driver { call: "cuLaunchKernelEx", .. }), "{err:?}");
     });
 }
@@ -505,7 +573,7 @@ fn launch_attributes_are_checked_before_the_driver() {
 #[test]
 fn launch_attributes_are_gated_on_the_driver() {
     // Before CUDA 12.0: no launch priority, no memory synchronisation domains.
-    run_with_fake(&[("CUDRV_FAKE_DRIVER_VERSION", "11080")], || {
+    run_with_fake(&[full_fake_driver(), ("CUDRV_FAKE_DRIVER_VERSION", "11080")], || {
         let (_dev, fill, stream) = fill_setup();
         let mut out = DeviceBuffer::<u32>::zeroed(64, &stream).unwrap();
         for attrs in
@@ -531,23 +599,15 @@ fn launch_attributes_are_gated_on_the_driver() {
     });
     // Without cuLaunchKernelEx (CUDA 11.1).
     let legacy = legacy_fake_driver_path().to_string_lossy().into_owned();
-    run_with_fake(&[("CUDRV_DRIVER_PATH", &legacy)], || {
-        let (_dev, fill, stream) = fill_setup();
-        let mut out = DeviceBuffer::<u32>::zeroed(64, &stream).unwrap();
-        let attrs = LaunchAttributes::new().programmatic_stream_serialization(true);
-        // SAFETY: fill_u32 writes out[0..64]; refused.
-        let err = unsafe { fill.launch_with(LaunchConfig::linear(1, 64), &attrs, &stream, (&mut out, 1u32, 64u64)) }
-            .unwrap_err();
-        assert!(matches!(err, Error::MissingSymbol { name: "cuLaunchKernelEx", .. }), "{err:?}");
-        assert!(!Device::get(0).unwrap().capabilities().unwrap().programmatic_dependent_launch);
-        let err = fill.max_potential_cluster_size(LaunchConfig::linear(2, 64)).unwrap_err();
-        assert!(matches!(err, Error::MissingSymbol { name: "cuLaunchKernelEx", .. }), "{err:?}");
-    });
+    run_with_fake(&[("CUDRV_DRIVER_PATH", &legacy)], launches_need_launch_kernel_ex);
 }
 
 #[test]
 fn cluster_occupancy() {
     run_with_fake(&[], || {
+        if oldest() {
+            return launches_need_launch_kernel_ex();
+        }
         let (_dev, fill, _stream) = fill_setup();
         let cfg = LaunchConfig::linear(64, 256);
         assert_eq!(fill.max_potential_cluster_size(cfg).unwrap(), 8);
@@ -943,6 +1003,9 @@ fn ipc_handles_are_bytes() {
     run_with_fake(&[], || {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
+        if ipc_refused_on_oldest(&dev, &s) {
+            return;
+        }
         let buf = DeviceBuffer::from_slice_in(&[1u64; 32], &s, Arc::new(SyncResource::new(&dev).unwrap())).unwrap();
         let h = buf.ipc_handle().unwrap();
         assert_eq!((h.kind(), h.offset(), h.byte_len()), (IpcMemKind::Legacy, 0, 256));
@@ -1008,6 +1071,9 @@ fn legacy_ipc_between_two_processes() {
     run_with_fake(&[("CUDRV_FAKE_DELAY_US", "2000")], || {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
+        if ipc_refused_on_oldest(&dev, &s) {
+            return;
+        }
         let sync = Arc::new(SyncResource::new(&dev).unwrap());
         let a = DeviceBuffer::from_slice_in(&(0..1024).collect::<Vec<u32>>(), &s, sync).unwrap();
         // A StreamOrderedPool buffer after another one: legacy IPC of its chunk, with the offset.
@@ -1058,6 +1124,16 @@ fn pool_ipc_between_two_processes() {
     run_with_fake(&[], || {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
+        if oldest() {
+            // No memory pools, so no pool to share: legacy IPC is what remains.
+            assert_no_pools_on_oldest(SharedPool::with_handle_type(&dev, ShareableHandleType::PosixFd));
+            assert_no_pools_on_oldest(SharedPool::new(&dev));
+            if !ipc_refused_on_oldest(&dev, &s) {
+                let buf = DeviceBuffer::from_slice(&[0.25f64; 500], &s).unwrap();
+                assert_eq!(buf.ipc_handle().unwrap().kind(), IpcMemKind::Legacy);
+            }
+            return;
+        }
         // The fake's linux mode exports file descriptors, also where the host is Windows.
         let pool = Arc::new(SharedPool::with_handle_type(&dev, ShareableHandleType::PosixFd).unwrap());
         assert_eq!(pool.handle_type(), ShareableHandleType::PosixFd);
@@ -1084,16 +1160,24 @@ fn ipc_refuses_what_cannot_be_shared() {
         let s = Stream::new(&dev).unwrap();
         // The driver's pool (cudarc #521): refused, saying why.
         let driver_pool = DeviceBuffer::from_slice(&[1u32; 64], &s).unwrap();
-        assert_eq!(driver_pool.resource().kind(), cudrv::memory::ResourceKind::DriverPool);
-        let (feature, reason) = unsupported(driver_pool.ipc_handle().unwrap_err());
-        assert_eq!(feature, "IPC of memory-pool allocations");
-        assert!(reason.contains("without shareable handle types") && reason.contains("cudarc #521"), "{reason}");
-        let pool = DriverPool::default_pool(&dev).unwrap();
-        let (feature, reason) = unsupported(pool.export(ShareableHandleType::PosixFd).unwrap_err());
-        assert_eq!(feature, "exporting a memory pool");
-        assert!(reason.contains("without the PosixFd handle type"), "{reason}");
-        let (_, reason) = unsupported(pool.export(ShareableHandleType::Win32).unwrap_err());
-        assert!(reason.contains("posix-fd"), "{reason}");
+        assert_eq!(driver_pool.resource().kind(), pool_kind(&dev));
+        if oldest() {
+            // No driver's pool on CUDA 11.1 (pool_kind checked that DriverPool is refused): the
+            // default resource is cudrv's pool, whose memory has legacy IPC handles.
+            if !ipc_refused_on_oldest(&dev, &s) {
+                assert_eq!(driver_pool.ipc_handle().unwrap().kind(), IpcMemKind::Legacy);
+            }
+        } else {
+            let (feature, reason) = unsupported(driver_pool.ipc_handle().unwrap_err());
+            assert_eq!(feature, "IPC of memory-pool allocations");
+            assert!(reason.contains("without shareable handle types") && reason.contains("cudarc #521"), "{reason}");
+            let pool = DriverPool::default_pool(&dev).unwrap();
+            let (feature, reason) = unsupported(pool.export(ShareableHandleType::PosixFd).unwrap_err());
+            assert_eq!(feature, "exporting a memory pool");
+            assert!(reason.contains("without the PosixFd handle type"), "{reason}");
+            let (_, reason) = unsupported(pool.export(ShareableHandleType::Win32).unwrap_err());
+            assert!(reason.contains("posix-fd"), "{reason}");
+        }
         // Managed and pinned memory.
         let managed =
             DeviceBuffer::from_slice_in(&[1u8; 8], &s, Arc::new(ManagedResource::new(&dev).unwrap())).unwrap();
@@ -1106,15 +1190,28 @@ fn ipc_refuses_what_cannot_be_shared() {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
         let buf = DeviceBuffer::from_slice(&[1u32; 64], &s).unwrap();
+        if oldest() && cfg!(target_os = "linux") {
+            // Before CUDA 12.0 no attribute says whether IPC works (Capabilities::ipc_events: the
+            // host is Linux), so cudrv asks the driver, which refuses it in these modes. And
+            // CUDA 11.1 has no memory pools to share.
+            let not_supported = Some(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+            assert_eq!(buf.ipc_handle().unwrap_err().code(), not_supported);
+            assert_eq!(IpcEvent::new(&dev).unwrap().handle().unwrap_err().code(), not_supported);
+            assert_no_pools_on_oldest(SharedPool::with_handle_type(&dev, ShareableHandleType::Win32Kmt));
+            return;
+        }
         assert_eq!(unsupported(buf.ipc_handle().unwrap_err()).0, "legacy IPC of device memory");
         assert_eq!(unsupported(IpcEvent::new(&dev).unwrap_err()).0, "interprocess events");
         let tcc = dev.capabilities().unwrap().driver_model == cudrv::DriverModel::Tcc;
+        // No pools on TCC, nor on any device of CUDA 11.1.
+        let pools = !tcc && !oldest();
         match SharedPool::new(&dev) {
             // Windows pools export NT handles: on a Windows host the native type is Win32.
-            Ok(pool) => assert!(!tcc && cfg!(windows), "{pool:?}"),
-            Err(e) => assert!(tcc || !cfg!(windows), "{e}"),
+            Ok(pool) => assert!(pools && cfg!(windows), "{pool:?}"),
+            Err(e) if oldest() => assert_no_pools_on_oldest(Err::<(), _>(e)),
+            Err(e) => assert!(!pools || !cfg!(windows), "{e}"),
         }
-        if !tcc {
+        if pools {
             let pool = SharedPool::with_handle_type(&dev, ShareableHandleType::Win32Kmt).unwrap();
             assert_eq!(pool.export().unwrap().handle_type, ShareableHandleType::Win32Kmt);
         }
@@ -1141,6 +1238,9 @@ fn ipc_event_orders_work_across_processes() {
     run_with_fake(&[("CUDRV_FAKE_DELAY_US", "300000"), ("CUDRV_MEMORY_RESOURCE", "sync")], || {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
+        if ipc_refused_on_oldest(&dev, &s) {
+            return;
+        }
         let mut buf = DeviceBuffer::<u32>::zeroed(1 << 16, &s).unwrap();
         let h = buf.ipc_handle().unwrap();
         buf.fill(0x5EED).unwrap(); // behind 300 ms of delay

@@ -12,9 +12,11 @@ use cudrv::memory::{DeviceBuffer, ResourceKind};
 use cudrv::sys::{CUresult, Driver};
 use cudrv::{Device, DriverModel, Error, Event, EventFlags, Stream};
 use cudrv_test_support::{
-    assert_no_leaks, fake_driver_path, fake_report, fake_shutdown, legacy_fake_driver_path, run_with_fake,
-    run_with_fake_modes,
+    assert_no_leaks, fake_driver_path, fake_driver_version, fake_report, fake_shutdown, legacy_fake_driver_path,
+    run_with_fake, run_with_fake_modes,
 };
+
+use crate::{oldest, pool_kind};
 
 #[test]
 fn no_driver_lists_every_path_tried() {
@@ -78,16 +80,18 @@ fn driver_path_to_a_library_that_is_not_a_driver() {
 fn symbols_resolve_lazily_through_get_proc_address() {
     run_with_fake(&[], || {
         let d = Driver::global().unwrap();
-        assert!(d.has_get_proc_address());
-        assert_eq!(d.version(), 13000);
+        // CUDA 11.1 has no cuGetProcAddress (11.3) and no cuMemAllocAsync (11.2): its functions
+        // resolve by their exported names.
+        assert_eq!(d.has_get_proc_address(), !oldest());
+        assert_eq!(d.version(), fake_driver_version());
         assert!(d.has("cuMemAlloc_v2"));
-        assert!(d.has("cuMemAllocAsync"));
+        assert_eq!(d.has("cuMemAllocAsync"), !oldest());
         // A function the fake does not implement is a typed error, not a panic.
         // SAFETY: never called through: the symbol is missing.
         let missing = unsafe { d.cuGraphDebugDotPrint(std::ptr::null_mut(), std::ptr::null(), 0) };
         let err = missing.unwrap_err();
         assert_eq!(err.name, "cuGraphDebugDotPrint");
-        assert_eq!(err.driver_version, 13000);
+        assert_eq!(err.driver_version, fake_driver_version());
         // The second call costs one atomic load and says the same.
         // SAFETY: as above.
         assert_eq!(unsafe { d.cuGraphDebugDotPrint(std::ptr::null_mut(), std::ptr::null(), 0) }.unwrap_err(), err);
@@ -170,18 +174,19 @@ fn driver_models_and_capabilities_per_mode() {
             assert_eq!(dev.driver_model().unwrap(), expected);
             let caps = dev.capabilities().unwrap();
             assert_eq!(caps.driver_model, expected);
-            assert_eq!(caps.memory_pools, mode != "tcc");
+            // CUDA 11.1 predates memory pools (11.2) and cuLaunchKernelEx, so clusters (11.8).
+            let pools = mode != "tcc" && !oldest();
+            assert_eq!(caps.memory_pools, pools);
             assert_eq!(caps.concurrent_managed_access, mode == "linux");
             assert_eq!(caps.compute_capability, (9, 0));
-            assert!(caps.cluster_launch && caps.cooperative_launch && caps.unified_addressing);
+            assert_eq!(caps.cluster_launch, !oldest());
+            assert!(caps.cooperative_launch && caps.unified_addressing);
             assert_eq!(caps.stream_priority_range, (0, -5));
             assert_eq!(caps.memory_pool_handle_types == 0, mode == "tcc");
             // Cached: the same object every time.
             assert!(std::ptr::eq(caps, dev.capabilities().unwrap()));
             let report = caps.to_string();
-            assert!(
-                report.contains(&format!("memory pools                {}", if mode == "tcc" { "no" } else { "yes" }))
-            );
+            assert!(report.contains(&format!("memory pools                {}", if pools { "yes" } else { "no" })));
             assert!(dev.name().unwrap().contains(mode));
             assert_eq!(dev.compute_capability().unwrap(), (9, 0));
             assert!(dev.total_memory().unwrap() > 0);
@@ -196,10 +201,10 @@ fn mixed_devices_are_checked_one_by_one() {
     run_with_fake(&[("CUDRV_FAKE_DEVICES", "wddm,tcc")], || {
         let devices = Device::all().unwrap();
         assert_eq!(devices.len(), 2);
-        assert!(devices[0].capabilities().unwrap().memory_pools);
+        assert_eq!(devices[0].capabilities().unwrap().memory_pools, !oldest());
         assert!(!devices[1].capabilities().unwrap().memory_pools);
         assert_eq!(devices[1].driver_model().unwrap(), DriverModel::Tcc);
-        assert_eq!(cudrv::memory::choose(&devices[0]).unwrap().kind, ResourceKind::DriverPool);
+        assert_eq!(cudrv::memory::choose(&devices[0]).unwrap().kind, pool_kind(&devices[0]));
         assert_eq!(cudrv::memory::choose(&devices[1]).unwrap().kind, ResourceKind::StreamOrderedPool);
         assert_ne!(devices[0].uuid().unwrap(), devices[1].uuid().unwrap());
     });

@@ -2,8 +2,9 @@
 //!
 //! The interposer forwards to the driver named by `CUDRV_TCC_REAL_DRIVER` and makes it look like a
 //! Windows device in TCC mode: no memory pools, the TCC flag set, and 801 from every pool entry
-//! point. Here the "real" driver is the fake in `linux` mode (which has pools), so everything TCC
-//! about the device comes from the interposer. On a GPU, the same library runs the whole suite
+//! point. Here the "real" driver is the fake of CUDA 13.0 in `linux` mode (which has pools), whatever
+//! `CUDRV_TEST_DRIVER` says, so everything TCC about the device comes from the interposer; one test
+//! puts it over the CUDA 11.1 fake. On a GPU, the same library runs the whole suite
 //! against the real driver (see the README).
 //!
 //! Each body runs in a child process (`run_with_fake`) with `CUDRV_DRIVER_PATH` at the interposer.
@@ -12,7 +13,7 @@ use cudrv::memory::{self, DeviceBuffer, ResourceKind};
 use cudrv::sys::{CUdeviceptr, CUmemAllocationHandleType, CUmemPool_attribute, CUmemoryPool, CUresult, Driver};
 use cudrv::{Device, DriverModel, Stream};
 use cudrv_test_support::{
-    TCC_INTERPOSER_AVAILABLE, assert_no_leaks, fake_driver_path, legacy_fake_driver_path, run_with_fake,
+    TCC_INTERPOSER_AVAILABLE, assert_no_leaks, full_fake_driver_path, legacy_fake_driver_path, run_with_fake,
     tcc_interposer_path,
 };
 
@@ -68,7 +69,7 @@ fn round_trip(dev: &Device) {
 
 #[test]
 fn device_looks_like_tcc_and_allocates_with_the_stream_ordered_pool() {
-    with_interposer(&fake_driver_path(), &[], || {
+    with_interposer(&full_fake_driver_path(), &[], || {
         let driver = Driver::global().unwrap();
         assert!(driver.library_path().contains("cudrv_tcc"), "{}", driver.library_path());
         assert!(driver.has_get_proc_address());
@@ -85,7 +86,7 @@ fn device_looks_like_tcc_and_allocates_with_the_stream_ordered_pool() {
 
 #[test]
 fn every_device_looks_like_tcc() {
-    with_interposer(&fake_driver_path(), &[("CUDRV_FAKE_DEVICES", "linux,wddm,tcc")], || {
+    with_interposer(&full_fake_driver_path(), &[("CUDRV_FAKE_DEVICES", "linux,wddm,tcc")], || {
         let devices = Device::all().unwrap();
         assert_eq!(devices.len(), 3);
         for dev in &devices {
@@ -96,7 +97,7 @@ fn every_device_looks_like_tcc() {
 
 #[test]
 fn pool_entry_points_return_not_supported() {
-    with_interposer(&fake_driver_path(), &[], || {
+    with_interposer(&full_fake_driver_path(), &[], || {
         let driver = Driver::global().unwrap();
         let dev = Device::get(0).unwrap();
         let _ctx = dev.primary_context().unwrap();
@@ -194,7 +195,7 @@ fn pool_entry_points_return_not_supported() {
 
 #[test]
 fn other_calls_and_attributes_are_forwarded() {
-    with_interposer(&fake_driver_path(), &[("CUDRV_FAKE_DRIVER_VERSION", "12080")], || {
+    with_interposer(&full_fake_driver_path(), &[("CUDRV_FAKE_DRIVER_VERSION", "12080")], || {
         // A driver older than the header: cudrv looks the versioned names (cuMemAlloc_v2, ...) up
         // by their exported names, which the interposer forwards as indirect functions.
         let driver = Driver::global().unwrap();

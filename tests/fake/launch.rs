@@ -4,7 +4,7 @@
 //!
 //! Every test body runs in a child process of this test binary (`run_with_fake`).
 
-use crate::{invalid_argument, invalid_launch};
+use crate::{assert_missing_on_oldest, invalid_argument, invalid_launch, oldest};
 use cudrv_test_support::{random_u64s, time_seed};
 use std::ffi::c_void;
 
@@ -423,6 +423,9 @@ fn cooperative_launches_fit_on_the_device() {
 #[test]
 fn cluster_launches_are_checked_and_run() {
     run_with_fake(&[], || {
+        if oldest() {
+            return cluster_launches_are_refused_without_launch_kernel_ex();
+        }
         let (dev, module, stream) = setup();
         assert!(dev.capabilities().unwrap().cluster_launch);
         let f = fill(&module);
@@ -447,26 +450,29 @@ fn cluster_launches_are_checked_and_run() {
     });
 }
 
+/// On a driver without `cuLaunchKernelEx` (CUDA 11.1): no clusters, and plain and cooperative
+/// launches work.
+fn cluster_launches_are_refused_without_launch_kernel_ex() {
+    let (dev, module, stream) = setup();
+    assert!(!dev.capabilities().unwrap().cluster_launch);
+    let f = fill(&module);
+    let mut out = DeviceBuffer::<u32>::zeroed(64, &stream).unwrap();
+    // SAFETY: refused before the launch.
+    let err = unsafe { f.launch_cluster(LaunchConfig::linear(2, 32), (2, 1, 1), &stream, (&mut out, 1u32, 64u64)) };
+    assert_missing_on_oldest(err, "cuLaunchKernelEx");
+    assert_missing_on_oldest(f.set_non_portable_cluster_size_allowed(true), "cuLaunchKernelEx");
+    // Plain and cooperative launches work on the old driver.
+    // SAFETY: fill_u32 writes out[0..64].
+    unsafe { f.launch(LaunchConfig::linear(2, 32), &stream, (&mut out, 5u32, 64u64)) }.unwrap();
+    // SAFETY: as above.
+    unsafe { f.launch_cooperative(LaunchConfig::linear(2, 32), &stream, (&mut out, 6u32, 64u64)) }.unwrap();
+    assert_eq!(out.to_vec().unwrap(), vec![6; 64]);
+}
+
 #[test]
 fn cluster_launch_needs_launch_kernel_ex() {
     let legacy = legacy_fake_driver_path().to_string_lossy().into_owned();
-    run_with_fake(&[("CUDRV_DRIVER_PATH", &legacy)], || {
-        let (dev, module, stream) = setup();
-        assert!(!dev.capabilities().unwrap().cluster_launch);
-        let f = fill(&module);
-        let mut out = DeviceBuffer::<u32>::zeroed(64, &stream).unwrap();
-        // SAFETY: refused before the launch.
-        let err = unsafe { f.launch_cluster(LaunchConfig::linear(2, 32), (2, 1, 1), &stream, (&mut out, 1u32, 64u64)) }
-            .unwrap_err();
-        assert!(matches!(err, Error::MissingSymbol { name: "cuLaunchKernelEx", driver_version: 11010 }), "{err:?}");
-        assert!(f.set_non_portable_cluster_size_allowed(true).is_err());
-        // Plain and cooperative launches work on the old driver.
-        // SAFETY: fill_u32 writes out[0..64].
-        unsafe { f.launch(LaunchConfig::linear(2, 32), &stream, (&mut out, 5u32, 64u64)) }.unwrap();
-        // SAFETY: as above.
-        unsafe { f.launch_cooperative(LaunchConfig::linear(2, 32), &stream, (&mut out, 6u32, 64u64)) }.unwrap();
-        assert_eq!(out.to_vec().unwrap(), vec![6; 64]);
-    });
+    run_with_fake(&[("CUDRV_DRIVER_PATH", &legacy)], cluster_launches_are_refused_without_launch_kernel_ex);
 }
 
 /// The scenario of the memory issue: a kernel on stream B writes a buffer of stream A and is slow;

@@ -12,7 +12,12 @@ mod launch;
 mod memory;
 mod soundness;
 
-use cudrv::Error;
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use cudrv::memory::{DeviceBuffer, ResourceKind, SyncResource};
+use cudrv::{Device, Error, Stream};
+use cudrv_test_support::{LEGACY_DRIVER_VERSION, fake_driver_version, in_fake_child, testing_oldest_driver};
 
 /// The message of an [`Error::InvalidArgument`]; panics on any other error.
 pub fn invalid_argument(e: Error) -> String {
@@ -30,3 +35,84 @@ pub fn invalid_launch(e: Error) -> String {
     }
 }
 mod capture_review;
+
+/// Whether this test runs on the CUDA 11.1 fake (`CUDRV_TEST_DRIVER=legacy`), where a test of a
+/// feature that 11.1 lacks checks the error that says so instead. In a child, also checks that the
+/// driver cudrv loaded is the one the variable names: ask only in children of the default driver.
+pub fn oldest() -> bool {
+    let oldest = testing_oldest_driver();
+    if in_fake_child() {
+        assert_eq!(cudrv::driver_version().unwrap(), fake_driver_version(), "a child of the default driver");
+    }
+    oldest
+}
+
+/// Checks that `r` is cudrv's error for an entry point that the CUDA 11.1 driver lacks:
+/// `Error::MissingSymbol { name, driver_version: 11010 }`.
+#[track_caller]
+pub fn assert_missing_on_oldest<T: Debug>(r: Result<T, Error>, name: &str) {
+    match r {
+        Err(Error::MissingSymbol { name: missing, driver_version: LEGACY_DRIVER_VERSION }) if missing == name => {}
+        other => panic!("expected MissingSymbol {{ name: {name:?}, driver_version: 11010 }}, got {other:?}"),
+    }
+}
+
+/// Checks that `r` is cudrv's refusal of memory pools on the CUDA 11.1 driver:
+/// `Error::Unsupported { feature: "memory pools", .. }`, whose reason says why (the driver predates
+/// them, or lacks `cuMemAllocAsync`) and which names an alternative.
+#[track_caller]
+pub fn assert_no_pools_on_oldest<T: Debug>(r: Result<T, Error>) {
+    assert_eq!(cudrv::driver_version().unwrap(), LEGACY_DRIVER_VERSION, "the CUDA 11.1 driver");
+    match r {
+        Err(Error::Unsupported { feature: "memory pools", reason, alternative: Some(_), .. })
+            if reason.contains("the driver (11.1) predates memory pools (CUDA 11.2)")
+                || reason.contains("the driver lacks cuMemAllocAsync") => {}
+        other => panic!("expected Unsupported {{ feature: \"memory pools\", .. }} for CUDA 11.1, got {other:?}"),
+    }
+}
+
+/// The resource that cudrv chooses by default for `dev`, a device whose driver model has memory
+/// pools (not TCC): `DriverPool`; on the CUDA 11.1 driver `StreamOrderedPool`, after checking that
+/// [`cudrv::memory::choose`] says the driver predates memory pools and that `DriverPool` is refused.
+#[track_caller]
+pub fn pool_kind(dev: &Device) -> ResourceKind {
+    if !oldest() {
+        return ResourceKind::DriverPool;
+    }
+    let choice = cudrv::memory::choose(dev).unwrap();
+    assert_eq!(choice.kind, ResourceKind::StreamOrderedPool, "{}", choice.reason);
+    assert!(choice.reason.contains("the driver (11.1) predates memory pools (CUDA 11.2)"), "{}", choice.reason);
+    assert!(!dev.capabilities().unwrap().memory_pools);
+    assert_no_pools_on_oldest(cudrv::memory::DriverPool::default_pool(dev));
+    ResourceKind::StreamOrderedPool
+}
+
+/// Whether `CUDRV_MEMORY_RESOURCE=resource` cannot be used here: `driver-pool` on the CUDA 11.1
+/// driver, after checking that device 0's resource is refused with [`assert_no_pools_on_oldest`].
+pub fn driver_pool_refused(resource: &str) -> bool {
+    if resource != "driver-pool" || !oldest() {
+        return false;
+    }
+    assert_no_pools_on_oldest(Device::get(0).unwrap().memory_resource());
+    true
+}
+
+/// Whether IPC is refused here for want of the IPC attribute: on the CUDA 11.1 driver (which
+/// predates it) on a host other than Linux (the Windows lane under Wine). Checks that cudrv refuses
+/// IPC of memory and of events as `Unsupported`, saying so.
+pub fn ipc_refused_on_oldest(dev: &Device, stream: &Stream) -> bool {
+    if !oldest() || cfg!(target_os = "linux") {
+        return false;
+    }
+    let sync = Arc::new(SyncResource::new(dev).unwrap());
+    let buf = DeviceBuffer::from_slice_in(&[1u8; 8], stream, sync).unwrap();
+    for (err, what) in [
+        (buf.ipc_handle().unwrap_err(), "legacy IPC of device memory"),
+        (cudrv::ipc::IpcEvent::new(dev).unwrap_err(), "interprocess events"),
+    ] {
+        let Error::Unsupported { feature, reason, .. } = err else { panic!("expected Unsupported, got {err:?}") };
+        assert_eq!(feature, what);
+        assert!(reason.contains("the driver (11.1) predates CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED"), "{reason}");
+    }
+    true
+}

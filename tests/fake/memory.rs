@@ -14,6 +14,8 @@ use cudrv::sys::CUresult;
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{assert_no_leaks, fake_report, run_with_fake, run_with_fake_modes};
 
+use crate::{assert_no_pools_on_oldest, oldest, pool_kind};
+
 const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
 
 /// Gives the device's cached memory back, so that the fake's leak report sees only real leaks.
@@ -27,7 +29,7 @@ fn resource_is_chosen_per_mode() {
         run_with_fake(&[("CUDRV_FAKE_MODE", mode)], || {
             let dev = Device::get(0).unwrap();
             let (resource, choice) = dev.memory_resource_choice().unwrap();
-            let expected = if mode == "tcc" { ResourceKind::StreamOrderedPool } else { ResourceKind::DriverPool };
+            let expected = if mode == "tcc" { ResourceKind::StreamOrderedPool } else { pool_kind(&dev) };
             assert_eq!(choice.kind, expected, "{}", choice.reason);
             assert_eq!(resource.kind(), expected);
             if mode == "tcc" {
@@ -76,12 +78,21 @@ fn driver_refusing_pools_at_run_time_switches_to_the_fallback() {
     // The device says it has pools, but the driver answers 801: cudrv must not fail.
     run_with_fake(&[("CUDRV_FAKE_FAIL", "cuDeviceGetDefaultMemPool:1+:801")], || {
         let dev = Device::get(0).unwrap();
+        if oldest() {
+            // CUDA 11.1 has no pools to refuse: cudrv's pool from the start, saying why.
+            assert_eq!(pool_kind(&dev), ResourceKind::StreamOrderedPool);
+            return;
+        }
         let (_, choice) = dev.memory_resource_choice().unwrap();
         assert_eq!(choice.kind, ResourceKind::StreamOrderedPool);
         assert!(choice.reason.contains("refused"), "{}", choice.reason);
     });
     run_with_fake(&[("CUDRV_FAKE_FAIL", "cuMemAllocFromPoolAsync:2+:801")], || {
         let dev = Device::get(0).unwrap();
+        if oldest() {
+            assert_eq!(pool_kind(&dev), ResourceKind::StreamOrderedPool);
+            return;
+        }
         let s = Stream::new(&dev).unwrap();
         let first = DeviceBuffer::from_slice(&[1u32; 8], &s).unwrap(); // from the driver's pool
         let pool = dev.memory_resource().unwrap();
@@ -396,6 +407,12 @@ fn sync_resource_waits_before_freeing() {
 fn driver_pool_stats_trim_and_owned_pools() {
     run_with_fake_modes(&["linux", "wddm"], &[], || {
         let dev = Device::get(0).unwrap();
+        if oldest() {
+            // CUDA 11.1 predates memory pools: no pool of the driver's, owned or not.
+            assert_no_pools_on_oldest(DriverPool::with_config(&dev, DriverPoolConfig::default()));
+            assert_no_pools_on_oldest(DriverPool::default_pool(&dev));
+            return;
+        }
         let s = Stream::new(&dev).unwrap();
         let pool = Arc::new(DriverPool::with_config(&dev, DriverPoolConfig::default()).unwrap());
         {
@@ -431,7 +448,7 @@ fn stream_and_resource_of_different_devices_are_rejected() {
         let err = unsafe { DeviceBuffer::<u8>::uninit_in(16, &s1, r0.clone()) }.unwrap_err();
         assert!(matches!(err, Error::DeviceMismatch { expected: 0, found: 1, .. }), "{err}");
         assert!(d1.set_memory_resource(r0, "wrong device").is_err());
-        assert_eq!(d0.memory_resource().unwrap().kind(), ResourceKind::DriverPool);
+        assert_eq!(d0.memory_resource().unwrap().kind(), pool_kind(&d0));
         assert_eq!(d1.memory_resource().unwrap().kind(), ResourceKind::StreamOrderedPool);
         // Peer copies between them are correct, both ways.
         let s0 = Stream::new(&d0).unwrap();
@@ -504,7 +521,7 @@ fn peer_access_is_idempotent_and_per_device_pools_stay_apart() {
         assert_eq!(r1.kind(), ResourceKind::StreamOrderedPool);
         assert!(r1.stats().unwrap().in_use >= 3 << 20);
         let b = DeviceBuffer::<u8>::zeroed(1 << 20, &s0).unwrap();
-        assert_eq!(d0.memory_resource().unwrap().kind(), ResourceKind::DriverPool);
+        assert_eq!(d0.memory_resource().unwrap().kind(), pool_kind(&d0));
         // A stream of device 0 cannot allocate from device 1's pool.
         assert!(matches!(r1.allocate(16, &s0), Err(Error::DeviceMismatch { expected: 1, found: 0, .. })));
         // Peer copies of 1 MiB both ways, checked.

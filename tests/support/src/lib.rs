@@ -73,6 +73,27 @@
 //!
 //! The test name comes from the name of the test's thread, which libtest sets. Tests must not set
 //! environment variables in the parent process; pass them to [`run_with_fake`] instead.
+//!
+//! # The whole suite on the oldest supported driver
+//!
+//! `CUDRV_TEST_DRIVER` ([`TEST_DRIVER_ENV`]) chooses the driver that [`fake_driver_path`] names,
+//! and so the one every [`run_with_fake`] child loads unless its environment names another:
+//! `full` (or unset, or empty) for the fake of CUDA 13.0 ([`full_fake_driver_path`]), `legacy` for
+//! the fake of CUDA 11.1 ([`legacy_fake_driver_path`]), the oldest driver cudrv supports. Any other
+//! value panics. `CUDRV_TEST_DRIVER=legacy cargo test` runs the whole suite on 11.1:
+//!
+//! - A test of something that 11.1 lacks (memory pools, `cuGetProcAddress`, `cuLaunchKernelEx` and
+//!   so launch attributes and clusters, libraries, ...) asks [`testing_oldest_driver`] in its child
+//!   and, when it is true, checks the typed error or the capability that says so, instead of the
+//!   feature.
+//! - A test of a newer driver (another version emulated with `CUDRV_FAKE_DRIVER_VERSION`, the TCC
+//!   interposer over a full driver, the fake's own tests of newer entry points) puts
+//!   [`full_fake_driver`] in its environment, so that it tests the same thing whatever the variable
+//!   says; tests of the 11.1 build name [`legacy_fake_driver_path`] themselves.
+//! - The children inherit the variable; [`fake_driver_version`] is the version the default driver
+//!   reports.
+//!
+//! cudrv's doctests do not read it: with `CUDRV_TEST_LIB_DIR` they run on `<dir>/libcuda.so`.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -127,15 +148,36 @@ pub fn full_fake_driver_path() -> PathBuf {
     lib_dir().join(DRIVER_FILE)
 }
 
+/// `(CUDRV_DRIVER_PATH, full_fake_driver_path())`: the entry of a [`run_with_fake`] environment
+/// that runs the child on the CUDA 13.0 fake whatever [`TEST_DRIVER_ENV`] says, for tests of a newer
+/// driver (versions emulated with `CUDRV_FAKE_DRIVER_VERSION`, the fake's own newer entry points).
+pub fn full_fake_driver() -> (&'static str, &'static str) {
+    static PATH: OnceLock<String> = OnceLock::new();
+    (DRIVER_PATH_ENV, PATH.get_or_init(|| full_fake_driver_path().to_string_lossy().into_owned()))
+}
+
 /// Whether the tests run on the CUDA 11.1 fake (`CUDRV_TEST_DRIVER=legacy`): tests of features
 /// that 11.1 lacks then check the error that says so. Panics on a value other than `full` or
-/// `legacy`.
+/// `legacy`. A [`run_with_fake`] child inherits the variable, also one whose environment names
+/// another driver: ask this only in children of the default driver.
 pub fn testing_oldest_driver() -> bool {
     match std::env::var(TEST_DRIVER_ENV).as_deref() {
         Err(_) | Ok("" | "full") => false,
         Ok("legacy") => true,
         Ok(other) => panic!("{TEST_DRIVER_ENV}={other:?}: expected full or legacy"),
     }
+}
+
+/// The driver version that the full fake reports unless `CUDRV_FAKE_DRIVER_VERSION` says
+/// otherwise (CUDA 13.0).
+pub const FULL_DRIVER_VERSION: i32 = 13000;
+/// The driver version that the legacy fake reports (CUDA 11.1), the oldest cudrv supports.
+pub const LEGACY_DRIVER_VERSION: i32 = 11010;
+
+/// The version that the driver of [`fake_driver_path`] reports by default:
+/// [`LEGACY_DRIVER_VERSION`] when [`testing_oldest_driver`], else [`FULL_DRIVER_VERSION`].
+pub fn fake_driver_version() -> i32 {
+    if testing_oldest_driver() { LEGACY_DRIVER_VERSION } else { FULL_DRIVER_VERSION }
 }
 
 /// Path of the fake driver that exports only the functions of CUDA 11.1 (no `cuGetProcAddress`, no

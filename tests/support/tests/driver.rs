@@ -1,5 +1,7 @@
 //! Tests of the fake CUDA driver itself, through hand-declared function types (not through cudrv).
-//! Every test body runs in a child process (`run_with_fake`) that loads the fake.
+//! Every test body runs in a child process (`run_with_fake`) that loads the fake: the default one
+//! (`CUDRV_TEST_DRIVER` chooses), or the full one (`full_fake_driver`) for tests of entry points
+//! newer than CUDA 11.1.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::ptr::null_mut;
@@ -150,7 +152,7 @@ fn not_initialized_then_deinitialized() {
         unsafe {
             assert_eq!((cu.device_count)(&mut n), 3);
             ok((cu.driver_version)(&mut n));
-            assert_eq!(n, 13000);
+            assert_eq!(n, fake_driver_version());
             ok((cu.init)(0));
             ok((cu.device_count)(&mut n));
             assert_eq!(n, 1);
@@ -269,10 +271,11 @@ const ATTR_CONCURRENT_MANAGED_ACCESS: c_int = 89;
 const ATTR_MEMORY_POOLS_SUPPORTED: c_int = 115;
 const ATTR_MEMPOOL_HANDLE_TYPES: c_int = 119;
 
-/// (4) Per-mode attributes; tcc refuses every pool entry point with 801.
+/// (4) Per-mode attributes; tcc refuses every pool entry point with 801. (The pools are CUDA 11.2's:
+/// on the full fake.)
 #[test]
 fn driver_modes() {
-    run_with_fake_modes(&["linux", "wddm", "tcc"], &[], || {
+    run_with_fake_modes(&["linux", "wddm", "tcc"], &[full_fake_driver()], || {
         let mode = std::env::var("CUDRV_FAKE_MODE").unwrap();
         let cu = Cu::setup(0);
         let expect = match mode.as_str() {
@@ -366,10 +369,10 @@ fn driver_modes() {
     });
 }
 
-/// (4) Mixed devices: each device has its own mode.
+/// (4) Mixed devices: each device has its own mode (with pools: on the full fake).
 #[test]
 fn mixed_devices() {
-    run_with_fake(&[("CUDRV_FAKE_DEVICES", "wddm,tcc")], || {
+    run_with_fake(&[full_fake_driver(), ("CUDRV_FAKE_DEVICES", "wddm,tcc")], || {
         let cu = Cu::setup(1);
         let mut n = 0;
         // SAFETY: see `Cu::setup`.
@@ -429,10 +432,11 @@ fn export(name: &str) -> *mut c_void {
     *unsafe { fake_library().get::<*mut c_void>(name.as_bytes()) }.unwrap()
 }
 
-/// (5) cuGetProcAddress picks the variant by version; the legacy build lacks newer exports.
+/// (5) cuGetProcAddress picks the variant by version (on the full fake); the legacy build lacks
+/// newer exports.
 #[test]
 fn get_proc_address_versions() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         // works before cuInit
         assert_eq!(proc_address("cuMemAlloc", 13000), (0, export("cuMemAlloc_v2"), 0));
         assert_eq!(proc_address("cuEventElapsedTime", 12000), (0, export("cuEventElapsedTime"), 0));
@@ -455,7 +459,7 @@ fn get_proc_address_versions() {
         assert_eq!(pfn, export("cuStreamDestroy_v2"));
     });
     // An older driver does not serve newer variants.
-    run_with_fake(&[("CUDRV_FAKE_DRIVER_VERSION", "12000")], || {
+    run_with_fake(&[full_fake_driver(), ("CUDRV_FAKE_DRIVER_VERSION", "12000")], || {
         let cu = Cu::load();
         let mut v = 0;
         // SAFETY: see `Cu::setup`.
@@ -1132,10 +1136,11 @@ impl Vmm {
 }
 
 /// Reserve, create, map, set access, use (across two mappings), release, unmap, free: memory counts
-/// against CUDRV_FAKE_MEMORY, and the access checker follows the mappings and their access.
+/// against CUDRV_FAKE_MEMORY, and the access checker follows the mappings and their access. (It
+/// also looks the family up through cuGetProcAddress: on the full fake.)
 #[test]
 fn vmm_maps_physical_memory_into_reserved_ranges() {
-    run_with_fake(&[("CUDRV_FAKE_MEMORY", "33554432")], || {
+    run_with_fake(&[full_fake_driver(), ("CUDRV_FAKE_MEMORY", "33554432")], || {
         let cu = Cu::setup(0);
         let v = Vmm::load(fake_library());
         let mem_info: unsafe extern "system" fn(*mut usize, *mut usize) -> R =
@@ -1372,7 +1377,7 @@ fn tcc_interposer_can_hide_vmm() {
         return;
     }
     let path = tcc_interposer_path().to_string_lossy().into_owned();
-    let real = fake_driver_path().to_string_lossy().into_owned();
+    let real = full_fake_driver_path().to_string_lossy().into_owned();
     let base = [("CUDRV_DRIVER_PATH", path.as_str()), ("CUDRV_TCC_REAL_DRIVER", real.as_str())];
     let with = |extra: (&'static str, &'static str)| {
         let mut env = base.to_vec();

@@ -1,7 +1,8 @@
 //! Tests of the fake driver's emulation of the API extensions (pitched memory and 2D/3D copies,
 //! pointer attributes, managed-memory advice, the linker and JIT options, launch attributes, IPC),
 //! through hand-declared function types (not through cudrv). Every test body runs in a child
-//! process (`run_with_fake`) that loads the fake.
+//! process (`run_with_fake`) that loads the fake: the default one (`CUDRV_TEST_DRIVER` chooses), or
+//! the full one (`full_fake_driver`) for tests of entry points newer than CUDA 11.1.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::ptr::null_mut;
@@ -174,7 +175,7 @@ fn pitched_allocations_region_copies_and_2d_memsets() {
 
 #[test]
 fn pointer_attributes_and_address_ranges() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         setup();
         let attr = f!("cuPointerGetAttribute": unsafe extern "system" fn(*mut c_void, c_int, Ptr) -> R);
         let range = f!("cuMemGetAddressRange_v2": unsafe extern "system" fn(*mut Ptr, *mut usize, Ptr) -> R);
@@ -289,7 +290,7 @@ fn managed_advice_prefetch_and_range_attributes() {
 #[test]
 fn proc_address_serves_the_variant_of_the_driver_version() {
     for (version, expect_v2) in [("12010", false), ("12020", true)] {
-        run_with_fake(&[("CUDRV_FAKE_DRIVER_VERSION", version)], || {
+        run_with_fake(&[full_fake_driver(), ("CUDRV_FAKE_DRIVER_VERSION", version)], || {
             let get = f!("cuGetProcAddress": unsafe extern "system" fn(*const c_char, *mut H, c_int, u64) -> R);
             let v1 = f!("cuMemPrefetchAsync": unsafe extern "system" fn()) as H;
             let v2 = f!("cuMemPrefetchAsync_v2": unsafe extern "system" fn()) as H;
@@ -404,7 +405,7 @@ fn attr(id: c_int, words: &[u64]) -> Attr {
 
 #[test]
 fn launch_attributes_are_validated_and_recorded() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         setup();
         let load = f!("cuModuleLoadData": unsafe extern "system" fn(*mut H, *const c_void) -> R);
         let get_fn = f!("cuModuleGetFunction": unsafe extern "system" fn(*mut H, H, *const c_char) -> R);
@@ -469,7 +470,7 @@ fn launch_attributes_are_validated_and_recorded() {
 
 #[test]
 fn ipc_calls_check_what_they_are_given() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         setup();
         let get_mem = f!("cuIpcGetMemHandle": unsafe extern "system" fn(*mut [u8; 64], Ptr) -> R);
         let open_mem = f!("cuIpcOpenMemHandle_v2": unsafe extern "system" fn(*mut Ptr, [u8; 64], c_uint) -> R);

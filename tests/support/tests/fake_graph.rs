@@ -1,6 +1,8 @@
 //! Tests of the fake driver's CUDA graphs and stream capture (`csrc/fake_graph.c`), through
 //! hand-declared function types (not through cudrv). Every test body runs in a child process
-//! (`run_with_fake`) that loads the fake.
+//! (`run_with_fake`) that loads the fake: the full one (`full_fake_driver`), whose newer entry points
+//! (`cuMemAllocAsync`, `cuStreamGetCaptureInfo_v3`, ...) these declare, whatever
+//! `CUDRV_TEST_DRIVER` says; the last test checks what the CUDA 11.1 build exports.
 
 use std::ffi::{CString, c_char, c_int, c_uint, c_void};
 use std::ptr::{null, null_mut};
@@ -673,7 +675,7 @@ fn as_data(counter: &AtomicU64) -> H {
 /// function 100 times.
 #[test]
 fn captured_graph_runs_at_each_launch() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, _ctx) = Cu::setup();
         let (m, fill, _) = cu.kernels();
         const N: usize = 4096;
@@ -781,7 +783,7 @@ fn captured_graph_runs_at_each_launch() {
 /// becomes a dependency of the copy that the origin stream queues after joining it back.
 #[test]
 fn capture_forks_and_joins_streams_through_events() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, _ctx) = Cu::setup();
         let (m, _, spin) = cu.kernels();
         const N: usize = 1024;
@@ -845,7 +847,7 @@ fn capture_forks_and_joins_streams_through_events() {
 /// Ending on the joined stream: UNMATCHED, which invalidates the capture.
 #[test]
 fn unjoined_and_unmatched_captures_fail() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, _ctx) = Cu::setup();
         let p = cu.alloc(4096);
         let (s1, s2) = (cu.stream(NON_BLOCKING), cu.stream(NON_BLOCKING));
@@ -909,7 +911,7 @@ fn unjoined_and_unmatched_captures_fail() {
 /// the capture goes on); a RELAXED one on any thread.
 #[test]
 fn capture_ends_on_its_thread_unless_relaxed() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, ctx) = Cu::setup();
         let s = cu.stream(NON_BLOCKING);
         let (ctx_addr, s_addr) = (ctx as usize, s as usize);
@@ -950,7 +952,7 @@ fn capture_ends_on_its_thread_unless_relaxed() {
 /// work on it fails with 901, and so does ending it; the stream is usable afterwards.
 #[test]
 fn sync_of_a_capturing_stream_invalidates_the_capture() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, _ctx) = Cu::setup();
         let p = cu.alloc(4096);
         let s = cu.stream(NON_BLOCKING);
@@ -991,7 +993,7 @@ fn sync_of_a_capturing_stream_invalidates_the_capture() {
 /// capturing stream, captured events, waits across the capture boundary. cuMemAlloc stays allowed.
 #[test]
 fn prohibited_operations_during_capture() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, _ctx) = Cu::setup();
         let p = cu.alloc(4096);
         let host = [0u8; 64];
@@ -1093,7 +1095,7 @@ fn prohibited_operations_during_capture() {
 /// other thread is in GLOBAL mode), not a THREAD_LOCAL one.
 #[test]
 fn capture_modes_across_threads() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, ctx) = Cu::setup();
         let p = cu.alloc(4096);
         let s = cu.stream(NON_BLOCKING);
@@ -1133,7 +1135,7 @@ static HOST_NODE_CALLS: AtomicU64 = AtomicU64::new(0);
 /// with dependencies; five launches give the right data and five host calls.
 #[test]
 fn graph_built_node_by_node() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, ctx) = Cu::setup();
         let (m, fill, spin) = cu.kernels();
         const N: usize = 2048;
@@ -1277,7 +1279,7 @@ fn graph_built_node_by_node() {
 /// executable graph; another topology or node type is refused (910) and changes nothing.
 #[test]
 fn exec_update_succeeds_or_refuses() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, ctx) = Cu::setup();
         let (m, fill, _) = cu.kernels();
         const N: usize = 512;
@@ -1373,7 +1375,7 @@ fn exec_update_succeeds_or_refuses() {
 /// changes the graph's.
 #[test]
 fn exec_kernel_node_set_params() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, ctx) = Cu::setup();
         let (m, fill, _) = cu.kernels();
         const N: usize = 256;
@@ -1430,7 +1432,7 @@ fn exec_kernel_node_set_params() {
 /// executable graph are gone. In tcc mode the memory-node paths are CUDA_ERROR_NOT_SUPPORTED.
 #[test]
 fn graph_memory_nodes() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, ctx) = Cu::setup();
         const N: usize = 1024;
         let out = cu.alloc(N * 4);
@@ -1531,7 +1533,7 @@ fn graph_memory_nodes() {
         cu.free(out);
         assert_no_leaks();
     });
-    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc")], || {
+    run_with_fake(&[full_fake_driver(), ("CUDRV_FAKE_MODE", "tcc")], || {
         let (cu, _ctx) = Cu::setup();
         let out = cu.alloc(4096);
         let s = cu.stream(NON_BLOCKING);
@@ -1588,7 +1590,7 @@ unsafe extern "system" fn launch_ends(_: *mut c_void) {
 /// the previous one, as in the real driver.
 #[test]
 fn launches_of_one_exec_are_ordered_across_streams() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, _ctx) = Cu::setup();
         let (m, _, spin) = cu.kernels();
         let a = cu.alloc(4096);
@@ -1625,7 +1627,7 @@ fn launches_of_one_exec_are_ordered_across_streams() {
 /// Graphs and executable graphs count as live until destroyed, and `assert_no_leaks` says so.
 #[test]
 fn leak_counts_return_to_zero() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, _ctx) = Cu::setup();
         let s = cu.stream(NON_BLOCKING);
         assert_eq!((live_graphs(), live_graph_execs()), (0, 0));
@@ -1656,7 +1658,7 @@ fn leak_counts_return_to_zero() {
         assert_no_leaks();
     });
     // The report at unload counts them too.
-    if let Some(out) = run_with_fake_output(&[("CUDRV_FAKE_REPORT_ON_EXIT", "1")], || {
+    if let Some(out) = run_with_fake_output(&[full_fake_driver(), ("CUDRV_FAKE_REPORT_ON_EXIT", "1")], || {
         let (cu, _ctx) = Cu::setup();
         let g = cu.graph();
         cu.instantiate(g);
@@ -1669,7 +1671,7 @@ fn leak_counts_return_to_zero() {
 /// frees: every result is right.
 #[test]
 fn concurrent_captures_launches_and_allocations() {
-    run_with_fake(&[], || {
+    run_with_fake(&[full_fake_driver()], || {
         let (cu, ctx) = Cu::setup();
         let (m, fill, _) = cu.kernels();
         let (ctx_addr, fill_addr) = (ctx as usize, fill as usize);
@@ -1762,7 +1764,7 @@ fn export(name: &str) -> *mut c_void {
 /// build lacks the newer ones; the new error codes have names; faults can be injected.
 #[test]
 fn graph_functions_by_version_names_and_faults() {
-    run_with_fake(&[("CUDRV_FAKE_FAIL", "cuGraphLaunch:2:999")], || {
+    run_with_fake(&[full_fake_driver(), ("CUDRV_FAKE_FAIL", "cuGraphLaunch:2:999")], || {
         for (name, version, exported) in [
             ("cuStreamBeginCapture", 13000, "cuStreamBeginCapture_v2"),
             ("cuStreamBeginCapture", 10000, "cuStreamBeginCapture"),
