@@ -335,6 +335,15 @@ fn replay_once(
                 }
                 Err(err) if err.is_out_of_memory() => {
                     oom = Some(i);
+                    // Where the memory was: the pool's and the device's view, for the report.
+                    let live: usize = ptrs.values().map(|&(_, size, _)| size).sum();
+                    let st = resource.stats().unwrap_or_default();
+                    let free = streams[stream].device().memory_info().map_or(0, |m| m.free);
+                    eprintln!(
+                        "  out of memory: request {size} bytes with {live} live; pool reserved {}, \
+                         {} driver allocations; device free {free}",
+                        st.reserved, st.driver_allocations
+                    );
                     break;
                 }
                 Err(err) => return Err(format!("event {i}: {err}")),
