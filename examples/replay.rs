@@ -364,7 +364,8 @@ fn replay_once(
     Ok((oom, done, elapsed))
 }
 
-/// One raw `cuMemAlloc` of all the device's free memory but `leave` bytes, freed when dropped.
+/// One raw `cuMemAlloc` of all the device's free memory but `leave` bytes (or up to 2 MiB more:
+/// whole pages), freed when dropped.
 struct Hog {
     ptr: cudrv::sys::CUdeviceptr,
     ctx: Arc<cudrv::Context>,
@@ -381,7 +382,10 @@ impl Hog {
         if rc != cudrv::sys::CUresult::CUDA_SUCCESS {
             return Err(format!("cuMemGetInfo: {rc:?}"));
         }
-        let take = free.saturating_sub(leave);
+        // The driver maps device memory in 2 MiB pages and rounds an allocation up to whole
+        // pages: take whole pages, so that at least `leave` bytes stay free.
+        const PAGE: usize = 2 << 20;
+        let take = free.saturating_sub(leave) / PAGE * PAGE;
         let mut ptr = 0;
         if take > 0 {
             // SAFETY: valid out-pointer; the context is current.
@@ -390,8 +394,9 @@ impl Hog {
                 return Err(format!("cuMemAlloc of {take} bytes to leave {leave} free: {rc:?}"));
             }
         }
+        let left = device.memory_info().map_or(0, |m| m.free);
         drop(_b);
-        println!("  (took {take} of {free} free bytes, leaving {leave})");
+        println!("  (took {take} of {free} free bytes to leave {leave}: {left} left free)");
         Ok(Hog { ptr, ctx })
     }
 }
