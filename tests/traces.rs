@@ -59,3 +59,45 @@ fn bad_traces_name_the_line() {
         assert!(err.to_string().contains(what), "{text:?}: {err}");
     }
 }
+
+/// The capacity example's phases on a simulated H200 (149,557,477,376 bytes free): buffers that
+/// stay live until the device is full, 1 GiB each, then of mixed sizes (log-uniform, 1 MiB to
+/// 4 GiB, as `examples/capacity.rs` draws them). The pool must reach 99% of the device, as the
+/// driver's own pool does (which maps pages wherever they are free).
+#[test]
+fn a_device_filled_with_live_buffers_is_filled_to_99_percent() {
+    const DEVICE: usize = 149_557_477_376;
+    const GIB: usize = 1 << 30;
+    let fill = |sizes: &mut dyn FnMut() -> usize| {
+        let pool = SimulatedPool::new(PoolConfig::default(), Some(DEVICE));
+        let (mut reached, mut misses) = (0usize, 0);
+        while misses < 32 {
+            let n = sizes();
+            match pool.allocate(n, 0) {
+                Ok(_) => (reached, misses) = (reached + n, 0),
+                Err(e) => {
+                    assert!(e.is_out_of_memory(), "{e}");
+                    misses += 1;
+                    match pool.allocate(1 << 20, 0) {
+                        Ok(_) => reached += 1 << 20,
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
+        reached as f64 / DEVICE as f64
+    };
+    let gib = fill(&mut || GIB);
+    assert!(gib >= 0.99, "1 GiB buffers: {:.2}% of the device", gib * 100.0);
+    for seed in [1u64, 2, 7, 12345] {
+        let mut rng = seed | 1;
+        let mixed = fill(&mut || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let exp = 20.0 + (rng % 10_000) as f64 / 10_000.0 * 12.0;
+            (2f64.powf(exp) as usize).clamp(1 << 20, 4 * GIB)
+        });
+        assert!(mixed >= 0.99, "mixed sizes, seed {seed}: {:.2}% of the device", mixed * 100.0);
+    }
+}

@@ -26,6 +26,8 @@ pub(crate) struct ArenaStats {
     pub(crate) peak_live: usize,
     /// The highest in-use sum seen when the caches were visited.
     pub(crate) peak_in_use: usize,
+    /// Bytes of the blocks out of the arena beyond the requests they were handed out for.
+    pub(crate) slack: usize,
     pub(crate) chunks: usize,
     pub(crate) driver_allocs: u64,
     pub(crate) driver_alloc_bytes: u64,
@@ -271,10 +273,21 @@ impl<B: Backend> Arena<B> {
         // Memory runs short when the device would be left with less than a tenth of what the pool
         // then holds: grow by exactly the request, and release whatever free chunk can go first.
         let after = self.stats.reserved.saturating_add(chunk);
-        let tight = b.free_memory().is_some_and(|free| free < chunk.saturating_add(after / 10));
+        let free = b.free_memory();
+        let tight = free.is_some_and(|free| free < chunk.saturating_add(after / 10));
         if tight {
             chunk = exact;
             self.stats.tight_growths += 1;
+        }
+        // Rounding a large chunk up to a size class leaves its rest unused while its block is out:
+        // keep what all out blocks leave so below 0.25% of the device's memory, so that a
+        // device filled with live buffers is filled as tightly as the driver fills it.
+        if kind == Kind::Large
+            && chunk > exact
+            && let Some(free) = free
+            && self.stats.slack.saturating_add(chunk - size) > self.stats.reserved.saturating_add(free) / 400
+        {
+            chunk = exact;
         }
         let mut limit = self.config.release_threshold;
         if let Some(pct) = self.config.headroom_percent.filter(|_| headroom) {
@@ -321,6 +334,7 @@ impl<B: Backend> Arena<B> {
             prev: NIL,
             next: NIL,
             state: State::Free { stream: s, seq: 0 },
+            slack: 0,
         });
         self.chunks[c].first = blk;
         let stats = &mut self.stats;

@@ -45,6 +45,9 @@ pub(crate) struct Block {
     pub(crate) prev: u32,
     pub(crate) next: u32,
     pub(crate) state: State,
+    /// While out: the bytes of it beyond the request it was handed out for (a large block is
+    /// handed out whole); 0 while free.
+    pub(crate) slack: usize,
 }
 
 /// Memory from one `alloc_chunk` call.
@@ -103,6 +106,7 @@ impl<B: Backend> Arena<B> {
                 prev: blk,
                 next: block.next,
                 state: State::Free { stream, seq },
+                slack: 0,
             };
             let rest_blk = self.blocks.insert(rest_block);
             let next = self.blocks[blk].next;
@@ -117,6 +121,8 @@ impl<B: Backend> Arena<B> {
         }
         let block = &mut self.blocks[blk];
         block.state = State::Out;
+        block.slack = block.size - size;
+        self.stats.slack += block.slack;
         let (ptr, size, chunk) = (block.ptr, block.size, block.chunk);
         self.chunks[chunk].out += 1;
         self.stats.out_bytes += size;
@@ -128,6 +134,7 @@ impl<B: Backend> Arena<B> {
     /// with its neighbours where allowed. (Merging a host-safe neighbour of another stream hands
     /// it to `s`, and the block beyond may then be `s`'s too: hence the loops.)
     pub(crate) fn file_free(&mut self, mut blk: u32, s: u32, mut seq: u64) {
+        self.stats.slack -= std::mem::take(&mut self.blocks[blk].slack);
         loop {
             let prev = self.blocks[blk].prev;
             if prev == NIL {

@@ -39,8 +39,10 @@ pub struct PoolConfig {
     /// size (8: classes about 9% apart). A tensor that grows a little at each step (a KV cache
     /// grown by concatenation) then reuses the chunk it freed two steps before, until it crosses
     /// into the next class, instead of needing a new chunk every step. 0 rounds to
-    /// `large_granule` only. Near the headroom or out of memory the pool grows exactly instead.
-    /// Default 8.
+    /// `large_granule` only. Near the headroom or out of memory the pool grows exactly instead, and
+    /// so it does while what the rounding leaves unused in the blocks that are out adds up to
+    /// 0.25% of the device's memory (so that a device filled with live buffers is filled as
+    /// tightly as the driver's own pool fills it). Default 8.
     pub large_classes_per_octave: u32,
     /// A free block of a large chunk serves a request only if the request is at least this many
     /// percent of it; otherwise the request gets a chunk of its own, and the free block stays

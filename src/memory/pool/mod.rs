@@ -43,7 +43,8 @@
 //!   up to a size class (8 to a doubling, about 9% apart), and a large chunk holds one block at a
 //!   time: when it is freed the whole chunk is free, to serve a later request of 75% of its size
 //!   or more, or to go back to the driver whole. A small block can then never pin a large chunk.
-//!   Each class has chunks of its own.
+//!   Each class has chunks of its own. What the rounding leaves unused in the blocks that are out
+//!   is bounded: past 0.25% of the device's memory, large chunks are exact.
 //! * Before growing, the streams' caches are given back to the arena, which looks again.
 //! * *Headroom*: the arena grows freely while reserved memory stays within
 //!   [`PoolConfig::headroom_percent`] (10%) of the most memory live at once. Past it, the arena

@@ -164,7 +164,7 @@ impl Harness {
             for (p, blk) in a.graph_blocks() {
                 assert!(live.insert(p, blk).is_none(), "a graph's block also live elsewhere");
             }
-            let (mut reserved, mut out_bytes, mut free_blocks) = (0, 0, 0);
+            let (mut reserved, mut out_bytes, mut free_blocks, mut slack) = (0, 0, 0, 0);
             for (c, chunk) in a.chunks.iter() {
                 reserved += chunk.size;
                 let (mut cur, mut prev, mut addr, mut out) = (chunk.first, NIL, chunk.ptr, 0);
@@ -176,6 +176,7 @@ impl Harness {
                     assert!(bl.size > 0 && bl.size.is_multiple_of(super::GRANULE));
                     match bl.state {
                         State::Free { stream, seq } => {
+                            assert_eq!(bl.slack, 0, "a free block with slack");
                             free_blocks += usize::from(!chunk.releasing);
                             let st = &a.streams[stream];
                             assert!(seq <= st.seq);
@@ -190,6 +191,8 @@ impl Harness {
                         State::Out => {
                             out += 1;
                             out_bytes += bl.size;
+                            assert!(bl.slack < bl.size, "a block handed out for nothing");
+                            slack += bl.slack;
                             let here = cached.get(&bl.ptr).or(live.get(&bl.ptr));
                             assert_eq!(here, Some(&cur), "an out block neither cached nor live");
                         }
@@ -215,6 +218,7 @@ impl Harness {
             }
             assert_eq!(a.stats.reserved, reserved);
             assert_eq!(a.stats.out_bytes, out_bytes);
+            assert_eq!(a.stats.slack, slack);
             assert_eq!(a.stats.chunks, a.chunks.len());
             assert!(a.stats.peak_reserved >= a.stats.reserved);
         });
