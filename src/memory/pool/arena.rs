@@ -290,9 +290,17 @@ impl<B: Backend> Arena<B> {
             chunk = exact;
         }
         let mut limit = self.config.release_threshold;
-        if let Some(pct) = self.config.headroom_percent.filter(|_| headroom) {
-            let pct = if tight { 0 } else { pct as usize };
-            limit = limit.min(peak.saturating_add(peak / 100 * pct));
+        if let Some(pct) = self.config.headroom_percent.filter(|_| headroom && !tight) {
+            limit = limit.min(peak.saturating_add(peak / 100 * pct as usize));
+        }
+        if tight
+            && headroom
+            && let Some(free) = free
+        {
+            // Near capacity the device's memory is the bound: make room by releasing free chunks
+            // (only what the request lacks, and none that is not known to be done with) before
+            // asking for more than the device has.
+            limit = limit.min(self.stats.reserved.saturating_add(free));
         }
         if self.stats.reserved.saturating_add(chunk) > limit {
             chunk = exact;
@@ -319,6 +327,16 @@ impl<B: Backend> Arena<B> {
             }
         }
         Ok(Grow::OutOfMemory)
+    }
+
+    /// What may stay reserved so that the device has room for an exact chunk for `size` rounded
+    /// bytes, as far as the backend knows its free memory (0 when it does not).
+    pub(crate) fn reserved_after_making_room(&self, b: &B, size: usize) -> usize {
+        let Some((_, exact)) = self.chunk_sizes(self.kind_for(size), size) else { return 0 };
+        match b.free_memory() {
+            Some(free) => self.stats.reserved.saturating_sub(exact.saturating_sub(free)),
+            None => 0,
+        }
     }
 
     /// Records a new chunk; returns its single block (free, host-safe, owned by `s`, unlisted).

@@ -59,7 +59,8 @@ pub struct PoolConfig {
     /// past that, the pool first gives the free blocks cached per stream back to its shared
     /// layer (where they merge), releases whole free chunks whose frees the GPU has completed,
     /// and grows by exactly the request. `None` caches everything (up to `release_threshold`).
-    /// Default `Some(10)`.
+    /// Near the device's capacity the device's free memory is the bound instead. Default
+    /// `Some(10)`.
     pub headroom_percent: Option<u32>,
 }
 

@@ -51,11 +51,15 @@
 //!   first takes out whole free chunks whose frees the GPU has completed (asked with
 //!   `cuEventQuery`: the host does not wait), frees them, and grows by exactly the request.
 //! * *Near capacity* (`cuMemGetInfo` says the device would be left with less than a tenth of what
-//!   the pool holds), growth is exact and everything free that can go goes first. So memory is
-//!   cached while it is plentiful, and placed tightly as it runs out.
-//! * *Out of memory*: the pool gives back everything free (waiting on the host for the frees,
-//!   with no lock held), merges, looks again, and retries the driver at exactly the request, so
-//!   that what it can reach matches what `cuMemAlloc` can.
+//!   the pool holds), growth is exact, and the device's memory takes the headroom's place as the
+//!   bound: before asking for more than the device has free, the pool releases whole free chunks
+//!   whose frees the GPU has completed, the smallest that makes up for what is missing first, and
+//!   keeps the others cached. So memory is cached while it is plentiful, placed tightly as it
+//!   runs out, and what is cached still serves as long as it fits.
+//! * *Out of memory*: the pool waits on the host for every free (with no lock held), merges,
+//!   looks again, gives back the free chunks that make up for what the request lacks, then
+//!   everything free, and retries the driver at exactly the request each time, so that what it
+//!   can reach matches what `cuMemAlloc` can.
 #![forbid(unsafe_code)]
 
 pub(crate) mod arena;
@@ -222,9 +226,14 @@ fn allocate_slow<H: Host>(
     if let Some(handout) = h.arena(|a| a.take(b, slot, size))? {
         return Ok(adopt(handout));
     }
-    release_settled(h, 0)?;
-    if let Some(handout) = grow(h, slot, size)? {
-        return Ok(adopt(handout));
+    // First only what the request lacks (free chunks the request cannot use are a cache worth
+    // keeping), then everything.
+    let keep = h.arena(|a| a.reserved_after_making_room(b, size));
+    for keep in [keep, 0] {
+        release_settled(h, keep)?;
+        if let Some(handout) = grow(h, slot, size)? {
+            return Ok(adopt(handout));
+        }
     }
     let in_use = stats(h).in_use;
     Err(h.arena(|a| PoolError::OutOfMemory { requested, reserved: a.stats.reserved, in_use }))

@@ -176,13 +176,60 @@ fn headroom_never_blocks_when_frees_are_not_complete() {
     h.teardown();
 }
 
-#[test]
-fn oom_releases_everything_free_and_retries_exactly() {
+/// A device of 64 MiB, 40 of them in a free chunk cached on stream 1 and not covered by any
+/// event; then 50 MiB on stream 0, with the GPU busy (no free polls complete) or not. Returns
+/// the harness and the 50 MiB.
+fn fifty_of_sixty_four_after_a_free_elsewhere(gpu_busy: bool) -> (Harness, u64) {
     let h = harness(2);
     h.mock.st().capacity = 64 * MIB;
     let a = h.alloc(40 * MIB, 0).unwrap();
-    h.free(a, 1); // cached on stream 1, not covered by any event
+    h.free(a, 1);
+    if gpu_busy {
+        h.mock.st().query_lag = None;
+    }
     let b = h.alloc(50 * MIB, 0).unwrap();
+    h.mock.st().query_lag = Some(0);
+    (h, b)
+}
+
+#[test]
+fn near_capacity_releases_what_the_request_lacks_without_waiting() {
+    // The device has 24 MiB free: the free chunk goes first (its free polled complete), and the
+    // driver is never asked for more than it has.
+    let (h, b) = fifty_of_sixty_four_after_a_free_elsewhere(false);
+    let st = h.stats();
+    assert_eq!((st.oom_recoveries, st.driver_frees, st.reserved), (0, 1, 50 * MIB));
+    assert_eq!(h.mock.st().syncs, 0, "no host wait");
+    h.free(b, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn near_capacity_keeps_the_free_chunks_the_request_does_not_need() {
+    let h = harness(1);
+    h.mock.st().capacity = 100 * MIB;
+    let a = h.alloc(30 * MIB, 0).unwrap();
+    let b = h.alloc(20 * MIB, 0).unwrap();
+    h.free(a, 0);
+    h.free(b, 0);
+    // 60 MiB with 50 MiB free: 10 MiB short, so the smallest chunk that makes up for it goes, and
+    // the other stays cached.
+    let c = h.alloc(60 * MIB, 0).unwrap();
+    let st = h.stats();
+    assert_eq!((st.driver_frees, st.reserved, st.oom_recoveries), (1, 90 * MIB, 0));
+    let again = h.alloc(30 * MIB, 0).unwrap();
+    assert_eq!(again, a, "the chunk kept serves its size again");
+    assert_eq!(h.stats().driver_allocs, 3);
+    h.free(again, 0);
+    h.free(c, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn oom_waits_for_frees_then_releases_and_retries_exactly() {
+    let (h, b) = fifty_of_sixty_four_after_a_free_elsewhere(true);
     let st = h.stats();
     assert_eq!((st.oom_recoveries, st.driver_frees, st.reserved), (1, 1, 50 * MIB));
     assert!(h.mock.st().syncs > 0, "the host waited (with no lock held) before freeing");
