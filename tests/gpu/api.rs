@@ -365,13 +365,23 @@ fn programmatic_dependent_launch_overlaps_the_kernels() {
         }
         out.to_vec().unwrap().try_into().unwrap()
     };
-    let [end, start, after] = run(true);
-    println!(
-        "PDL: primary ended at {end}, secondary started at {start} ({} ns before), its wait returned at {after}",
-        end as i64 - start as i64
-    );
-    assert!(start < end, "with programmatic stream serialization the secondary starts before the primary ends");
-    assert!(after >= end, "griddepcontrol.wait returns after the primary");
+    // The secondary may start early only where the GPU has room for it: kernels of the tests
+    // running beside this one can take it, so the overlap is looked for in up to 10 runs. Every
+    // run must keep the wait's order.
+    let mut overlapped = false;
+    for _ in 0..10 {
+        let [end, start, after] = run(true);
+        println!(
+            "PDL: primary ended at {end}, secondary started at {start} ({} ns before), its wait returned at {after}",
+            end as i64 - start as i64
+        );
+        assert!(after >= end, "griddepcontrol.wait returns after the primary");
+        if start < end {
+            overlapped = true;
+            break;
+        }
+    }
+    assert!(overlapped, "with programmatic stream serialization the secondary starts before the primary ends");
     let [end, start, _] = run(false);
     println!("plain: primary ended at {end}, secondary started at {start}");
     assert!(start >= end, "without it, stream order holds");

@@ -3,6 +3,7 @@
 
 use cudrv::memory::DeviceBuffer;
 use cudrv::{Device, Error, Stream};
+use cudrv_test_support::run_in_own_process;
 
 fn two() -> Option<(Device, Device)> {
     let all = Device::all().unwrap();
@@ -15,6 +16,12 @@ fn two() -> Option<(Device, Device)> {
 
 #[test]
 fn each_device_has_its_own_resource_and_statistics() {
+    // In a process of its own: the devices' resources are the process's, and the tests beside it
+    // allocate from them too.
+    run_in_own_process(each_device_has_its_own_resource_and_statistics_body);
+}
+
+fn each_device_has_its_own_resource_and_statistics_body() {
     let Some((d0, d1)) = two() else { return };
     let r0 = d0.memory_resource().unwrap();
     let r1 = d1.memory_resource().unwrap();
