@@ -1089,7 +1089,7 @@ impl SharedPool {
         if !caps.memory_pools {
             return Err(device.unsupported(
                 "memory pools",
-                "CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0 or the driver lacks cuMemAllocAsync",
+                crate::memory::pools_missing_reason(caps),
                 Some("legacy IPC of SyncResource or StreamOrderedPool memory (DeviceBuffer::ipc_handle)"),
             ));
         }

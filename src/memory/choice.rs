@@ -78,13 +78,28 @@ pub fn choose(device: &Device) -> Result<Choice> {
 
 /// Why `caps` has no memory pools.
 pub(crate) fn pools_missing_reason(caps: &crate::Capabilities) -> String {
-    if caps.driver_model == crate::DriverModel::Tcc {
-        "the device has no memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0: TCC driver model)".into()
-    } else if caps.driver_version < 11020 {
-        format!("the driver ({}) predates memory pools (CUDA 11.2)", crate::version_string(caps.driver_version))
-    } else {
-        "the device has no memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0)".into()
+    let mut why = Vec::new();
+    if caps.driver_version < 11020 {
+        why.push(format!(
+            "the driver ({}) predates memory pools (CUDA 11.2)",
+            crate::version_string(caps.driver_version)
+        ));
     }
+    if caps.driver_model == crate::DriverModel::Tcc {
+        why.push(
+            "the device has no memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0: TCC driver model)".into(),
+        );
+    }
+    if why.is_empty() {
+        why.push(
+            if crate::result::loaded_driver().is_some_and(|d| !d.has("cuMemAllocAsync") || !d.has("cuMemFreeAsync")) {
+                "the driver does not provide cuMemAllocAsync and cuMemFreeAsync".into()
+            } else {
+                "the device has no memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0)".into()
+            },
+        );
+    }
+    why.join("; ")
 }
 
 /// A device's resource, as the registry publishes it. Entries are never freed: a buffer may keep

@@ -81,14 +81,11 @@ unsafe impl Sync for RawPool {}
 
 impl DriverPool {
     fn require_pools(device: &Device) -> Result<()> {
-        if device.capabilities()?.memory_pools {
+        let caps = device.capabilities()?;
+        if caps.memory_pools {
             Ok(())
         } else {
-            Err(device.unsupported(
-                "memory pools",
-                "CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0 or the driver lacks cuMemAllocAsync",
-                Some("StreamOrderedPool"),
-            ))
+            Err(device.unsupported("memory pools", super::pools_missing_reason(caps), Some("StreamOrderedPool")))
         }
     }
 

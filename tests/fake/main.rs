@@ -58,15 +58,14 @@ pub fn assert_missing_on_oldest<T: Debug>(r: Result<T, Error>, name: &str) {
 }
 
 /// Checks that `r` is cudrv's refusal of memory pools on the CUDA 11.1 driver:
-/// `Error::Unsupported { feature: "memory pools", .. }`, whose reason says why (the driver predates
-/// them, or lacks `cuMemAllocAsync`) and which names an alternative.
+/// `Error::Unsupported { feature: "memory pools", .. }`, whose reason says that the driver predates
+/// them, and which names an alternative.
 #[track_caller]
 pub fn assert_no_pools_on_oldest<T: Debug>(r: Result<T, Error>) {
     assert_eq!(cudrv::driver_version().unwrap(), LEGACY_DRIVER_VERSION, "the CUDA 11.1 driver");
     match r {
         Err(Error::Unsupported { feature: "memory pools", reason, alternative: Some(_), .. })
-            if reason.contains("the driver (11.1) predates memory pools (CUDA 11.2)")
-                || reason.contains("the driver lacks cuMemAllocAsync") => {}
+            if reason.contains("the driver (11.1) predates memory pools (CUDA 11.2)") => {}
         other => panic!("expected Unsupported {{ feature: \"memory pools\", .. }} for CUDA 11.1, got {other:?}"),
     }
 }
