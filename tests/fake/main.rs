@@ -10,6 +10,7 @@ mod graph_cases;
 mod interposer;
 mod launch;
 mod memory;
+mod review2;
 mod soundness;
 
 use std::fmt::Debug;

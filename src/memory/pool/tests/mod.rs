@@ -5,6 +5,7 @@
 mod graph;
 mod mock;
 mod props;
+mod review2;
 mod traces;
 mod unit;
 
