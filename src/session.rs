@@ -231,27 +231,35 @@ impl CaptureSession {
     /// The last user of `origin` let go of it during the capture: ends the capture and destroys
     /// its graph, then the session, which gives back what the capture reserved (nothing of it
     /// ever ran). Only from the origin, and only when no buffer allocated during the capture is
-    /// alive (its memory would be the graph's); otherwise, or if the driver refuses (another
-    /// thread began a capture in global or thread-local mode), the capture goes on, as before.
+    /// alive (its memory would be the graph's). As [`Stream::end_capture`]: when the driver
+    /// refuses to end it (another thread began it in global or thread-local mode) and the stream
+    /// still captures, the capture goes on, as before; when it refuses but the capture is over
+    /// all the same (an invalidated capture, or work left unjoined), the session ends too.
     fn abandon(&self, origin: &StreamKey) {
         let is_origin = self.streams.lock().unwrap_or_else(PoisonError::into_inner).first() == Some(origin);
         if !is_origin || self.live_buffers.load(Ordering::Acquire) != 0 {
             return;
         }
-        let ended = || -> Result<()> {
+        let ended = || -> Result<bool> {
             let _b = origin.context().bind()?;
             let mut graph = std::ptr::null_mut();
             // SAFETY: a valid stream of the current context (its last user is letting go of it,
             // and it is destroyed after this); a valid out-pointer.
-            unsafe { drv!(cuStreamEndCapture(origin.as_raw(), &mut graph)) }?;
+            let end = unsafe { drv!(cuStreamEndCapture(origin.as_raw(), &mut graph)) };
             if !graph.is_null() {
                 // SAFETY: the graph the capture just made, never instantiated; destroyed once.
                 // Failing, it leaks: the capture has ended all the same.
                 let _ = unsafe { drv!(cuGraphDestroy(graph)) };
             }
-            Ok(())
+            if end.is_ok() {
+                return Ok(true);
+            }
+            let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: as above; a valid out-pointer.
+            unsafe { drv!(cuStreamIsCapturing(origin.as_raw(), &mut status)) }?;
+            Ok(status_of(status) == CaptureStatus::None)
         };
-        if ended().is_ok() {
+        if ended().unwrap_or(false) {
             self.finish();
         }
     }

@@ -54,12 +54,13 @@ struct Handle {
 pub(crate) struct StreamKey(Arc<Inner>);
 
 impl StreamKey {
-    /// The raw handle that means this stream on the calling thread (see [`Stream::as_raw`]).
-    #[inline]
+    /// The stream's context.
     pub(crate) fn context(&self) -> &Arc<Context> {
         &self.0.ctx
     }
 
+    /// The raw handle that means this stream on the calling thread (see [`Stream::as_raw`]).
+    #[inline]
     pub(crate) fn as_raw(&self) -> CUstream {
         self.0.raw_here()
     }

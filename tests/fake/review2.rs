@@ -1,7 +1,7 @@
 //! Adversarial review of the changes of 04eff70..HEAD (review2): the hook that ends a capture
 //! whose origin stream is dropped (`CaptureSession::abandon`), and the fallbacks to older driver
-//! ABIs. Tests marked `DEFECT:` fail on the code they were written against and show a real
-//! defect; the others are regression tests that pass.
+//! ABIs. The first test showed a defect of the hook (fixed: it now ends the session whenever the
+//! driver has ended the capture); the others are regression tests.
 
 use std::sync::mpsc;
 
@@ -21,16 +21,14 @@ fn driver_code(e: &Error) -> Option<i32> {
     }
 }
 
-/// DEFECT: the origin stream is dropped while a stream that joined the capture has work that was
-/// not joined back. `cuStreamEndCapture` then fails with `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`, but
-/// the driver has ended the capture for every stream of it (as it does for an invalidated
-/// capture). `abandon` only finishes the session when `cuStreamEndCapture` succeeds, so cudrv
-/// goes on believing the joined stream captures: its buffers' host access is refused forever, and
-/// what the capture kept (the buffer's free, handed to the graph's resources) is never released.
-/// `Stream::end_capture` gets this right (it asks the driver whether the capture is still on
-/// before keeping the session); `abandon` should do the same.
+/// The origin stream is dropped while a stream that joined the capture has work that was not
+/// joined back. `cuStreamEndCapture` then fails with `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`, but the
+/// driver has ended the capture for every stream of it (as it does for an invalidated capture):
+/// the session must end too, or cudrv would go on believing the joined stream captures (its
+/// buffers' host access refused forever, what the capture kept never released). Review finding,
+/// fixed as `Stream::end_capture` does it: ask the driver whether the capture is still on.
 #[test]
-fn abandon_with_unjoined_work_leaves_the_session_registered() {
+fn abandon_with_unjoined_work_ends_the_session() {
     run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "0")], || {
         let dev = Device::get(0).unwrap();
         let side = Stream::new(&dev).unwrap();
@@ -46,7 +44,7 @@ fn abandon_with_unjoined_work_leaves_the_session_registered() {
         }
         // The driver ended the capture for every stream of it.
         assert_eq!(side.capture_status().unwrap(), CaptureStatus::None);
-        // DEFECT: cudrv still refuses the buffer's host access "during the capture".
+        // So does cudrv: the buffer's host access is no longer refused "during the capture".
         let got = buf.to_vec();
         assert!(got.is_ok(), "the capture ended, yet cudrv still says the stream captures: {:?}", got.err());
         drop((buf, side));
@@ -199,7 +197,7 @@ fn abandon_races_allocations_on_a_joined_stream() {
             let s2 = side.clone();
             let worker = std::thread::spawn(move || {
                 for _ in 0..20 {
-                    // No captured node (a memset would be unjoined work, see the DEFECT test
+                    // No captured node (a memset would be unjoined work, see the first test
                     // above): only the pool's host-side bookkeeping races the hook.
                     // SAFETY: never read.
                     if let Ok(b) = unsafe { DeviceBuffer::<u32>::uninit(64 + round, &s2) } {
