@@ -121,6 +121,12 @@ impl Stream {
     /// capturing stream join the capture (and must be joined back before it ends). See the
     /// [module documentation](crate::graph) for what cudrv refuses during a capture.
     ///
+    /// If the stream's last handle is dropped before the capture ends (a panic in between), cudrv
+    /// ends the capture and drops its graph, so that the driver stops refusing other threads' work
+    /// (`CaptureMode::Global`). In global and thread-local modes only the thread that began the
+    /// capture may end it: dropped on another thread (or in a host function), the capture goes
+    /// on. It is not ended either while a buffer allocated during it lives.
+    ///
     /// # Errors
     /// The driver's error (`CUDA_ERROR_ILLEGAL_STATE` when the stream is capturing already; the
     /// legacy stream cannot be captured).
