@@ -8,7 +8,9 @@ use std::sync::mpsc;
 use cudrv::graph::{CaptureMode, CaptureStatus, Graph};
 use cudrv::memory::DeviceBuffer;
 use cudrv::{Device, Error, Stream};
-use cudrv_test_support::{assert_no_leaks, fake_report, live_graphs, run_with_fake, run_with_fake_modes};
+use cudrv_test_support::{
+    assert_no_leaks, fake_report, full_fake_driver, live_graphs, run_with_fake, run_with_fake_modes,
+};
 
 use crate::graph_cases;
 
@@ -251,8 +253,9 @@ fn fallbacks_only_on_a_missing_symbol() {
             assert_eq!(s.capture_status().unwrap(), CaptureStatus::None);
         }),
     ];
+    // The newer entry points exist on the full fake only (CUDRV_TEST_DRIVER=legacy or not).
     for (i, (fail, _)) in cases.iter().enumerate() {
-        run_with_fake(&[("CUDRV_FAKE_FAIL", fail)], || {
+        run_with_fake(&[full_fake_driver(), ("CUDRV_FAKE_FAIL", fail)], || {
             let dev = Device::get(0).unwrap();
             (cases[i].1)(&dev);
         });
