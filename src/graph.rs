@@ -91,7 +91,7 @@ use crate::launch::LaunchConfig;
 use crate::module::Function;
 use crate::result::{driver, drv, drv_compat};
 pub use crate::session::{CaptureInfo, CaptureStatus};
-use crate::session::{CaptureSession, GraphResources, mark_before_join};
+use crate::session::{CaptureSession, GraphResources, discard_graph, mark_before_join};
 use crate::stream::Stream;
 
 /// How a capture treats "potentially unsafe" calls (`cuMemAlloc`, synchronous copies...) made
@@ -150,14 +150,7 @@ impl Stream {
             Err(e) => {
                 self.key().set_capture_id(0);
                 // Cannot track the capture: end it, so that nothing is captured unseen.
-                let mut raw = std::ptr::null_mut();
-                if let Ok(_b) = self.context().bind() {
-                    // SAFETY: a valid stream of the current context; a valid out-pointer.
-                    if unsafe { drv!(cuStreamEndCapture(self.as_raw(), &mut raw)) }.is_ok() && !raw.is_null() {
-                        // SAFETY: the graph the capture just made, destroyed once.
-                        let _ = unsafe { drv!(cuGraphDestroy(raw)) };
-                    }
-                }
+                discard_graph(self.key().end_capture_raw().1);
                 return Err(e);
             }
         };
@@ -186,11 +179,7 @@ impl Stream {
                        first: their free belongs in the graph)",
             });
         }
-        let mut raw = std::ptr::null_mut();
-        let ended = self.context().bind().and_then(|_b| {
-            // SAFETY: a valid stream of the current context; a valid out-pointer.
-            unsafe { drv!(cuStreamEndCapture(self.as_raw(), &mut raw)) }
-        });
+        let (ended, raw) = self.key().end_capture_raw();
         if ended.is_err() && self.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
             // Not ended (called on another stream than the origin, or on the wrong thread): the
             // capture goes on.

@@ -8,7 +8,7 @@ use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudrv_sys::CUgraphNode;
+use cudrv_sys::{CUgraph, CUgraphNode};
 
 use crate::capture;
 use crate::context::report_drop_error;
@@ -57,11 +57,7 @@ impl Stream {
     /// # Errors
     /// The driver's error.
     pub fn capture_status(&self) -> Result<CaptureStatus> {
-        let _b = self.context().bind()?;
-        let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: a valid stream of the current context; a valid out-pointer.
-        unsafe { drv!(cuStreamIsCapturing(self.as_raw(), &mut status)) }?;
-        Ok(status_of(status))
+        self.key().capture_status()
     }
 
     /// The capture's status, id and number of dependencies (`cuStreamGetCaptureInfo`).
@@ -106,6 +102,26 @@ impl Stream {
 }
 
 impl StreamKey {
+    /// As [`Stream::capture_status`].
+    pub(crate) fn capture_status(&self) -> Result<CaptureStatus> {
+        let _b = self.context().bind()?;
+        let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a valid stream of the current context; a valid out-pointer.
+        unsafe { drv!(cuStreamIsCapturing(self.as_raw(), &mut status)) }?;
+        Ok(status_of(status))
+    }
+
+    /// Ends the capture on this stream (`cuStreamEndCapture`): the driver's verdict, and the
+    /// graph it made (null if none, which the driver may also hand back with an error).
+    pub(crate) fn end_capture_raw(&self) -> (Result<()>, CUgraph) {
+        let mut graph = null_mut();
+        let ended = self.context().bind().and_then(|_b| {
+            // SAFETY: a valid stream of the current context; a valid out-pointer.
+            unsafe { drv!(cuStreamEndCapture(self.as_raw(), &mut graph)) }
+        });
+        (ended, graph)
+    }
+
     /// The capture session the stream takes part in, if cudrv started one that is still active.
     #[inline]
     pub(crate) fn capture(&self) -> Option<Arc<CaptureSession>> {
@@ -143,6 +159,19 @@ const JOIN_HOOKS: JoinHooks = JoinHooks {
         }
     },
 };
+
+/// Destroys `graph` (null: none), made by a capture that is discarded: never instantiated. Failing,
+/// it leaks.
+pub(crate) fn discard_graph(graph: CUgraph) {
+    if graph.is_null() {
+        return;
+    }
+    let destroy = || -> Result<()> {
+        // SAFETY: a graph a capture made, never instantiated, destroyed once, here.
+        unsafe { drv!(cuGraphDestroy(graph)) }
+    };
+    let _ = destroy();
+}
 
 /// An event recorded on `stream` now, before it joins (or begins) a capture: the graph's first
 /// launch waits for it, so that the graph's work runs after what the stream did before (the
@@ -240,26 +269,9 @@ impl CaptureSession {
         if !is_origin || self.live_buffers.load(Ordering::Acquire) != 0 {
             return;
         }
-        let ended = || -> Result<bool> {
-            let _b = origin.context().bind()?;
-            let mut graph = std::ptr::null_mut();
-            // SAFETY: a valid stream of the current context (its last user is letting go of it,
-            // and it is destroyed after this); a valid out-pointer.
-            let end = unsafe { drv!(cuStreamEndCapture(origin.as_raw(), &mut graph)) };
-            if !graph.is_null() {
-                // SAFETY: the graph the capture just made, never instantiated; destroyed once.
-                // Failing, it leaks: the capture has ended all the same.
-                let _ = unsafe { drv!(cuGraphDestroy(graph)) };
-            }
-            if end.is_ok() {
-                return Ok(true);
-            }
-            let mut status = cudrv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: as above; a valid out-pointer.
-            unsafe { drv!(cuStreamIsCapturing(origin.as_raw(), &mut status)) }?;
-            Ok(status_of(status) == CaptureStatus::None)
-        };
-        if ended().unwrap_or(false) {
+        let (ended, graph) = origin.end_capture_raw();
+        discard_graph(graph);
+        if ended.is_ok() || origin.capture_status().is_ok_and(|s| s == CaptureStatus::None) {
             self.finish();
         }
     }
