@@ -112,10 +112,7 @@ fn dropping_a_joined_stream_does_not_end_the_capture() {
 fn abandon_is_skipped_while_a_capture_buffer_lives() {
     run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "0")], || {
         let dev = Device::get(0).unwrap();
-        let side = Stream::new(&dev).unwrap();
-        let origin = Stream::new(&dev).unwrap();
-        origin.begin_capture(CaptureMode::Relaxed).unwrap();
-        side.wait_stream(&origin).unwrap();
+        let (origin, side) = capture_with_a_joined_stream(&dev, CaptureMode::Relaxed);
         let tmp = DeviceBuffer::<u32>::zeroed(256, &side).unwrap();
         let graphs = live_graphs();
         drop(origin);
@@ -169,10 +166,7 @@ fn abandon_from_a_host_function_ends_a_relaxed_capture() {
 fn abandon_on_the_wrong_thread_leaves_the_capture_on() {
     run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "0")], || {
         let dev = Device::get(0).unwrap();
-        let side = Stream::new(&dev).unwrap();
-        let origin = Stream::new(&dev).unwrap();
-        origin.begin_capture(CaptureMode::ThreadLocal).unwrap();
-        side.wait_stream(&origin).unwrap();
+        let (origin, side) = capture_with_a_joined_stream(&dev, CaptureMode::ThreadLocal);
         std::thread::spawn(move || drop(origin)).join().unwrap();
         assert_eq!(side.capture_status().unwrap(), CaptureStatus::Active);
         let buf = DeviceBuffer::<u32>::zeroed(16, &side);
@@ -192,10 +186,7 @@ fn abandon_races_allocations_on_a_joined_stream() {
     run_with_fake_modes(&["tcc"], &[("CUDRV_FAKE_DELAY_US", "0")], || {
         let dev = Device::get(0).unwrap();
         for round in 0..40 {
-            let side = Stream::new(&dev).unwrap();
-            let origin = Stream::new(&dev).unwrap();
-            origin.begin_capture(CaptureMode::Relaxed).unwrap();
-            side.wait_stream(&origin).unwrap();
+            let (origin, side) = capture_with_a_joined_stream(&dev, CaptureMode::Relaxed);
             let s2 = side.clone();
             let worker = std::thread::spawn(move || {
                 for _ in 0..20 {
@@ -217,6 +208,15 @@ fn abandon_races_allocations_on_a_joined_stream() {
         }
         assert!(fake_report().violations.is_empty(), "{:?}", fake_report().violations);
     });
+}
+
+/// A stream capturing in `mode` (the origin), and a second stream that joined its capture.
+fn capture_with_a_joined_stream(dev: &Device, mode: CaptureMode) -> (Stream, Stream) {
+    let side = Stream::new(dev).unwrap();
+    let origin = Stream::new(dev).unwrap();
+    origin.begin_capture(mode).unwrap();
+    side.wait_stream(&origin).unwrap();
+    (origin, side)
 }
 
 /// An injected fault, and the body that checks its error.
