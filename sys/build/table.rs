@@ -206,19 +206,15 @@ pub fn generate(functions: &[Function]) -> String {
     out
 }
 
-/// Older variants that `cuda.h` hides behind a `#define` of the base name to the newer one, with
-/// the same signature: (the declared newer name, the older exported name). The newer ones arrived
-/// in CUDA 12.8 and 11.4, so on older drivers only the older symbol exists; the safe crate falls
-/// back to it.
-const OLDER_VARIANTS: [(&str, &str); 2] =
-    [("cuEventElapsedTime_v2", "cuEventElapsedTime"), ("cuDeviceGetUuid_v2", "cuDeviceGetUuid")];
-
-/// Older variants with another signature than the declared newer one, which `cuda.h` no longer
-/// declares: the stream-capture and graph entry points that changed after CUDA 11.1, and the
-/// managed-memory hints that changed in 12.2, so that they work on the drivers that lack the newer
-/// ones (the safe crate falls back to these). The
+/// Older variants of entry points that `cuda.h` declares only in a newer variant (or, for
+/// `cuGraphInstantiate`, maps to its successor `cuGraphInstantiateWithFlags`), so that the safe
+/// crate can fall back to them on the drivers that lack the newer ones: the UUID and event-timing
+/// calls (same signature; newer ones in CUDA 11.4 and 12.8), the stream-capture and graph entry
+/// points that changed after CUDA 11.1, and the managed-memory hints that changed in 12.2. The
 /// kernel-node parameters of the older variants are a prefix of the newer struct.
 const OLDER_DECLARATIONS: &str = r#"extern "C" {
+    pub fn cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice) -> CUresult;
+    pub fn cuEventElapsedTime(pMilliseconds: *mut f32, hStart: CUevent, hEnd: CUevent) -> CUresult;
     pub fn cuStreamGetCaptureInfo(hStream: CUstream, captureStatus_out: *mut CUstreamCaptureStatus, id_out: *mut cuuint64_t) -> CUresult;
     pub fn cuStreamGetCaptureInfo_v2(hStream: CUstream, captureStatus_out: *mut CUstreamCaptureStatus, id_out: *mut cuuint64_t, graph_out: *mut CUgraph, dependencies_out: *mut *const CUgraphNode, numDependencies_out: *mut usize) -> CUresult;
     pub fn cuGraphInstantiate_v2(phGraphExec: *mut CUgraphExec, hGraph: CUgraph, phErrorNode: *mut CUgraphNode, logBuffer: *mut ::std::os::raw::c_char, bufferSize: usize) -> CUresult;
@@ -229,19 +225,12 @@ const OLDER_DECLARATIONS: &str = r#"extern "C" {
     pub fn cuMemAdvise(devPtr: CUdeviceptr, count: usize, advice: CUmem_advise, device: CUdevice) -> CUresult;
 }"#;
 
-/// `functions` plus a declaration of each [`OLDER_VARIANTS`] entry whose newer variant is declared
-/// and whose older name is not, and of each [`OLDER_DECLARATIONS`] entry of a base name the
-/// bindings declare in a newer variant only. Such an older variant is resolved by its exact
-/// exported name (it is not the newest of its base name), so the driver hands back the older ABI.
+/// `functions` plus a declaration of each [`OLDER_DECLARATIONS`] entry that the bindings do not
+/// declare, of a base name they declare in a newer variant only (or not at all). Such an older
+/// variant is resolved by its exact exported name (it is not the newest of its base name), so the
+/// driver hands back the older ABI.
 fn with_older_variants(functions: &[Function]) -> Vec<Function> {
     let mut all = functions.to_vec();
-    for (newer, older) in OLDER_VARIANTS {
-        if let Some(f) = functions.iter().find(|f| f.name == newer)
-            && !functions.iter().any(|f| f.name == older)
-        {
-            all.push(Function { name: older.to_string(), older: true, ..f.clone() });
-        }
-    }
     let older = read_declarations(OLDER_DECLARATIONS).expect("the older declarations are valid Rust");
     for f in older {
         // Not declared by the bindings, which declare a newer variant, or (cuGraphInstantiate,
