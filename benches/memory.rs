@@ -179,16 +179,21 @@ fn pair_ns(dev: &Device, a: &Alloc, bytes: usize, streams: &[Stream], rounds: us
     }
     let mut per = Vec::new();
     for _ in 0..rounds {
-        let t = Instant::now();
-        for i in 0..iters {
-            a.pair(bytes, &streams[i % streams.len()])?;
-        }
-        per.push(t.elapsed().as_nanos() as f64 / iters as f64);
+        per.push(round_ns(a, bytes, streams, iters)?);
     }
     for s in streams {
         s.synchronize()?;
     }
     Ok(median(per))
+}
+
+/// ns per pair of one round of `iters` pairs, `streams` alternating.
+fn round_ns(a: &Alloc, bytes: usize, streams: &[Stream], iters: usize) -> Res<f64> {
+    let t = Instant::now();
+    for i in 0..iters {
+        a.pair(bytes, &streams[i % streams.len()])?;
+    }
+    Ok(t.elapsed().as_nanos() as f64 / iters as f64)
 }
 
 /// ns per pair of `a` and of `b` on stream `s`, measured in alternating rounds of the same number
@@ -204,11 +209,7 @@ fn interleaved_ns(dev: &Device, a: &Alloc, b: &Alloc, bytes: usize, s: &Stream, 
     let (mut pa, mut pb) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         for (x, per) in [(a, &mut pa), (b, &mut pb)] {
-            let t = Instant::now();
-            for _ in 0..iters {
-                x.pair(bytes, s)?;
-            }
-            per.push(t.elapsed().as_nanos() as f64 / iters as f64);
+            per.push(round_ns(x, bytes, std::slice::from_ref(s), iters)?);
         }
     }
     s.synchronize()?;
@@ -235,7 +236,8 @@ fn cross_use_ns(dev: &Device, r: &Arc<dyn MemoryResource>, a: &Stream, b: &Strea
     Ok(median(per))
 }
 
-/// Pairs per second of `threads` threads, each on its own stream, for about `secs` seconds.
+/// Pairs per second of `threads` threads, each on its own stream: the median of fixed-time
+/// rounds.
 fn threads_rate(dev: &Device, a: &Alloc, threads: usize) -> Res<f64> {
     a.prepare(dev)?;
     // Fixed-time rounds: a round of a fixed number of pairs lasts a few milliseconds at 60 ns a
@@ -263,12 +265,14 @@ fn threads_round(dev: &Device, a: &Alloc, threads: usize, window: Duration) -> R
                     a.pair(1 << 20, &s)?;
                 }
                 barrier.wait();
+                // The stop flag is read once per batch, off the measured pair's path.
+                let batch = if a.slow() { 1 } else { 64 };
                 let mut pairs = 0u64;
                 while !stop.load(Ordering::Relaxed) {
-                    for _ in 0..if a.slow() { 1 } else { 64 } {
+                    for _ in 0..batch {
                         a.pair(1 << 20, &s)?;
                     }
-                    pairs += if a.slow() { 1 } else { 64 };
+                    pairs += batch;
                 }
                 let end = Instant::now();
                 s.synchronize()?;
