@@ -87,7 +87,9 @@ pub struct DeviceBuffer<T: DeviceRepr> {
     /// The capture the buffer was allocated in (its memory then belongs to that capture's graph),
     /// or 0.
     capture: u64,
-    uses: Mutex<Uses>,
+    /// Made on the first use on another stream or in a capture: most buffers never need it, and
+    /// an empty one would cost every buffer's creation and drop.
+    uses: Mutex<Option<Box<Uses>>>,
     _t: PhantomData<T>,
 }
 
@@ -210,7 +212,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             resource,
             stream: stream.clone(),
             capture,
-            uses: Mutex::new(Uses::default()),
+            uses: Mutex::new(None),
             _t: PhantomData,
         })
     }
@@ -638,11 +640,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if stream.id() == self.stream.id() {
             return Ok(());
         }
-        super::note_use(
-            &mut self.uses.lock().unwrap_or_else(std::sync::PoisonError::into_inner).streams,
-            &self.stream,
-            stream,
-        )
+        self.with_uses(|uses| super::note_use(&mut uses.streams, &self.stream, stream))
     }
 
     /// A use on `stream`, which shows capture id `capture`, of a buffer that may belong to a
@@ -677,23 +675,29 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         }
         // Allocated before the capture: the graph's launches keep it alive, and its first launch
         // waits for the allocation.
-        let mut uses = self.uses.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if uses.graphs.iter().any(|g| g.is(&session.res)) {
-            return Ok(());
-        }
-        // Graphs whose launches have all completed need nothing of the buffer any more.
-        uses.graphs.retain(|g| !g.is_done());
-        let allocated = match self.stream.key().capture_id() {
-            // The buffer's stream takes part in the capture: the session noted where it stood
-            // when it began or joined, after the allocation.
-            id if id == session.id => None,
-            _ if self.stream.capture().is_some() => {
-                return Err(Error::Capturing { what: "using a buffer whose stream is capturing another graph" });
+        self.with_uses(|uses| {
+            if uses.graphs.iter().any(|g| g.is(&session.res)) {
+                return Ok(());
             }
-            _ => Some(crate::session::mark_before_join(&self.stream)?),
-        };
-        uses.graphs.push(session.res.use_buffer(allocated));
-        Ok(())
+            // Graphs whose launches have all completed need nothing of the buffer any more.
+            uses.graphs.retain(|g| !g.is_done());
+            let allocated = match self.stream.key().capture_id() {
+                // The buffer's stream takes part in the capture: the session noted where it stood
+                // when it began or joined, after the allocation.
+                id if id == session.id => None,
+                _ if self.stream.capture().is_some() => {
+                    return Err(Error::Capturing { what: "using a buffer whose stream is capturing another graph" });
+                }
+                _ => Some(crate::session::mark_before_join(&self.stream)?),
+            };
+            uses.graphs.push(session.res.use_buffer(allocated));
+            Ok(())
+        })
+    }
+
+    /// Runs `f` on the buffer's uses (made empty on the first call), under their lock.
+    fn with_uses<R>(&self, f: impl FnOnce(&mut Uses) -> R) -> R {
+        f(self.uses.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert_default())
     }
 
     /// Refuses `what` (host access: synchronous or pinned copies) on a buffer of a capture, or
@@ -712,7 +716,10 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         let bytes = self.byte_len();
         let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if uses.is_empty() && self.capture | self.stream.key().capture_id() == 0 && !crate::host_fn::in_host_fn() {
+        if uses.as_ref().is_none_or(|u| u.is_empty())
+            && self.capture | self.stream.key().capture_id() == 0
+            && !crate::host_fn::in_host_fn()
+        {
             // The usual case: used on its own stream only, and no capture.
             // SAFETY: the pointer came from this resource with this size and is freed once; every
             // use is queued on the buffer's stream.
@@ -733,7 +740,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         {
             session.live_buffers.fetch_sub(1, Ordering::AcqRel);
         }
-        let uses = std::mem::take(self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take().unwrap_or_default();
         let free = Free {
             resource: self.resource.clone(),
             ptr: self.ptr,
@@ -754,7 +761,7 @@ struct Free {
     bytes: usize,
     stream: Stream,
     capture: u64,
-    uses: Uses,
+    uses: Box<Uses>,
 }
 
 impl GraphOwned for Free {
