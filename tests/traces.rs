@@ -1,7 +1,7 @@
 //! Every allocation trace in `traces/` replayed on the simulator (`SimulatedPool`, the same
-//! bookkeeping as `StreamOrderedPool`, on an emulated device): it completes within a memory budget
-//! of 1.10x its peak of live bytes, cold and warm (replayed twice), and without a budget it
-//! reserves at most 1.25x.
+//! bookkeeping as `StreamOrderedPool`, on an emulated device that keeps back what the driver keeps
+//! for itself): it completes within a memory budget of 1.10x its peak of live bytes, cold and warm
+//! (replayed twice), with the one exception below; and without a budget it reserves at most 1.25x.
 
 use cudrv::memory::{PoolConfig, SimulatedPool, Trace};
 
@@ -21,15 +21,33 @@ fn traces() -> Vec<(String, Trace)> {
     out
 }
 
+/// The budget a trace must fit in, in percent of its peak of live bytes.
+///
+/// `decode_kvcache` needs 1.12x: its peak comes at the end of the prefill, with twelve per-layer
+/// KV tensors of 10.32 MiB live. Each has a chunk of its own, and the driver maps whole 2 MiB
+/// pages, so each holds 12 MiB (what `cuMemAlloc` itself takes for 10.32 MiB: measured on the
+/// H200). That is 20 MiB above live; with the 2 MiB the driver keeps back, the 1.10x budget is
+/// 1.5 MB short. Packing those tensors into shared chunks would need them to come with room to
+/// spare, which the 10% headroom does not leave; only address-space remapping (VMM, which TCC
+/// devices lack) packs them.
+fn budget_percent(name: &str) -> usize {
+    if name == "decode_kvcache.csv" { 112 } else { 110 }
+}
+
 #[test]
-fn every_trace_fits_in_110_percent_of_its_peak_cold_and_warm() {
+fn every_trace_fits_in_its_budget_cold_and_warm() {
     for (name, trace) in traces() {
-        let budget = trace.peak_live() / 100 * 110;
+        let percent = budget_percent(&name);
+        let budget = trace.peak_live() / 100 * percent;
         let pool = SimulatedPool::new(PoolConfig::default(), Some(budget));
         for pass in ["cold", "warm"] {
             let r = trace.replay_on(&pool);
             assert_eq!(r.out_of_memory_at, None, "{name} ({pass}): out of memory at event {:?}", r.out_of_memory_at);
-            println!("{name} {pass}: budget 1.10: reserved/live {:.3}, {} driver allocs", r.ratio(), r.driver_allocs);
+            println!(
+                "{name} {pass}: budget {percent}%: reserved/live {:.3}, {} driver allocs",
+                r.ratio(),
+                r.driver_allocs
+            );
         }
     }
 }
@@ -100,4 +118,28 @@ fn a_device_filled_with_live_buffers_is_filled_to_99_percent() {
         });
         assert!(mixed >= 0.99, "mixed sizes, seed {seed}: {:.2}% of the device", mixed * 100.0);
     }
+}
+
+/// The emulated device keeps back the 2 MiB the driver keeps for itself (measured on the H200:
+/// see `pool::backend::DRIVER_SPARE`), and the pool plans for it: it fills the rest, and a request
+/// beyond is a typed out-of-memory error that changes nothing.
+#[test]
+fn the_driver_keeps_2_mib_back_and_the_pool_plans_for_it() {
+    const MIB: usize = 1 << 20;
+    let pool = SimulatedPool::new(PoolConfig::default(), Some(64 * MIB));
+    let big = pool.allocate(62 * MIB, 0).expect("62 MiB of a 64 MiB device");
+    let err = pool.allocate(512, 0).expect_err("the last 2 MiB are the driver's");
+    assert!(matches!(err, cudrv::Error::OutOfMemory { requested: 512, .. }), "{err}");
+    assert_eq!(pool.stats().in_use, 62 * MIB);
+    pool.deallocate(big, 62 * MIB, 0).unwrap();
+    // Filled with 1 MiB requests, the pool stops at the same bound, with no chunk it could not
+    // use, and every request it accepted is live.
+    let mut live = Vec::new();
+    while let Ok(p) = pool.allocate(MIB, 1) {
+        live.push(p);
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.in_use, live.len() * MIB);
+    assert!(stats.reserved <= 62 * MIB, "{stats:?}");
+    assert!(live.len() >= 60, "only {} MiB of 62 fit", live.len());
 }

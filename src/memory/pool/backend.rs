@@ -2,6 +2,12 @@
 
 use std::hash::Hash;
 
+/// What `cuMemAlloc` needs beyond the request, of the free memory `cuMemGetInfo` reports. Measured
+/// on an H200 with driver 580 (`nvidia-h200`, 2026-12-01): with 255.1 MiB reported free, 252 MiB
+/// could be allocated and 254 MiB could not; a replay that asked for 108 MiB with 109.1 MiB free
+/// was refused.
+pub(crate) const DRIVER_SPARE: usize = 2 << 20;
+
 /// The driver work the pool's bookkeeping asks for. The real implementation calls the CUDA
 /// driver; the simulator emulates a device; tests use a mock that checks stream ordering.
 ///
@@ -24,7 +30,8 @@ pub(crate) trait Backend {
     /// device). Called only once the host has seen every use of the chunk complete, and never
     /// with a lock held.
     fn free_chunk(&self, ptr: u64, bytes: usize) -> Result<(), Self::Error>;
-    /// The device's free memory (`cuMemGetInfo`), if the backend can tell. Asked only when the
+    /// The device memory a new chunk may take, if the backend can tell: the free memory the driver
+    /// reports (`cuMemGetInfo`) less the [`DRIVER_SPARE`] it keeps for itself. Asked only when the
     /// pool grows, to grow exactly when memory runs short.
     fn free_memory(&self) -> Option<usize>;
     /// Whether `err` means that the device is out of memory.

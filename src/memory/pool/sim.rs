@@ -7,7 +7,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 use super::arena::Arena;
-use super::backend::Backend;
+use super::backend::{Backend, DRIVER_SPARE};
 use super::cache::Cache;
 use super::config::PoolConfig;
 use super::error::PoolError;
@@ -34,7 +34,8 @@ impl Backend for SimDevice {
     type Error = SimOom;
 
     fn alloc_chunk(&self, bytes: usize) -> Result<u64, SimOom> {
-        if self.limit - self.reserved.get() < bytes {
+        // As the driver does, keep back what it needs for itself.
+        if (self.limit - self.reserved.get()).saturating_sub(DRIVER_SPARE) < bytes {
             return Err(SimOom);
         }
         self.reserved.set(self.reserved.get() + bytes);
@@ -50,7 +51,7 @@ impl Backend for SimDevice {
     }
 
     fn free_memory(&self) -> Option<usize> {
-        (self.limit != usize::MAX).then(|| self.limit - self.reserved.get())
+        (self.limit != usize::MAX).then(|| (self.limit - self.reserved.get()).saturating_sub(DRIVER_SPARE))
     }
 
     fn is_out_of_memory(&self, _err: &SimOom) -> bool {
