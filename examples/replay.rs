@@ -25,7 +25,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudrv::memory::{DriverPool, MemoryResource, PoolConfig, StreamOrderedPool, SyncResource, Trace, TraceEvent};
+use cudrv::memory::{
+    DriverPool, MemoryResource, PoolConfig, PoolStats, StreamOrderedPool, SyncResource, Trace, TraceEvent,
+};
 use cudrv::{Device, Stream};
 
 const USAGE: &str = "usage: replay [--simulate] [--resource driver-pool|pool|sync] [--memory BYTES|FACTORx] \
@@ -216,6 +218,8 @@ struct Report {
     timing: Option<(f64, f64)>,
     resource: String,
     limit: Option<usize>,
+    /// cudrv's pool's own counters, when the replay went through it.
+    pool: Option<PoolStats>,
 }
 
 fn print_report(name: &str, trace: &Trace, r: &Report) {
@@ -231,6 +235,12 @@ fn print_report(name: &str, trace: &Trace, r: &Report) {
     println!("  driver allocs     {}", r.driver_allocs);
     if let Some((cold, warm)) = r.timing {
         println!("  ns/event          cold {cold:.0}, warm {warm:.0}");
+    }
+    if let Some(p) = &r.pool {
+        println!(
+            "  pool              {} driver frees, {} out-of-memory recoveries, {} event syncs, {} event queries",
+            p.driver_frees, p.oom_recoveries, p.event_syncs, p.event_queries
+        );
     }
     let ratio = r.peak_reserved as f64 / trace.peak_live().max(1) as f64;
     match r.oom_at {
@@ -270,16 +280,22 @@ fn simulate(config: &PoolConfig, trace: &Trace, limit: Option<usize>) -> Result<
         timing: None,
         resource: "StreamOrderedPool (simulated)".into(),
         limit,
+        pool: Some(pool.stats()),
     })
 }
 
 fn on_gpu(args: &Args, trace: &Trace, limit: Option<usize>) -> Result<Report, String> {
     let e = |e: cudrv::Error| e.to_string();
     let device = Device::get(args.device).map_err(e)?;
+    let mut pool = None;
     let resource: Arc<dyn MemoryResource> = match args.resource.as_deref() {
         None => device.memory_resource().map_err(e)?,
         Some("driver-pool") => Arc::new(DriverPool::default_pool(&device).map_err(e)?),
-        Some("pool") => Arc::new(StreamOrderedPool::with_config(&device, args.config.clone()).map_err(e)?),
+        Some("pool") => {
+            let p = Arc::new(StreamOrderedPool::with_config(&device, args.config.clone()).map_err(e)?);
+            pool = Some(p.clone());
+            p
+        }
         Some(_) => Arc::new(SyncResource::new(&device).map_err(e)?),
     };
     let streams: Vec<Stream> =
@@ -300,6 +316,7 @@ fn on_gpu(args: &Args, trace: &Trace, limit: Option<usize>) -> Result<Report, St
         timing: None,
         resource: resource.kind().to_string(),
         limit,
+        pool: None,
     };
     if cold.0.is_none() {
         let warm = replay_once(&*resource, trace, &streams)?;
@@ -312,6 +329,7 @@ fn on_gpu(args: &Args, trace: &Trace, limit: Option<usize>) -> Result<Report, St
     for s in &streams {
         s.synchronize().map_err(e)?;
     }
+    report.pool = pool.map(|p| p.pool_stats());
     resource.trim(0).map_err(e)?;
     Ok(report)
 }

@@ -1,4 +1,4 @@
-//! The examples' command lines (`devices`, `vector_add`, `stress`, `graph`): `--help` exits 0, an unknown
+//! The examples' command lines (`devices`, `vector_add`, `stress`, `graph`, `replay`): `--help` exits 0, an unknown
 //! flag is named and exits 2 with the usage, bad numbers exit 2 before anything is allocated
 //! (never an abort or a panic), running out of host memory exits 1; and the `devices` report on
 //! the emulated driver.
@@ -219,4 +219,60 @@ fn examples_run_on_a_cuda_11_1_driver() {
     let (stdout, _) = expect(&run_env("graph", &["20"], &env), 0, "");
     assert!(stdout.contains("memory resource StreamOrderedPool"), "{stdout}");
     assert!(stdout.contains("all 65536 elements correct after 20 replays"), "{stdout}");
+}
+
+/// A trace file in the temporary directory, removed when dropped.
+struct TempTrace(PathBuf);
+
+impl TempTrace {
+    fn new(name: &str, text: &str) -> TempTrace {
+        let path = std::env::temp_dir().join(format!("cudrv-{}-{name}", std::process::id()));
+        std::fs::write(&path, text).expect("a temporary file");
+        TempTrace(path)
+    }
+
+    fn arg(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 temporary path")
+    }
+}
+
+impl Drop for TempTrace {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[test]
+fn replay_simulates_a_trace_and_reports_memory_and_the_pools_driver_calls() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/gpt2_train.csv");
+    let (stdout, _) = expect(&run("replay", &["--simulate", "--memory", "1.10x", trace]), 0, "");
+    let summary = stdout.lines().find(|l| l.starts_with("replay: gpt2_train.csv ")).expect("a summary line");
+    let ratio: f64 = summary
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("reserved/live="))
+        .and_then(|r| r.parse().ok())
+        .expect("reserved/live=R in the summary");
+    assert!(ratio > 1.0 && ratio <= 1.10, "{summary}");
+    assert!(summary.contains("peak_live=7107072008"), "{summary}");
+    let pool = stdout.lines().find(|l| l.trim_start().starts_with("pool ")).expect("the pool's counters");
+    assert!(pool.contains("driver frees") && pool.contains("out-of-memory recoveries"), "{pool}");
+}
+
+#[test]
+fn replay_exits_3_when_a_trace_runs_out_of_memory_and_2_for_bad_input() {
+    // 64 MiB live at once on a 48 MiB emulated device: out of memory at the second allocation.
+    let big = TempTrace::new(
+        "big.csv",
+        "op,id,size,stream\na,1,33554432,0\na,2,33554432,0\nf,1,33554432,0\nf,2,33554432,0\n",
+    );
+    let (stdout, _) = expect(&run("replay", &["--simulate", "--memory", "48M", big.arg()]), 3, "");
+    assert!(stdout.contains("OOM at event 1 "), "{stdout}");
+    // A malformed line and a free of an unknown allocation are named by their line.
+    let bad = TempTrace::new("bad.csv", "# recorded by hand\nop,id,size,stream\na,1,512,0\nx,2,512,0\n");
+    expect(&run("replay", &["--simulate", bad.arg()]), 2, "line 4");
+    let unknown = TempTrace::new("unknown.csv", "a,1,512,0\nf,7,512,0\n");
+    expect(&run("replay", &["--simulate", unknown.arg()]), 2, "line 2");
+    expect(&run("replay", &["--simulate", "/no/such/trace.csv"]), 2, "/no/such/trace.csv");
+    expect(&run("replay", &["--simulate", "--bogus"]), 2, "unknown flag --bogus");
+    expect(&run("replay", &["--simulate", "--memory", "lots", big.arg()]), 2, "--memory");
 }
