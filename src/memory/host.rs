@@ -119,7 +119,7 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
     /// `len` zeroed elements of pinned memory, not write-combined.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) on overflow; the driver's error (out of memory).
+    /// [`Error::InvalidArgument`] on overflow; the driver's error (out of memory).
     pub fn new(device: &Device, len: usize) -> Result<PinnedBuffer<T>> {
         Self::with_flags(device, len, PinnedFlags::default())
     }
@@ -354,7 +354,7 @@ pub struct HostRegistration<'a, T: DeviceRepr> {
 /// Page-locks `slice` (gated on the device's host-registration support).
 ///
 /// # Errors
-/// [`Error::Unsupported`](crate::Error::Unsupported) when the device cannot register host memory; the driver's error.
+/// [`Error::Unsupported`] when the device cannot register host memory; the driver's error.
 pub fn register_host<'a, T: DeviceRepr>(device: &Device, slice: &'a mut [T]) -> Result<HostRegistration<'a, T>> {
     if !device.capabilities()?.host_register {
         return Err(device.unsupported(

@@ -39,7 +39,7 @@ impl ManagedResource {
     /// A resource on `device`.
     ///
     /// # Errors
-    /// [`Error::Unsupported`](crate::Error::Unsupported) when the device has no managed memory.
+    /// [`Error::Unsupported`] when the device has no managed memory.
     pub fn new(device: &Device) -> Result<ManagedResource> {
         require_managed(device)?;
         Ok(ManagedResource { ctx: device.primary_context()? })

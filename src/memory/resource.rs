@@ -16,7 +16,7 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// A stream-ordered memory resource: memory is allocated for use on a stream and freed in that
 /// stream's order, like `cuMemAllocAsync` / `cuMemFreeAsync`.
 ///
-/// Most code allocates through [`DeviceBuffer`](super::DeviceBuffer), which holds the resource and
+/// Most code allocates through [`DeviceBuffer`], which holds the resource and
 /// frees in order; the raw calls:
 ///
 /// ```

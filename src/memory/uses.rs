@@ -17,7 +17,8 @@ pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) 
 
 /// The streams other than its own that a piece of memory was used on, so that its free and host
 /// access wait for them. Shared by the buffer types that free synchronously
-/// ([`DeviceBuffer2D`], [`ManagedBuffer`], [`crate::ipc::IpcBuffer`]); [`DeviceBuffer`] keeps its
+/// ([`DeviceBuffer2D`](super::DeviceBuffer2D), [`ManagedBuffer`](super::ManagedBuffer),
+/// [`crate::ipc::IpcBuffer`]); [`DeviceBuffer`](super::DeviceBuffer) keeps its
 /// list beside its graphs and uses [`note_use`].
 #[derive(Debug, Default)]
 pub(crate) struct StreamUses(Mutex<Vec<Stream>>);

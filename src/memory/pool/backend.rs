@@ -3,9 +3,13 @@
 use std::hash::Hash;
 
 /// What `cuMemAlloc` needs beyond the request, of the free memory `cuMemGetInfo` reports. Measured
-/// on an H200 with driver 580 (`nvidia-h200`, 2026-12-01): with 255.1 MiB reported free, 252 MiB
-/// could be allocated and 254 MiB could not; a replay that asked for 108 MiB with 109.1 MiB free
-/// was refused.
+/// on an H200 with driver 580 (`nvidia-h200`, 2026-12-01): requests of 8 MiB to 8 GiB each failed
+/// with 1.12 MiB of the reported free memory to spare and succeeded with 3.12 MiB; a replay that
+/// asked for 108 MiB with 109.1 MiB free was refused.
+///
+/// It is a planning margin, not a limit: where a driver keeps more back, the refused `cuMemAlloc`
+/// goes through the pool's out-of-memory recovery as before; where it keeps less, at most this
+/// much of a full device stays unused.
 pub(crate) const DRIVER_SPARE: usize = 2 << 20;
 
 /// The driver work the pool's bookkeeping asks for. The real implementation calls the CUDA

@@ -47,7 +47,7 @@
 //!   is bounded: past 0.25% of the device's memory, large chunks are exact.
 //! * Before growing, the streams' caches are given back to the arena, which looks again.
 //! * *Headroom*: the arena grows freely while reserved memory stays within
-//!   [`PoolConfig::headroom_percent`] (10%) of the most memory live at once. Past it, the arena
+//!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (10%) of the most memory live at once. Past it, the arena
 //!   first takes out whole free chunks whose frees the GPU has completed (asked with
 //!   `cuEventQuery`: the host does not wait), frees them, and grows by exactly the request.
 //! * *Near capacity* (`cuMemGetInfo` says the device would be left with less than a tenth of what
