@@ -88,8 +88,9 @@ impl fmt::Debug for StreamKey {
 
 impl StreamKey {
     /// The id of the capture cudrv last saw the stream take part in; 0 for none. A capture that
-    /// ended may still show here for joined streams until [`CaptureSession`](crate::session::CaptureSession) clears it: use
-    /// [`StreamKey::capture`] to know for sure.
+    /// ended may still show here for joined streams until
+    /// [`CaptureSession`](crate::session::CaptureSession) clears it: use [`StreamKey::capture`] to
+    /// know for sure.
     #[inline]
     pub(crate) fn capture_id(&self) -> u64 {
         match self.0.capture.load(Ordering::Acquire) {
@@ -237,8 +238,8 @@ struct Inner {
     /// For the per-thread default stream: the [`thread_token`] of the thread whose stream this
     /// is. 0 for every other stream.
     per_thread_owner: u64,
-    /// The driver's id of the capture this stream takes part in (see [`CaptureSession`](crate::session::CaptureSession)); 0 when
-    /// none is known to cudrv.
+    /// The driver's id of the capture this stream takes part in (see
+    /// [`CaptureSession`](crate::session::CaptureSession)); 0 when none is known to cudrv.
     capture: AtomicU64,
     /// What other layers keep on the stream (see [`Attachment`]), on cache lines of their own:
     /// threads that allocate on different streams must not share one.

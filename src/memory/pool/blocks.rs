@@ -75,7 +75,8 @@ impl<B: Backend> Arena<B> {
 
     /// The key of the best-fitting block of `list` for `size` bytes: the smallest that is large
     /// enough, and for a large request not so much larger that splitting it would leave a large
-    /// chunk pinned by a smaller block ([`PoolConfig::large_fit_percent`](super::config::PoolConfig::large_fit_percent)).
+    /// chunk pinned by a smaller block
+    /// ([`PoolConfig::large_fit_percent`](super::config::PoolConfig::large_fit_percent)).
     pub(crate) fn best_fit(&self, list: &FreeList, kind: Kind, size: usize) -> Option<(usize, u64)> {
         let (&key, _) = list.range((size, 0)..).next()?;
         let fits = kind != Kind::Large

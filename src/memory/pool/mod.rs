@@ -47,12 +47,14 @@
 //!   is bounded: past 0.25% of the device's memory, large chunks are exact.
 //! * Before growing, the streams' caches are given back to the arena, which looks again.
 //! * *Headroom*: the arena grows freely while reserved memory stays within
-//!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (10%) of the most memory live at once. Past it, the arena
-//!   first takes out whole free chunks whose frees the GPU has completed (asked with
-//!   `cuEventQuery`: the host does not wait), frees them, and grows by exactly the request.
+//!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (10%) of the most
+//!   memory live at once. Past it, the arena first takes out whole free chunks whose frees the GPU
+//!   has completed (asked with `cuEventQuery`: the host does not wait), frees them, and grows by
+//!   exactly the request.
 //! * *Near capacity* (`cuMemGetInfo` says the device would be left with less than a tenth of what
 //!   the pool holds), growth is exact, and the device's memory takes the headroom's place as the
-//!   bound: before asking for more than the device has free, the pool releases whole free chunks
+//!   bound: before asking for more than the device has free (less the 2 MiB that `cuMemAlloc`
+//!   keeps back, [`backend::DRIVER_SPARE`]), the pool releases whole free chunks
 //!   whose frees the GPU has completed, the smallest that makes up for what is missing first, and
 //!   keeps the others cached. So memory is cached while it is plentiful, placed tightly as it
 //!   runs out, and what is cached still serves as long as it fits.
