@@ -15,6 +15,9 @@
 //!   trace's peak of live bytes (`1.10x`). Simulated: the emulated device's size. On the GPU: the
 //!   rest of the device's free memory is taken first by one raw `cuMemAlloc`.
 //!
+//! With `--simulate` or `--resource pool`, a line `pool ...` gives the pool's driver frees,
+//! out-of-memory recoveries and event synchronisations and queries.
+//!
 //! Each trace ends with one line:
 //! `replay: <file> reserved/live=R.RRR peak_live=N peak_reserved=N driver_allocs=N`, or
 //! `replay: <file> OOM at event N ...` when it ran out of memory. Exit status: 0 when every trace
@@ -218,7 +221,8 @@ struct Report {
     timing: Option<(f64, f64)>,
     resource: String,
     limit: Option<usize>,
-    /// cudrv's pool's own counters, when the replay went through it.
+    /// cudrv's pool's own counters: with `--simulate` or `--resource pool` (the device's default
+    /// resource is shared behind `dyn MemoryResource`, whose statistics do not have them).
     pool: Option<PoolStats>,
 }
 

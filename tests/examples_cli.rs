@@ -244,18 +244,15 @@ impl Drop for TempTrace {
 
 #[test]
 fn replay_simulates_a_trace_and_reports_memory_and_the_pools_driver_calls() {
-    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/gpt2_train.csv");
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/resnet50_train.csv");
     let (stdout, _) = expect(&run("replay", &["--simulate", "--memory", "1.10x", trace]), 0, "");
-    let summary = stdout.lines().find(|l| l.starts_with("replay: gpt2_train.csv ")).expect("a summary line");
-    let ratio: f64 = summary
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("reserved/live="))
-        .and_then(|r| r.parse().ok())
-        .expect("reserved/live=R in the summary");
-    assert!(ratio > 1.0 && ratio <= 1.10, "{summary}");
-    assert!(summary.contains("peak_live=7107072008"), "{summary}");
+    let summary = stdout.lines().find(|l| l.starts_with("replay: resnet50_train.csv ")).expect("a summary line");
+    assert!(summary.contains(" reserved/live=1.") && summary.contains(" peak_live=5518937512 "), "{summary}");
+    // Near the budget the pool plans for what the driver keeps back: no driver call fails, so no
+    // out-of-memory recovery runs (the simulated device refuses as the driver does; a pool that
+    // did not plan for it went through 16 recoveries here).
     let pool = stdout.lines().find(|l| l.trim_start().starts_with("pool ")).expect("the pool's counters");
-    assert!(pool.contains("driver frees") && pool.contains("out-of-memory recoveries"), "{pool}");
+    assert!(pool.contains(" driver frees, 0 out-of-memory recoveries, "), "{pool}");
 }
 
 #[test]

@@ -121,25 +121,27 @@ fn a_device_filled_with_live_buffers_is_filled_to_99_percent() {
 }
 
 /// The emulated device keeps back the 2 MiB the driver keeps for itself (measured on the H200:
-/// see `pool::backend::DRIVER_SPARE`), and the pool plans for it: it fills the rest, and a request
-/// beyond is a typed out-of-memory error that changes nothing.
+/// see `pool::backend::DRIVER_SPARE`), and the pool plans for it: near capacity it releases what a
+/// request needs before asking the driver, so no driver call fails and no out-of-memory recovery
+/// runs; a request beyond what is left is a typed out-of-memory error that changes nothing.
 #[test]
 fn the_driver_keeps_2_mib_back_and_the_pool_plans_for_it() {
     const MIB: usize = 1 << 20;
     let pool = SimulatedPool::new(PoolConfig::default(), Some(64 * MIB));
-    let big = pool.allocate(62 * MIB, 0).expect("62 MiB of a 64 MiB device");
-    let err = pool.allocate(512, 0).expect_err("the last 2 MiB are the driver's");
-    assert!(matches!(err, cudrv::Error::OutOfMemory { requested: 512, .. }), "{err}");
-    assert_eq!(pool.stats().in_use, 62 * MIB);
-    pool.deallocate(big, 62 * MIB, 0).unwrap();
-    // Filled with 1 MiB requests, the pool stops at the same bound, with no chunk it could not
-    // use, and every request it accepted is live.
-    let mut live = Vec::new();
-    while let Ok(p) = pool.allocate(MIB, 1) {
-        live.push(p);
-    }
+    // A 30 MiB chunk, cached free; then 33 MiB (a 34 MiB chunk). The device reports 34 MiB free,
+    // of which the driver gives 32: the cached chunk must go first.
+    let a = pool.allocate(30 * MIB, 0).unwrap();
+    pool.deallocate(a, 30 * MIB, 0).unwrap();
+    let b = pool.allocate(33 * MIB, 0).expect("33 MiB once the cached 30 MiB are released");
     let stats = pool.stats();
-    assert_eq!(stats.in_use, live.len() * MIB);
-    assert!(stats.reserved <= 62 * MIB, "{stats:?}");
-    assert!(live.len() >= 60, "only {} MiB of 62 fit", live.len());
+    assert_eq!((stats.oom_recoveries, stats.driver_frees, stats.reserved), (0, 1, 34 * MIB), "{stats:?}");
+    // 30 MiB are left, 28 of them for the pool: 28 MiB fit, 29 do not, and the refusal changes
+    // nothing.
+    let err = pool.allocate(29 * MIB, 0).expect_err("the last 2 MiB are the driver's");
+    assert!(matches!(err, cudrv::Error::OutOfMemory { requested, .. } if requested == 29 * MIB), "{err}");
+    assert_eq!((pool.stats().in_use, pool.stats().reserved), (33 * MIB, 34 * MIB));
+    let c = pool.allocate(28 * MIB, 0).expect("28 MiB: all but the driver's 2");
+    assert_eq!(pool.stats().reserved, 62 * MIB);
+    pool.deallocate(b, 33 * MIB, 0).unwrap();
+    pool.deallocate(c, 28 * MIB, 0).unwrap();
 }
