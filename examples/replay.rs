@@ -16,7 +16,8 @@
 //!   rest of the device's free memory is taken first by one raw `cuMemAlloc`.
 //!
 //! With `--simulate` or `--resource pool`, a line `pool ...` gives the pool's driver frees,
-//! out-of-memory recoveries and event synchronisations and queries.
+//! out-of-memory recoveries, event synchronisations and queries, and what it leaves of the
+//! reported free memory to the driver near capacity (2 MiB, or more where the driver refused).
 //!
 //! Each trace ends with one line:
 //! `replay: <file> reserved/live=R.RRR peak_live=N peak_reserved=N driver_allocs=N`, or
@@ -242,8 +243,13 @@ fn print_report(name: &str, trace: &Trace, r: &Report) {
     }
     if let Some(p) = &r.pool {
         println!(
-            "  pool              {} driver frees, {} out-of-memory recoveries, {} event syncs, {} event queries",
-            p.driver_frees, p.oom_recoveries, p.event_syncs, p.event_queries
+            "  pool              {} driver frees, {} out-of-memory recoveries, {} event syncs, {} event queries, \
+             {} MiB left to the driver",
+            p.driver_frees,
+            p.oom_recoveries,
+            p.event_syncs,
+            p.event_queries,
+            p.driver_spare >> 20
         );
     }
     let ratio = r.peak_reserved as f64 / trace.peak_live().max(1) as f64;

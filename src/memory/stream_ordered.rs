@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, Weak};
 use cudrv_sys::{CUevent, CUresult};
 
 use super::pool::arena::Arena;
-use super::pool::backend::{Backend, DRIVER_SPARE};
+use super::pool::backend::Backend;
 use super::pool::cache::Cache;
 use super::pool::config::PoolConfig;
 use super::pool::error::PoolError;
@@ -204,7 +204,7 @@ impl Backend for CudaBackend {
         let d = driver().ok()?;
         // SAFETY: valid out-pointers; the context is current.
         check("cuMemGetInfo", unsafe { d.cuMemGetInfo_v2(&mut free, &mut total) }).ok()?;
-        Some(free.saturating_sub(DRIVER_SPARE))
+        Some(free)
     }
 
     fn is_out_of_memory(&self, err: &Error) -> bool {

@@ -5,7 +5,7 @@
 //! It is plain data behind one lock (`&mut self`), and never blocks: what needs a host wait or a
 //! `cuMemFree` is handed back to the caller to do with the lock released.
 
-use super::backend::Backend;
+use super::backend::{Backend, DRIVER_SPARE, MAX_DRIVER_SPARE};
 use super::blocks::{Block, Chunk, Kind, NIL, State};
 use super::config::PoolConfig;
 use super::events::StreamState;
@@ -80,6 +80,9 @@ pub(crate) struct Arena<B: Backend> {
     /// Blocks reserved for graphs (see [`super::graph`]).
     pub(crate) graphs: super::graph::GraphBlocks,
     pub(crate) stats: ArenaStats,
+    /// What the pool leaves of the device's reported free memory for the driver: [`DRIVER_SPARE`]
+    /// at first, raised by [`Arena::learn_spare`].
+    pub(crate) driver_spare: usize,
 }
 
 impl<B: Backend> Arena<B> {
@@ -94,6 +97,7 @@ impl<B: Backend> Arena<B> {
             orphans: FastMap::default(),
             graphs: super::graph::GraphBlocks::default(),
             stats: ArenaStats::default(),
+            driver_spare: DRIVER_SPARE,
         }
     }
 
@@ -273,7 +277,8 @@ impl<B: Backend> Arena<B> {
         // Memory runs short when the device would be left with less than a tenth of what the pool
         // then holds: grow by exactly the request, and release whatever free chunk can go first.
         let after = self.stats.reserved.saturating_add(chunk);
-        let free = b.free_memory();
+        let reported = b.free_memory();
+        let free = reported.map(|f| f.saturating_sub(self.driver_spare));
         let tight = free.is_some_and(|free| free < chunk.saturating_add(after / 10));
         if tight {
             chunk = exact;
@@ -319,6 +324,9 @@ impl<B: Backend> Arena<B> {
                     return Ok(Grow::Block(self.handout(blk, size)));
                 }
                 Err(e) if b.is_out_of_memory(&e) => {
+                    if let Some(reported) = reported {
+                        self.learn_spare(reported, bytes);
+                    }
                     if bytes == exact {
                         break;
                     }
@@ -334,8 +342,24 @@ impl<B: Backend> Arena<B> {
     pub(crate) fn reserved_after_making_room(&self, b: &B, size: usize) -> usize {
         let Some((_, exact)) = self.chunk_sizes(self.kind_for(size), size) else { return 0 };
         match b.free_memory() {
-            Some(free) => self.stats.reserved.saturating_sub(exact.saturating_sub(free)),
+            Some(free) => {
+                let usable = free.saturating_sub(self.driver_spare);
+                self.stats.reserved.saturating_sub(exact.saturating_sub(usable))
+            }
             None => 0,
+        }
+    }
+
+    /// The driver refused a chunk of `bytes` with `reported` bytes free: if that left more than
+    /// the pool plans to leave it, plan from now on to leave more than it did (rounded up to 2 MiB,
+    /// at most [`MAX_DRIVER_SPARE`]), so that the pool releases what a request needs before asking
+    /// instead of failing and recovering. How much the driver keeps varies with its state (see
+    /// [`DRIVER_SPARE`]).
+    pub(crate) fn learn_spare(&mut self, reported: usize, bytes: usize) {
+        let left = reported.saturating_sub(bytes);
+        if left >= self.driver_spare && self.driver_spare < MAX_DRIVER_SPARE {
+            let needed = round_up(left + 1, DRIVER_SPARE).unwrap_or(MAX_DRIVER_SPARE);
+            self.driver_spare = needed.clamp(self.driver_spare, MAX_DRIVER_SPARE);
         }
     }
 

@@ -2,15 +2,19 @@
 
 use std::hash::Hash;
 
-/// What `cuMemAlloc` needs beyond the request, of the free memory `cuMemGetInfo` reports. Measured
-/// on an H200 with driver 580 (`nvidia-h200`, 2026-12-01): requests of 8 MiB to 8 GiB each failed
-/// with 1.12 MiB of the reported free memory to spare and succeeded with 3.12 MiB; a replay that
-/// asked for 108 MiB with 109.1 MiB free was refused.
+/// What `cuMemAlloc` needs at least beyond the request, of the free memory `cuMemGetInfo` reports.
+/// Measured on an H200 with driver 580 (`nvidia-h200`, 2026-12-01): with the rest of the device
+/// taken, requests of 8 MiB to 8 GiB each failed with 1.12 MiB of the reported free memory to
+/// spare and succeeded with 3.12 MiB. In a budgeted replay the same driver also refused requests
+/// that left 3.1 and 5.1 MiB.
 ///
-/// It is a planning margin, not a limit: where a driver keeps more back, the refused `cuMemAlloc`
-/// goes through the pool's out-of-memory recovery as before; where it keeps less, at most this
-/// much of a full device stays unused.
+/// The pool starts planning with this margin and raises it when the driver refuses a request that
+/// left more ([`Arena::learn_spare`](super::arena::Arena::learn_spare)); where a driver keeps less,
+/// at most this much of a full device stays unused.
 pub(crate) const DRIVER_SPARE: usize = 2 << 20;
+
+/// The most the pool learns to leave free for the driver.
+pub(crate) const MAX_DRIVER_SPARE: usize = 64 << 20;
 
 /// The driver work the pool's bookkeeping asks for. The real implementation calls the CUDA
 /// driver; the simulator emulates a device; tests use a mock that checks stream ordering.
@@ -34,9 +38,9 @@ pub(crate) trait Backend {
     /// device). Called only once the host has seen every use of the chunk complete, and never
     /// with a lock held.
     fn free_chunk(&self, ptr: u64, bytes: usize) -> Result<(), Self::Error>;
-    /// The device memory a new chunk may take, if the backend can tell: the free memory the driver
-    /// reports (`cuMemGetInfo`) less the [`DRIVER_SPARE`] it keeps for itself. Asked only when the
-    /// pool grows, to grow exactly when memory runs short.
+    /// The device's free memory as the driver reports it (`cuMemGetInfo`), if the backend can
+    /// tell; a new chunk may take all but what the driver keeps back ([`DRIVER_SPARE`] or more).
+    /// Asked only when the pool grows, to grow exactly when memory runs short.
     fn free_memory(&self) -> Option<usize>;
     /// Whether `err` means that the device is out of memory.
     fn is_out_of_memory(&self, err: &Self::Error) -> bool;

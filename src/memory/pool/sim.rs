@@ -51,7 +51,7 @@ impl Backend for SimDevice {
     }
 
     fn free_memory(&self) -> Option<usize> {
-        (self.limit != usize::MAX).then(|| (self.limit - self.reserved.get()).saturating_sub(DRIVER_SPARE))
+        (self.limit != usize::MAX).then(|| self.limit - self.reserved.get())
     }
 
     fn is_out_of_memory(&self, _err: &SimOom) -> bool {

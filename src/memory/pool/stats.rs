@@ -59,6 +59,10 @@ pub struct PoolStats {
     /// Times a chunk allocation failed for lack of memory and the pool released what it caches to
     /// retry.
     pub oom_recoveries: u64,
+    /// What the pool leaves of the device's reported free memory for the driver's own use when it
+    /// plans a growth near capacity: 2 MiB at first, raised when the driver refuses a request that
+    /// left more.
+    pub driver_spare: usize,
 }
 
 /// What tearing a pool down could not free, because allocations are still live.

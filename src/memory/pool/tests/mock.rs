@@ -58,6 +58,8 @@ fn at(c: &Clock, i: usize) -> u64 {
 /// The mock's state, shared with its events.
 pub(super) struct State {
     pub(super) capacity: usize,
+    /// What the emulated driver keeps back of `capacity - reserved` (refusing requests into it).
+    pub(super) spare: usize,
     reserved: usize,
     next_ptr: u64,
     chunks: BTreeMap<u64, usize>,
@@ -109,6 +111,7 @@ impl Mock {
     pub(super) fn new(streams: usize) -> Mock {
         Mock(Arc::new(Mutex::new(State {
             capacity: usize::MAX,
+            spare: 0,
             reserved: 0,
             next_ptr: 1 << 30,
             chunks: BTreeMap::new(),
@@ -295,7 +298,7 @@ impl Backend for Mock {
     fn alloc_chunk(&self, bytes: usize) -> Result<u64, MockErr> {
         let mut st = self.call(Call::Alloc)?;
         assert!(bytes > 0);
-        if st.capacity - st.reserved < bytes {
+        if (st.capacity - st.reserved).saturating_sub(st.spare) < bytes {
             return Err(MockErr::Oom);
         }
         let p = st.next_ptr;

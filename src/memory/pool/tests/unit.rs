@@ -241,7 +241,8 @@ fn oom_waits_for_frees_then_releases_and_retries_exactly() {
 #[test]
 fn oom_merges_host_safe_blocks_of_different_streams() {
     let h = harness(2);
-    h.mock.st().capacity = 36 * MIB;
+    // 36 MiB for the pool, and the 2 MiB it leaves to the driver.
+    h.mock.st().capacity = 38 * MIB;
     // Two neighbours in a full medium chunk, freed on different streams.
     let a = h.alloc(4 * MIB, 0).unwrap();
     let b = h.alloc(4 * MIB, 0).unwrap();
@@ -393,4 +394,37 @@ fn backend_errors_leave_the_pool_consistent() {
         h.teardown();
         let _ = MockErr::Injected;
     }
+}
+
+#[test]
+fn the_pool_learns_what_the_driver_keeps_back() {
+    // The emulated driver keeps 6 MiB of what it reports free; the pool starts planning with 2.
+    let h = harness(1);
+    h.mock.st().capacity = 100 * MIB;
+    h.mock.st().spare = 6 * MIB;
+    assert_eq!(h.stats().driver_spare, 2 * MIB);
+    let a = h.alloc(60 * MIB, 0).unwrap();
+    // 38 MiB with 40 reported free: planned to fit, refused, and nothing can make room.
+    let refused = h.alloc(38 * MIB, 0).unwrap_err();
+    assert!(matches!(refused, PoolError::OutOfMemory { .. }), "{refused:?}");
+    // It left 2 MiB, so the driver keeps more than 2: the pool plans with 4 from now on.
+    assert_eq!(h.stats().driver_spare, 4 * MIB);
+    // 35 MiB (36 with 4 MiB to spare) is refused too: the pool learns 6.
+    assert!(h.alloc(35 * MIB, 0).is_err());
+    assert_eq!(h.stats().driver_spare, 6 * MIB);
+    // A 10 MiB chunk cached free beside the 60 live leaves 30 reported free. 26 MiB then needs
+    // it released first: the pool plans for the driver's 6 MiB and releases before asking, so
+    // nothing fails and no recovery runs (planning with 2 MiB, it would ask with 30 free, be
+    // refused, and recover).
+    let d = h.alloc(10 * MIB, 0).unwrap();
+    h.free(d, 0);
+    let before = h.stats();
+    let e = h.alloc(26 * MIB, 0).unwrap();
+    let st = h.stats();
+    assert_eq!((st.oom_recoveries, st.driver_frees), (before.oom_recoveries, before.driver_frees + 1), "{st:?}");
+    assert_eq!(st.driver_spare, 6 * MIB);
+    h.free(e, 0);
+    h.free(a, 0);
+    h.check();
+    h.teardown();
 }
