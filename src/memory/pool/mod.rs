@@ -53,11 +53,12 @@
 //!   exactly the request.
 //! * *Near capacity* (`cuMemGetInfo` says the device would be left with less than a tenth of what
 //!   the pool holds), growth is exact, and the device's memory takes the headroom's place as the
-//!   bound: before asking for more than the device has free (less the 2 MiB that `cuMemAlloc`
-//!   keeps back, [`backend::DRIVER_SPARE`]), the pool releases whole free chunks
-//!   whose frees the GPU has completed, the smallest that makes up for what is missing first, and
-//!   keeps the others cached. So memory is cached while it is plentiful, placed tightly as it
-//!   runs out, and what is cached still serves as long as it fits.
+//!   bound: before asking for more than the device has free (less what `cuMemAlloc` keeps back:
+//!   [`backend::DRIVER_SPARE`] at first, more once the driver refused a request that left more),
+//!   the pool releases whole free chunks whose frees the GPU has completed, the smallest that
+//!   makes up for what is missing first, and keeps the others cached. So memory is cached while
+//!   it is plentiful, placed tightly as it runs out, and what is cached still serves as long as it
+//!   fits.
 //! * *Out of memory*: the pool waits on the host for every free (with no lock held), merges,
 //!   looks again, gives back the free chunks that make up for what the request lacks, then
 //!   everything free, and retries the driver at exactly the request each time, so that what it
