@@ -318,7 +318,17 @@ fn run_in_child(env: &[(&str, &str)], fake: bool, body: impl FnOnce()) -> Option
     for (k, v) in &shown {
         cmd.env(k, v);
     }
-    let out = cmd.output().unwrap_or_else(|e| panic!("run_with_fake: could not start {}: {e}", exe.display()));
+    // Starting a process can fail for a moment (Wine has answered `ERROR_INTERNAL_ERROR`, 1359,
+    // under load): a failure to start is retried; what the child does is never retried.
+    let mut started = cmd.output();
+    for _ in 0..3 {
+        if started.is_ok() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        started = cmd.output();
+    }
+    let out = started.unwrap_or_else(|e| panic!("run_with_fake: could not start {}: {e}", exe.display()));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     let ran = stdout.contains(&format!("cudrv-fake-child: body done: {marker}"));
