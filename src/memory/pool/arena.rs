@@ -278,7 +278,7 @@ impl<B: Backend> Arena<B> {
         // then holds: grow by exactly the request, and release whatever free chunk can go first.
         let after = self.stats.reserved.saturating_add(chunk);
         let reported = b.free_memory();
-        let free = reported.map(|f| f.saturating_sub(self.driver_spare));
+        let free = reported.map(|f| self.usable(f));
         let tight = free.is_some_and(|free| free < chunk.saturating_add(after / 10));
         if tight {
             chunk = exact;
@@ -342,12 +342,14 @@ impl<B: Backend> Arena<B> {
     pub(crate) fn reserved_after_making_room(&self, b: &B, size: usize) -> usize {
         let Some((_, exact)) = self.chunk_sizes(self.kind_for(size), size) else { return 0 };
         match b.free_memory() {
-            Some(free) => {
-                let usable = free.saturating_sub(self.driver_spare);
-                self.stats.reserved.saturating_sub(exact.saturating_sub(usable))
-            }
+            Some(free) => self.stats.reserved.saturating_sub(exact.saturating_sub(self.usable(free))),
             None => 0,
         }
+    }
+
+    /// What new chunks may take of `reported` free bytes: all but what the driver keeps back.
+    fn usable(&self, reported: usize) -> usize {
+        reported.saturating_sub(self.driver_spare)
     }
 
     /// The driver refused a chunk of `bytes` with `reported` bytes free: if that left more than
