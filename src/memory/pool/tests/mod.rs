@@ -23,6 +23,20 @@ use mock::{Mock, MockErr, S};
 
 const MIB: usize = 1 << 20;
 
+/// The property tests' configuration: `cases` cases (the `PROPTEST_CASES` variable overrides it),
+/// 4 under Miri, and no failure files.
+fn proptest_config(cases: u32) -> proptest::test_runner::Config {
+    proptest::test_runner::Config {
+        cases: if cfg!(miri) {
+            4
+        } else {
+            std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(cases)
+        },
+        failure_persistence: None,
+        ..proptest::test_runner::Config::default()
+    }
+}
+
 thread_local! {
     /// Whether this thread holds the harness's arena lock: the mock's blocking calls assert not.
     static IN_ARENA: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };

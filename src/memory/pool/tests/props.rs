@@ -221,16 +221,7 @@ fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        // PROPTEST_CASES overrides the number of cases outside Miri.
-        cases: if cfg!(miri) {
-            4
-        } else {
-            std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
-        },
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(proptest_config(256))]
 
     #[test]
     fn random_workloads_are_safe_and_consistent(

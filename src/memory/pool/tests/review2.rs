@@ -224,15 +224,7 @@ fn run(capacity: usize, ops: Vec<Op>) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: if cfg!(miri) {
-            4
-        } else {
-            std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(128)
-        },
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(proptest_config(128))]
 
     #[test]
     fn near_capacity_with_graphs_keeps_every_invariant(
