@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use cudrv_test_support::{fake_driver_path, legacy_fake_driver_path, testing_oldest_driver};
+use cudrv_test_support::{fake_driver_path, legacy_fake_driver_path, testing_oldest_driver, write_temp};
 
 /// The path of example `name`, built by `cargo test` (or staged by `gpu-bundle`).
 fn example(name: &str) -> PathBuf {
@@ -221,27 +221,6 @@ fn examples_run_on_a_cuda_11_1_driver() {
     assert!(stdout.contains("all 65536 elements correct after 20 replays"), "{stdout}");
 }
 
-/// A trace file in the temporary directory, removed when dropped.
-struct TempTrace(PathBuf);
-
-impl TempTrace {
-    fn new(name: &str, text: &str) -> TempTrace {
-        let path = std::env::temp_dir().join(format!("cudrv-{}-{name}", std::process::id()));
-        std::fs::write(&path, text).expect("a temporary file");
-        TempTrace(path)
-    }
-
-    fn arg(&self) -> &str {
-        self.0.to_str().expect("a UTF-8 temporary path")
-    }
-}
-
-impl Drop for TempTrace {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 #[test]
 fn replay_simulates_a_trace_and_reports_memory_and_the_pools_driver_calls() {
     let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/resnet50_train.csv");
@@ -258,16 +237,14 @@ fn replay_simulates_a_trace_and_reports_memory_and_the_pools_driver_calls() {
 #[test]
 fn replay_exits_3_when_a_trace_runs_out_of_memory_and_2_for_bad_input() {
     // 64 MiB live at once on a 48 MiB emulated device: out of memory at the second allocation.
-    let big = TempTrace::new(
-        "big.csv",
-        "op,id,size,stream\na,1,33554432,0\na,2,33554432,0\nf,1,33554432,0\nf,2,33554432,0\n",
-    );
+    let big =
+        write_temp("big.csv", b"op,id,size,stream\na,1,33554432,0\na,2,33554432,0\nf,1,33554432,0\nf,2,33554432,0\n");
     let (stdout, _) = expect(&run("replay", &["--simulate", "--memory", "48M", big.arg()]), 3, "");
     assert!(stdout.contains("OOM at event 1 "), "{stdout}");
     // A malformed line and a free of an unknown allocation are named by their line.
-    let bad = TempTrace::new("bad.csv", "# recorded by hand\nop,id,size,stream\na,1,512,0\nx,2,512,0\n");
+    let bad = write_temp("bad.csv", b"# recorded by hand\nop,id,size,stream\na,1,512,0\nx,2,512,0\n");
     expect(&run("replay", &["--simulate", bad.arg()]), 2, "line 4");
-    let unknown = TempTrace::new("unknown.csv", "a,1,512,0\nf,7,512,0\n");
+    let unknown = write_temp("unknown.csv", b"a,1,512,0\nf,7,512,0\n");
     expect(&run("replay", &["--simulate", unknown.arg()]), 2, "line 2");
     expect(&run("replay", &["--simulate", "/no/such/trace.csv"]), 2, "/no/such/trace.csv");
     expect(&run("replay", &["--simulate", "--bogus"]), 2, "unknown flag --bogus");

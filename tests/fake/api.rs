@@ -28,7 +28,7 @@ use cudrv::sys::CUresult;
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{
     fake_library, fake_report, full_fake_driver, legacy_fake_driver_path, random_u64s, run_with_fake,
-    run_with_fake_modes, time_seed,
+    run_with_fake_modes, time_seed, write_temp,
 };
 
 const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
@@ -228,27 +228,6 @@ fn jit_options_out_of_range_are_refused_first() {
         assert!(log.contains("compute_100a cannot run"), "{log}");
         assert_eq!(JitTarget::arch_specific(9, 0).compute_capability(), (9, 0));
     });
-}
-
-/// A file in the temporary directory, removed when dropped.
-struct TempFile(std::path::PathBuf);
-
-impl AsRef<std::path::Path> for TempFile {
-    fn as_ref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn write_temp(name: &str, bytes: &[u8]) -> TempFile {
-    let path = std::env::temp_dir().join(format!("cudrv-fake-api-{}-{name}", std::process::id()));
-    std::fs::write(&path, bytes).unwrap();
-    TempFile(path)
 }
 
 #[test]

@@ -204,6 +204,36 @@ pub fn fill_pattern_u8(seed: u64, i: u64) -> u8 {
     (seed.wrapping_mul(2_654_435_761).wrapping_add(i.wrapping_mul(31)) >> 3) as u8
 }
 
+/// A file in the temporary directory, removed when dropped.
+pub struct TempFile(PathBuf);
+
+impl TempFile {
+    /// The path, as a string (for a command line).
+    pub fn arg(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 temporary path")
+    }
+}
+
+impl AsRef<std::path::Path> for TempFile {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Writes `bytes` to a file named after `name` and this process in the temporary directory (so
+/// that test processes running at once do not share it; `name` tells a process's files apart).
+pub fn write_temp(name: &str, bytes: &[u8]) -> TempFile {
+    let path = std::env::temp_dir().join(format!("cudrv-test-{}-{name}", std::process::id()));
+    std::fs::write(&path, bytes).expect("a temporary file");
+    TempFile(path)
+}
+
 thread_local! {
     /// (test name, number of run_with_fake calls made so far by that test on this thread).
     static CALLS: RefCell<(String, usize)> = const { RefCell::new((String::new(), 0)) };
