@@ -38,7 +38,7 @@ use crate::stream::{Attachment, Stream, StreamKey, attachment_owner_id};
 ///   requests share 2 MiB chunks, medium ones 32 MiB chunks, and a large request gets a chunk of
 ///   exactly its size (rounded to 2 MiB).
 /// * **Memory stays close to live memory.** Before growing, the streams' caches go back to the
-///   arena to merge; past 10% above the most memory live at once, whole free chunks whose frees
+///   arena to merge; past 20% above the most memory live at once, whole free chunks whose frees
 ///   the GPU has completed are given back first ([`PoolConfig::headroom_percent`]).
 /// * **Out of memory**: everything free goes back to the driver (waiting for the frees with no
 ///   lock held) and the request is retried at its exact size; then [`Error::OutOfMemory`] says

@@ -28,6 +28,8 @@ pub(crate) struct ArenaStats {
     pub(crate) peak_in_use: usize,
     /// Bytes of the blocks out of the arena beyond the requests they were handed out for.
     pub(crate) slack: usize,
+    /// Bytes of the free tails of large chunks ([`Kind::Tail`]).
+    pub(crate) free_tails: usize,
     pub(crate) chunks: usize,
     pub(crate) driver_allocs: u64,
     pub(crate) driver_alloc_bytes: u64,
@@ -194,6 +196,23 @@ impl<B: Backend> Arena<B> {
         Ok(taken)
     }
 
+    /// A free tail of a large chunk for a small or medium request of `size` bytes on stream `s`
+    /// (its own first, then other streams' after an event), taken off `s`'s list. The graphs'
+    /// host-side state, which has no stream to wait with, takes only its own.
+    fn take_tail(&mut self, b: &B, s: u32, size: usize) -> Result<Option<u32>, B::Error> {
+        if let Some(blk) = self.take_free(s, Kind::Tail, size) {
+            return Ok(Some(blk));
+        }
+        if self.streams[s].key.is_none() {
+            return Ok(None);
+        }
+        let blk = self.borrow_from_others(b, s, Kind::Tail, size)?;
+        if blk.is_some() {
+            self.stats.cross_stream_reuses += 1;
+        }
+        Ok(blk)
+    }
+
     /// Moves every free block of `src` covered by its last record to stream `a`, which has just
     /// waited on that record. In `a`'s order the blocks become free now (after the wait).
     fn move_covered(&mut self, src: u32, a: u32) {
@@ -246,7 +265,7 @@ impl<B: Backend> Arena<B> {
         Some(match kind {
             Kind::Small => (c.small_chunk, c.small_chunk),
             Kind::Medium => (c.medium_chunk, round_up(size, c.large_granule)?),
-            Kind::Large => {
+            Kind::Large | Kind::Tail => {
                 let exact = round_up(size, c.large_granule)?;
                 (round_up(size_class(size, c.large_classes_per_octave), c.large_granule)?.max(exact), exact)
             }
@@ -280,6 +299,15 @@ impl<B: Backend> Arena<B> {
         let reported = b.free_memory();
         let free = reported.map(|f| self.usable(f));
         let tight = free.is_some_and(|free| free < chunk.saturating_add(after / 10));
+        // Short of memory, the bytes that large blocks leave of their chunks serve small and
+        // medium requests before the device gives more. (With memory to spare they stay apart, so
+        // that a long-lived small block does not keep a large chunk from going back.)
+        if tight
+            && kind != Kind::Large
+            && let Some(blk) = self.take_tail(b, s, size)?
+        {
+            return Ok(Grow::Block(self.handout(blk, size)));
+        }
         if tight {
             chunk = exact;
             self.stats.tight_growths += 1;
@@ -290,7 +318,8 @@ impl<B: Backend> Arena<B> {
         if kind == Kind::Large
             && chunk > exact
             && let Some(free) = free
-            && self.stats.slack.saturating_add(chunk - size) > self.stats.reserved.saturating_add(free) / 400
+            && self.stats.slack.saturating_add(self.stats.free_tails).saturating_add(chunk - size)
+                > self.stats.reserved.saturating_add(free) / 400
         {
             chunk = exact;
         }

@@ -10,7 +10,8 @@ use super::backend::Backend;
 pub(crate) const NIL: u32 = u32::MAX;
 
 /// The class of a request, and of the chunks that serve it: each class has chunks and free
-/// lists of its own, so that a long-lived block of one class never pins a chunk of another.
+/// lists of its own, so that a long-lived block of one class does not pin a chunk of another
+/// (save a tail, taken only when memory runs short).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     /// Up to `small_limit`: shared small chunks.
@@ -19,10 +20,15 @@ pub(crate) enum Kind {
     Medium = 1,
     /// Above: a chunk per request, reused only by requests of nearly its size.
     Large = 2,
+    /// What a large block leaves of its chunk: the driver maps chunks in whole 2 MiB pages, so a
+    /// large request rarely fills its chunk. When memory runs short, small and medium requests
+    /// take tails before the pool grows, so that bytes the device has given up anyway are not
+    /// wasted. A tail merges back into its large block when both are free.
+    Tail = 3,
 }
 
 /// The number of kinds.
-pub(crate) const KINDS: usize = 3;
+pub(crate) const KINDS: usize = 4;
 
 /// The state of a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,7 +76,9 @@ impl<B: Backend> Arena<B> {
     /// Removes and returns the best-fitting free block of at least `size` bytes of stream `s`.
     pub(crate) fn take_free(&mut self, s: u32, kind: Kind, size: usize) -> Option<u32> {
         let key = self.best_fit(&self.streams[s].free[kind as usize], kind, size)?;
-        self.streams[s].free[kind as usize].remove(&key)
+        let blk = self.streams[s].free[kind as usize][&key];
+        self.unlist(blk);
+        Some(blk)
     }
 
     /// The key of the best-fitting block of `list` for `size` bytes: the smallest that is large
@@ -92,18 +100,17 @@ impl<B: Backend> Arena<B> {
         let State::Free { stream, seq } = block.state else { unreachable!("handing out a block that is not free") };
         let rest = block.size - size;
         let min_split = match block.kind {
-            Kind::Small => super::GRANULE,
-            Kind::Medium => self.config.min_large_split,
-            // A large chunk holds one block at a time: a remainder taken by another block would pin
-            // the chunk (the fit rule bounds what this leaves unused).
-            Kind::Large => usize::MAX,
+            Kind::Small | Kind::Tail => super::GRANULE,
+            Kind::Medium | Kind::Large => self.config.min_large_split,
         };
         if rest >= min_split {
             let rest_block = Block {
                 ptr: block.ptr + size as u64,
                 size: rest,
                 chunk: block.chunk,
-                kind: block.kind,
+                // A large block's rest is the chunk's tail: no large request takes it apart from
+                // the block, so no large block ever pins another's chunk.
+                kind: if block.kind == Kind::Large { Kind::Tail } else { block.kind },
                 prev: blk,
                 next: block.next,
                 state: State::Free { stream, seq },
@@ -217,6 +224,9 @@ impl<B: Backend> Arena<B> {
         let (key, kind) = ((block.size, block.ptr), block.kind);
         let old = self.streams[stream].free[kind as usize].insert(key, blk);
         debug_assert!(old.is_none());
+        if kind == Kind::Tail {
+            self.stats.free_tails += key.0;
+        }
     }
 
     /// Removes free block `blk` from its owner's list.
@@ -226,5 +236,8 @@ impl<B: Backend> Arena<B> {
         let (key, kind) = ((block.size, block.ptr), block.kind);
         let old = self.streams[stream].free[kind as usize].remove(&key);
         debug_assert_eq!(old, Some(blk));
+        if kind == Kind::Tail {
+            self.stats.free_tails -= key.0;
+        }
     }
 }

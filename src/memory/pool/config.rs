@@ -7,8 +7,9 @@ const MIB: usize = 1 << 20;
 /// Tuning of a stream-ordered pool ([`StreamOrderedPool`](crate::memory::StreamOrderedPool), or
 /// [`SimulatedPool`](crate::memory::SimulatedPool)). Sizes are rounded up to 512 bytes.
 ///
-/// The defaults keep reserved memory within about 10% of the most memory that was live at once,
-/// and make a driver call only when that memory has to grow.
+/// The defaults keep reserved memory within about 20% of the most memory that was live at once
+/// (counting the bytes asked for, not the pages the driver rounds chunks to), and make a driver
+/// call only when that memory has to grow.
 ///
 /// ```
 /// use cudrv::memory::PoolConfig;
@@ -48,7 +49,8 @@ pub struct PoolConfig {
     /// percent of it; otherwise the request gets a chunk of its own, and the free block stays
     /// whole (to serve a request of its size, or to go back to the driver whole). Splitting a
     /// large block for a much smaller request would leave most of its chunk pinned by that block.
-    /// Default 75.
+    /// (What the request leaves becomes the chunk's tail, which only small and medium requests
+    /// take, and only when memory runs short.) Default 75.
     pub large_fit_percent: u32,
     /// A free block of a medium or large chunk is split only when what is left over would be at
     /// least this many bytes; otherwise the whole block is handed out. Default 512 bytes (always
@@ -59,8 +61,9 @@ pub struct PoolConfig {
     /// past that, the pool first gives the free blocks cached per stream back to its shared
     /// layer (where they merge), releases whole free chunks whose frees the GPU has completed,
     /// and grows by exactly the request. `None` caches everything (up to `release_threshold`).
-    /// Near the device's capacity the device's free memory is the bound instead. Default
-    /// `Some(10)`.
+    /// Near the device's capacity the device's free memory is the bound instead. Live memory
+    /// counts the blocks handed out, not the tails of their chunks, so this bounds what the
+    /// driver's 2 MiB pages and the size classes add as well. Default `Some(20)`.
     pub headroom_percent: Option<u32>,
 }
 
@@ -76,7 +79,7 @@ impl Default for PoolConfig {
             min_large_split: GRANULE,
             large_fit_percent: 75,
             large_classes_per_octave: 8,
-            headroom_percent: Some(10),
+            headroom_percent: Some(20),
         }
     }
 }

@@ -40,14 +40,19 @@
 //!
 //! * Small requests (up to 1 MiB) share 2 MiB chunks, medium ones (up to 8 MiB) share 32 MiB
 //!   chunks: blocks there are split and merged. A large request gets a chunk of its own, rounded
-//!   up to a size class (8 to a doubling, about 9% apart), and a large chunk holds one block at a
-//!   time: when it is freed the whole chunk is free, to serve a later request of 75% of its size
-//!   or more, or to go back to the driver whole. A small block can then never pin a large chunk.
-//!   Each class has chunks of its own. What the rounding leaves unused in the blocks that are out
-//!   is bounded: past 0.25% of the device's memory, large chunks are exact.
+//!   up to a size class (8 to a doubling, about 9% apart), and a large chunk holds one large
+//!   block at a time: when it is freed the whole chunk is free, to serve a later request of 75%
+//!   of its size or more, or to go back to the driver whole. Each class has chunks of its own, so
+//!   that while memory is plentiful a small block never pins a large chunk. What the rounding
+//!   leaves unused beside the blocks that are out is bounded: past 0.25% of the device's memory,
+//!   large chunks are exact.
+//! * *Tails.* The rest of a large chunk beside its block (at least what the driver's 2 MiB pages
+//!   add) is its tail ([`blocks::Kind::Tail`]). When memory runs short (below), small and medium
+//!   requests take tails before the pool grows: those bytes are spent on the device anyway. A tail
+//!   merges back into its large block when both are free.
 //! * Before growing, the streams' caches are given back to the arena, which looks again.
 //! * *Headroom*: the arena grows freely while reserved memory stays within
-//!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (10%) of the most
+//!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (20%) of the most
 //!   memory live at once. Past it, the arena first takes out whole free chunks whose frees the GPU
 //!   has completed (asked with `cuEventQuery`: the host does not wait), frees them, and grows by
 //!   exactly the request.

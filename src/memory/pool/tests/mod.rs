@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use super::arena::Arena;
-use super::blocks::{NIL, State};
+use super::blocks::{Kind, NIL, State};
 use super::cache::Cache;
 use super::config::PoolConfig;
 use super::error::PoolError;
@@ -179,7 +179,7 @@ impl Harness {
             for (p, blk) in a.graph_blocks() {
                 assert!(live.insert(p, blk).is_none(), "a graph's block also live elsewhere");
             }
-            let (mut reserved, mut out_bytes, mut free_blocks, mut slack) = (0, 0, 0, 0);
+            let (mut reserved, mut out_bytes, mut free_blocks, mut slack, mut free_tails) = (0, 0, 0, 0, 0);
             for (c, chunk) in a.chunks.iter() {
                 reserved += chunk.size;
                 let (mut cur, mut prev, mut addr, mut out) = (chunk.first, NIL, chunk.ptr, 0);
@@ -189,10 +189,20 @@ impl Harness {
                     assert_eq!(bl.prev, prev);
                     assert_eq!(bl.ptr, addr);
                     assert!(bl.size > 0 && bl.size.is_multiple_of(super::GRANULE));
+                    // A large block starts its chunk, and the rest of a large chunk is its tail.
+                    let first_kind = a.blocks[chunk.first].kind;
+                    match bl.kind {
+                        Kind::Large => assert_eq!(prev, NIL, "a large block inside a chunk"),
+                        Kind::Tail => assert_eq!(first_kind, Kind::Large, "a tail outside a large chunk"),
+                        k => assert_eq!(k, first_kind, "blocks of two kinds in a chunk"),
+                    }
                     match bl.state {
                         State::Free { stream, seq } => {
                             assert_eq!(bl.slack, 0, "a free block with slack");
                             free_blocks += usize::from(!chunk.releasing);
+                            if bl.kind == Kind::Tail && !chunk.releasing {
+                                free_tails += bl.size;
+                            }
                             let st = &a.streams[stream];
                             assert!(seq <= st.seq);
                             let listed = st.free[bl.kind as usize].get(&(bl.size, bl.ptr));
@@ -234,6 +244,7 @@ impl Harness {
             assert_eq!(a.stats.reserved, reserved);
             assert_eq!(a.stats.out_bytes, out_bytes);
             assert_eq!(a.stats.slack, slack);
+            assert_eq!(a.stats.free_tails, free_tails);
             assert_eq!(a.stats.chunks, a.chunks.len());
             assert!(a.stats.peak_reserved >= a.stats.reserved);
         });

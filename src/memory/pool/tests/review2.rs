@@ -56,18 +56,20 @@ fn graph_allocation_near_capacity_releases_nothing() {
     h.teardown();
 }
 
-/// Slack is accounted per block: a cached large block reused for a smaller request, freed on
-/// another stream, orphaned by a retired stream and freed elsewhere, never leaves `stats.slack`
-/// out of step (checked against the blocks), and it is 0 once nothing is out.
+/// Slack and tails are accounted per block: a cached large block reused for a smaller request,
+/// freed on another stream, orphaned by a retired stream and freed elsewhere, never leaves
+/// `stats.slack` or `stats.free_tails` out of step (checked against the blocks), and slack is 0
+/// once nothing is out. (A rest below 4 MiB stays in its block as slack; a larger one is a tail.)
 #[test]
 fn slack_follows_blocks_through_caches_streams_and_orphans() {
-    let h = tight(3, 1 << 40);
+    let h = Harness::new(PoolConfig { min_large_split: 4 * MIB, ..PoolConfig::default() }, Mock::new(3));
     let mut live = Vec::new();
     for (i, n) in [9 * MIB + 1, 17 * MIB + 3, 33 * MIB + 5, 65 * MIB + 7].into_iter().enumerate() {
         live.push((h.alloc(n, i % 2).unwrap(), i % 2));
         h.check();
     }
-    assert!(h.arena(|a| a.stats.slack) > 0, "size classes leave slack");
+    assert!(h.arena(|a| a.stats.slack) > 0, "size classes leave slack below the split");
+    assert!(h.arena(|a| a.stats.free_tails) > 0, "size classes leave tails above the split");
     // Free on other streams than the allocation's (the mock orders them).
     for (p, s) in live.drain(..) {
         h.free(p, (s + 1) % 3);

@@ -428,3 +428,37 @@ fn the_pool_learns_what_the_driver_keeps_back() {
     h.check();
     h.teardown();
 }
+
+#[test]
+fn tails_of_large_chunks_serve_small_and_medium_requests_when_memory_is_short() {
+    // A 12.5 MiB request takes a 14 MiB chunk (whole 2 MiB pages): its 1.5 MiB tail serves a
+    // 256 KiB and a 1.25 MiB request when the device has no room for their own chunks, and
+    // stays apart while it has.
+    for (capacity, short) in [(usize::MAX, false), (18 * MIB, true)] {
+        let h = harness(1);
+        h.mock.st().capacity = capacity;
+        let big = h.alloc(12 * MIB + 512 * KIB, 0).unwrap();
+        assert_eq!(h.stats().reserved, 14 * MIB);
+        let small = h.alloc(256 * KIB, 0).unwrap();
+        let medium = h.alloc(MIB + 256 * KIB, 0).unwrap();
+        h.check();
+        let in_tail = |p: u64| (big + (12 * MIB + 512 * KIB) as u64..big + 14 * MIB as u64).contains(&p);
+        let st = h.stats();
+        if short {
+            assert!(in_tail(small) && in_tail(medium), "{small:#x} {medium:#x} outside {big:#x}'s tail");
+            assert_eq!((st.driver_allocs, st.reserved), (1, 14 * MIB));
+        } else {
+            assert!(!in_tail(small) && !in_tail(medium));
+            assert_eq!(st.driver_allocs, 3, "a small and a medium chunk of their own");
+        }
+        // Freed, the tail merges back into the large block, and the chunk goes back whole.
+        for p in [small, big, medium] {
+            h.free(p, 0);
+        }
+        trim_to(&h, 0).unwrap();
+        let st = h.stats();
+        assert_eq!((st.reserved, st.chunks), (0, 0));
+        h.check();
+        h.teardown();
+    }
+}
