@@ -6,11 +6,15 @@
 //! `cuMemFree` is handed back to the caller to do with the lock released.
 
 use super::backend::{Backend, DRIVER_SPARE, MAX_DRIVER_SPARE};
-use super::blocks::{Block, Chunk, Kind, NIL, State};
+use super::blocks::{Block, Chunk, Kind, NIL, State, best_fit};
 use super::config::PoolConfig;
 use super::events::StreamState;
 use super::slots::Slots;
 use super::{FastMap, GRANULE, Handout, Live, round_up};
+
+/// Past the headroom, a large request takes a free block it fills to this many percent, instead
+/// of releasing memory to make room for a chunk of its own.
+pub(crate) const REUSE_FIT_PERCENT: u32 = 50;
 
 /// The arena's counters (the per-stream ones live in the caches).
 #[derive(Debug, Clone, Copy, Default)]
@@ -44,6 +48,9 @@ pub(crate) struct ArenaStats {
     pub(crate) oom_recoveries: u64,
     /// Growths made exactly because the device's memory ran short.
     pub(crate) tight_growths: u64,
+    /// Large requests served by a free block they fill to less than `large_fit_percent` (but at
+    /// least [`REUSE_FIT_PERCENT`]), instead of releasing memory to grow.
+    pub(crate) loose_fits: u64,
     /// Allocations and cache hits of streams that were forgotten (their caches are gone).
     pub(crate) retired_allocations: u64,
     pub(crate) retired_hits: u64,
@@ -141,12 +148,36 @@ impl<B: Backend> Arena<B> {
     /// free block is large enough.
     pub(crate) fn take(&mut self, b: &B, s: u32, size: usize) -> Result<Option<Handout>, B::Error> {
         let kind = self.kind_for(size);
-        if let Some(blk) = self.take_free(s, kind, size) {
-            return Ok(Some(self.handout(blk, size)));
+        let largest = self.largest_fit(kind, size, self.config.large_fit_percent);
+        Ok(self.take_kind(b, s, kind, size, largest)?.map(|blk| self.handout(blk, size)))
+    }
+
+    /// The largest free block of `kind` that may serve a request of `size` bytes: for a large
+    /// request, one it fills to at least `percent`; any for the other kinds.
+    pub(crate) fn largest_fit(&self, kind: Kind, size: usize, percent: u32) -> usize {
+        match (kind, percent.min(100)) {
+            (Kind::Large, percent @ 1..) => {
+                usize::try_from(size as u128 * 100 / u128::from(percent)).unwrap_or(usize::MAX)
+            }
+            _ => usize::MAX,
         }
-        let Some(blk) = self.borrow_from_others(b, s, kind, size)? else { return Ok(None) };
-        self.stats.cross_stream_reuses += 1;
-        Ok(Some(self.handout(blk, size)))
+    }
+
+    /// The best-fitting free block of `kind` with `size` to `largest` bytes for stream `s`, taken
+    /// off its list: `s`'s own first, then other streams' (after an event). The graphs' host-side
+    /// state, which has no stream to wait with, takes only its own.
+    fn take_kind(&mut self, b: &B, s: u32, kind: Kind, size: usize, largest: usize) -> Result<Option<u32>, B::Error> {
+        if let Some(blk) = self.take_free(s, kind, size, largest) {
+            return Ok(Some(blk));
+        }
+        if self.streams[s].key.is_none() {
+            return Ok(None);
+        }
+        let blk = self.borrow_from_others(b, s, kind, size, largest)?;
+        if blk.is_some() {
+            self.stats.cross_stream_reuses += 1;
+        }
+        Ok(blk)
     }
 
     pub(crate) fn handout(&mut self, blk: u32, size: usize) -> Handout {
@@ -156,7 +187,14 @@ impl<B: Backend> Arena<B> {
 
     /// Finds the best-fitting free block among the other streams and makes it (and, after a wait,
     /// every other block the wait covers) stream `a`'s. Returns the block, taken off `a`'s list.
-    fn borrow_from_others(&mut self, b: &B, a: u32, kind: Kind, size: usize) -> Result<Option<u32>, B::Error> {
+    fn borrow_from_others(
+        &mut self,
+        b: &B,
+        a: u32,
+        kind: Kind,
+        size: usize,
+        largest: usize,
+    ) -> Result<Option<u32>, B::Error> {
         // A stream that captures a graph can neither record nor wait (either would be captured):
         // only host-safe blocks can move to or from it.
         let capturing = |st: &StreamState<B>| st.key.as_ref().is_some_and(|k| b.is_capturing(k));
@@ -167,7 +205,7 @@ impl<B: Backend> Arena<B> {
                 continue;
             }
             let list = &st.free[kind as usize];
-            if let Some(key) = self.best_fit(list, kind, size)
+            if let Some(key) = best_fit(list, size, largest)
                 && best.is_none_or(|(k, _, _)| key < k)
             {
                 let blk = list[&key];
@@ -191,26 +229,9 @@ impl<B: Backend> Arena<B> {
             self.move_covered(src, a);
         }
         self.maybe_reap(src);
-        let taken = self.take_free(a, kind, size);
+        let taken = self.take_free(a, kind, size, largest);
         debug_assert!(taken.is_some(), "a borrowed block must fit");
         Ok(taken)
-    }
-
-    /// A free tail of a large chunk for a small or medium request of `size` bytes on stream `s`
-    /// (its own first, then other streams' after an event), taken off `s`'s list. The graphs'
-    /// host-side state, which has no stream to wait with, takes only its own.
-    fn take_tail(&mut self, b: &B, s: u32, size: usize) -> Result<Option<u32>, B::Error> {
-        if let Some(blk) = self.take_free(s, Kind::Tail, size) {
-            return Ok(Some(blk));
-        }
-        if self.streams[s].key.is_none() {
-            return Ok(None);
-        }
-        let blk = self.borrow_from_others(b, s, Kind::Tail, size)?;
-        if blk.is_some() {
-            self.stats.cross_stream_reuses += 1;
-        }
-        Ok(blk)
     }
 
     /// Moves every free block of `src` covered by its last record to stream `a`, which has just
@@ -304,7 +325,7 @@ impl<B: Backend> Arena<B> {
         // that a long-lived small block does not keep a large chunk from going back.)
         if tight
             && kind != Kind::Large
-            && let Some(blk) = self.take_tail(b, s, size)?
+            && let Some(blk) = self.take_kind(b, s, Kind::Tail, size, usize::MAX)?
         {
             return Ok(Grow::Block(self.handout(blk, size)));
         }
@@ -315,12 +336,7 @@ impl<B: Backend> Arena<B> {
         // Rounding a large chunk up to a size class leaves its rest unused while its block is out:
         // keep what all out blocks leave so below 0.25% of the device's memory, so that a
         // device filled with live buffers is filled as tightly as the driver fills it.
-        if kind == Kind::Large
-            && chunk > exact
-            && let Some(free) = free
-            && self.stats.slack.saturating_add(self.stats.free_tails).saturating_add(chunk - size)
-                > self.stats.reserved.saturating_add(free) / 400
-        {
+        if kind == Kind::Large && chunk - size > self.may_leave_unused(free) {
             chunk = exact;
         }
         let mut limit = self.config.release_threshold;
@@ -338,6 +354,19 @@ impl<B: Backend> Arena<B> {
         }
         if self.stats.reserved.saturating_add(chunk) > limit {
             chunk = exact;
+            if self.stats.reserved.saturating_add(chunk) > limit && kind == Kind::Large && !tight {
+                // Instead of releasing memory to make room for a new chunk, a free large block
+                // that the request fills to half serves it, while what such blocks leave stays
+                // within the bound on unused bytes. (Never near capacity: a large block pinned by
+                // a smaller one could then be what a later request needs.)
+                let largest = self
+                    .largest_fit(kind, size, REUSE_FIT_PERCENT)
+                    .min(size.saturating_add(self.may_leave_unused(free)));
+                if let Some(blk) = self.take_kind(b, s, kind, size, largest)? {
+                    self.stats.loose_fits += 1;
+                    return Ok(Grow::Block(self.handout(blk, size)));
+                }
+            }
             if may_release && self.stats.reserved.saturating_add(chunk) > limit {
                 let target = limit.saturating_sub(chunk);
                 let detached = self.detach_free_chunks(b, target, super::release::Completion::Poll)?;
@@ -374,6 +403,16 @@ impl<B: Backend> Arena<B> {
             Some(free) => self.stats.reserved.saturating_sub(exact.saturating_sub(self.usable(free))),
             None => 0,
         }
+    }
+
+    /// How many more bytes the blocks that are out may leave unused in their chunks (size-class
+    /// rounding, tails): together at most 0.25% of the device's memory, so that a device filled
+    /// with live buffers is filled as tightly as the driver's own pool fills it. Unbounded when
+    /// the backend does not know its free memory.
+    fn may_leave_unused(&self, free: Option<usize>) -> usize {
+        let Some(free) = free else { return usize::MAX };
+        let unused = self.stats.slack.saturating_add(self.stats.free_tails);
+        (self.stats.reserved.saturating_add(free) / 400).saturating_sub(unused)
     }
 
     /// What new chunks may take of `reported` free bytes: all but what the driver keeps back.

@@ -72,24 +72,20 @@ pub(crate) struct Chunk {
 /// Free blocks of one kind and one stream, best fit first: key `(size, ptr)`, value block index.
 pub(crate) type FreeList = BTreeMap<(usize, u64), u32>;
 
+/// The key of the best-fitting block of `list` for `size` bytes: the smallest that is large
+/// enough, if it is at most `largest` bytes ([`Arena::largest_fit`]).
+pub(crate) fn best_fit(list: &FreeList, size: usize, largest: usize) -> Option<(usize, u64)> {
+    let (&key, _) = list.range((size, 0)..).next()?;
+    (key.0 <= largest).then_some(key)
+}
+
 impl<B: Backend> Arena<B> {
-    /// Removes and returns the best-fitting free block of at least `size` bytes of stream `s`.
-    pub(crate) fn take_free(&mut self, s: u32, kind: Kind, size: usize) -> Option<u32> {
-        let key = self.best_fit(&self.streams[s].free[kind as usize], kind, size)?;
+    /// Removes and returns the best-fitting free block of `size` to `largest` bytes of stream `s`.
+    pub(crate) fn take_free(&mut self, s: u32, kind: Kind, size: usize, largest: usize) -> Option<u32> {
+        let key = best_fit(&self.streams[s].free[kind as usize], size, largest)?;
         let blk = self.streams[s].free[kind as usize][&key];
         self.unlist(blk);
         Some(blk)
-    }
-
-    /// The key of the best-fitting block of `list` for `size` bytes: the smallest that is large
-    /// enough, and for a large request not so much larger that splitting it would leave a large
-    /// chunk pinned by a smaller block
-    /// ([`PoolConfig::large_fit_percent`](super::config::PoolConfig::large_fit_percent)).
-    pub(crate) fn best_fit(&self, list: &FreeList, kind: Kind, size: usize) -> Option<(usize, u64)> {
-        let (&key, _) = list.range((size, 0)..).next()?;
-        let fits = kind != Kind::Large
-            || (size as u128) * 100 >= (key.0 as u128) * u128::from(self.config.large_fit_percent.min(100));
-        fits.then_some(key)
     }
 
     /// Marks `blk` (free, unlisted, owned by stream `s`) out for a request of `size` rounded

@@ -11,7 +11,7 @@
 
 use super::arena::{Arena, Grow};
 use super::backend::Backend;
-use super::blocks::{Kind, State};
+use super::blocks::State;
 use super::error::PoolError;
 use super::events::StreamState;
 use super::{FastMap, Handout, Host, Live};
@@ -65,14 +65,14 @@ impl<B: Backend> Arena<B> {
     /// out. No backend call.
     fn take_host_safe(&mut self, size: usize) -> Option<Handout> {
         let kind = self.kind_for(size);
-        let pct = u128::from(self.config.large_fit_percent.min(100));
+        let largest = self.largest_fit(kind, size, self.config.large_fit_percent);
         let mut best: Option<((usize, u64), u32)> = None;
         for (s, st) in self.streams.iter() {
             for (&key, &blk) in st.free[kind as usize].range((size, 0)..) {
                 if best.is_some_and(|(k, _)| k <= key) {
                     break;
                 }
-                if kind == Kind::Large && (size as u128) * 100 < (key.0 as u128) * pct {
+                if key.0 > largest {
                     break;
                 }
                 if let State::Free { seq, .. } = self.blocks[blk].state

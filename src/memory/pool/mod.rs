@@ -53,8 +53,10 @@
 //! * Before growing, the streams' caches are given back to the arena, which looks again.
 //! * *Headroom*: the arena grows freely while reserved memory stays within
 //!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (20%) of the most
-//!   memory live at once. Past it, the arena first takes out whole free chunks whose frees the GPU
-//!   has completed (asked with `cuEventQuery`: the host does not wait), frees them, and grows by
+//!   memory live at once. Past it, a large request first takes a free large block it fills to half
+//!   ([`arena::REUSE_FIT_PERCENT`]), while what blocks leave unused stays within 0.25% of the
+//!   device's memory; otherwise the arena takes out whole free chunks whose frees the GPU has
+//!   completed (asked with `cuEventQuery`: the host does not wait), frees them, and grows by
 //!   exactly the request.
 //! * *Near capacity* (`cuMemGetInfo` says the device would be left with less than a tenth of what
 //!   the pool holds), growth is exact, and the device's memory takes the headroom's place as the

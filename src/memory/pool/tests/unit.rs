@@ -462,3 +462,36 @@ fn tails_of_large_chunks_serve_small_and_medium_requests_when_memory_is_short() 
         h.teardown();
     }
 }
+
+#[test]
+fn past_the_headroom_a_large_request_takes_a_free_block_it_fills_to_half() {
+    // A freed 20 MiB chunk and a 12 MiB request (60%, below the 75% fit): growing would pass the
+    // headroom, so the pool would release the 20 MiB chunk to make a 12 MiB one. Instead it hands
+    // out the free block, as long as what such blocks leave unused (8 MiB here) stays within
+    // 0.25% of the device's memory: not on a 1 GiB device (2.56 MiB).
+    for (capacity, reused) in [(usize::MAX, true), (8 << 30, true), (1 << 30, false)] {
+        let config = PoolConfig { headroom_percent: Some(0), ..plain() };
+        let h = Harness::new(config, Mock::new(1));
+        h.mock.st().capacity = capacity;
+        let a = h.alloc(20 * MIB, 0).unwrap();
+        h.free(a, 0);
+        let b = h.alloc(12 * MIB, 0).unwrap();
+        h.check();
+        let st = h.stats();
+        if reused {
+            assert_eq!(b, a);
+            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (1, 0, 20 * MIB), "{capacity}");
+            assert_eq!(h.arena(|a| (a.stats.loose_fits, a.stats.free_tails)), (1, 8 * MIB));
+        } else {
+            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (2, 1, 12 * MIB), "{capacity}");
+            assert_eq!(h.arena(|a| a.stats.loose_fits), 0);
+        }
+        // Freed, the block merges with its tail: a 16 MiB request (80%) takes the whole chunk.
+        h.free(b, 0);
+        let c = h.alloc(16 * MIB, 0).unwrap();
+        assert_eq!(c == a, reused);
+        h.free(c, 0);
+        h.check();
+        h.teardown();
+    }
+}
