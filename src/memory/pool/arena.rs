@@ -217,6 +217,7 @@ impl<B: Backend> Arena<B> {
         }
         let Some((_, blk, src)) = best else { return Ok(None) };
         let State::Free { seq, .. } = self.blocks[blk].state else { unreachable!("a free list holds a used block") };
+        let (chunk, ptr) = (self.blocks[blk].chunk, self.blocks[blk].ptr);
         if self.host_safe(src, seq) {
             // Ordered before everything issued from now on: no wait needed; move just this block.
             self.unlist(blk);
@@ -229,9 +230,25 @@ impl<B: Backend> Arena<B> {
             self.move_covered(src, a);
         }
         self.maybe_reap(src);
-        let taken = self.take_free(a, kind, size, largest);
-        debug_assert!(taken.is_some(), "a borrowed block must fit");
-        Ok(taken)
+        if let Some(taken) = self.take_free(a, kind, size, largest) {
+            return Ok(Some(taken));
+        }
+        // Moved, the block merged with free neighbours: past `largest` (a large block with its
+        // tail), or into another kind (a tail into its large block). The block that now holds it
+        // is large enough, and `a`'s or host-safe.
+        let holder = self.free_block_at(chunk, ptr);
+        self.unlist(holder);
+        Ok(Some(holder))
+    }
+
+    /// The block of chunk `c` that holds address `ptr`, which must be in a free block.
+    fn free_block_at(&self, c: u32, ptr: u64) -> u32 {
+        let mut cur = self.chunks[c].first;
+        while self.blocks[cur].ptr + self.blocks[cur].size as u64 <= ptr {
+            cur = self.blocks[cur].next;
+        }
+        debug_assert!(matches!(self.blocks[cur].state, State::Free { .. }), "the block at {ptr:#x} is not free");
+        cur
     }
 
     /// Moves every free block of `src` covered by its last record to stream `a`, which has just

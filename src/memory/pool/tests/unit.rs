@@ -495,3 +495,21 @@ fn past_the_headroom_a_large_request_takes_a_free_block_it_fills_to_half() {
         h.teardown();
     }
 }
+
+#[test]
+fn a_borrowed_large_block_that_merges_with_its_tail_is_handed_out() {
+    // A 12.5 MiB block (14 MiB chunk) freed on stream 1 serves a 10 MiB request on stream 0 (80%
+    // of it). Moved to stream 0, it merges with its tail, which is stream 0's: the 14 MiB block
+    // is past the fit (75%), but it holds the block that was chosen, and serves.
+    let h = harness(2);
+    let big = h.alloc(12 * MIB + 512 * KIB, 0).unwrap();
+    h.free(big, 1);
+    let p = h.alloc(10 * MIB, 0).unwrap();
+    assert_eq!(p, big, "the freed block serves the request");
+    let st = h.stats();
+    assert_eq!((st.driver_allocs, st.cross_stream_reuses), (1, 1));
+    assert_eq!(h.arena(|a| a.stats.free_tails), 4 * MIB, "the rest is the chunk's tail again");
+    h.check();
+    h.free(p, 0);
+    h.teardown();
+}
