@@ -27,10 +27,10 @@ fn traces() -> Vec<(String, Trace)> {
 /// KV tensors of 10.32 MiB live. Each has a chunk of its own, and the driver maps whole 2 MiB
 /// pages, so each holds 12 MiB (what `cuMemAlloc` itself takes for 10.32 MiB: measured on the
 /// H200). That is 20 MiB above live; with the 2 MiB the driver keeps back, the 1.10x budget is
-/// 1.5 MB short. Those tails serve small and medium requests once memory runs short, but the ones
-/// live at the peak came first, and no KV tensor fits in a tail. Packing the tensors into shared
-/// chunks would need them to come with room to spare, which a tight budget does not leave; only
-/// address-space remapping (VMM, which TCC devices lack) packs them.
+/// 1.5 MB short. Those tails serve small and medium requests once nothing else is left, but no KV
+/// tensor fits in one. Packing the tensors into shared chunks would need them to come with room
+/// to spare, which a tight budget does not leave; only address-space remapping (VMM, which TCC
+/// devices lack) packs them.
 fn budget_percent(name: &str) -> usize {
     if name == "decode_kvcache.csv" { 112 } else { 110 }
 }

@@ -152,6 +152,16 @@ impl<B: Backend> Arena<B> {
         Ok(self.take_kind(b, s, kind, size, largest)?.map(|blk| self.handout(blk, size)))
     }
 
+    /// The best-fitting free tail of a large chunk for a small or medium request of `size` rounded
+    /// bytes on stream `s`, handed out: the last resort before out of memory, since a block in a
+    /// tail keeps its whole chunk from going back to the driver.
+    pub(crate) fn take_tail(&mut self, b: &B, s: u32, size: usize) -> Result<Option<Handout>, B::Error> {
+        if self.kind_for(size) == Kind::Large {
+            return Ok(None);
+        }
+        Ok(self.take_kind(b, s, Kind::Tail, size, usize::MAX)?.map(|blk| self.handout(blk, size)))
+    }
+
     /// The largest free block of `kind` that may serve a request of `size` bytes: for a large
     /// request, one it fills to at least `percent`; any for the other kinds.
     pub(crate) fn largest_fit(&self, kind: Kind, size: usize, percent: u32) -> usize {
@@ -337,15 +347,6 @@ impl<B: Backend> Arena<B> {
         let reported = b.free_memory();
         let free = reported.map(|f| self.usable(f));
         let tight = free.is_some_and(|free| free < chunk.saturating_add(after / 10));
-        // Short of memory, the bytes that large blocks leave of their chunks serve small and
-        // medium requests before the device gives more. (With memory to spare they stay apart, so
-        // that a long-lived small block does not keep a large chunk from going back.)
-        if tight
-            && kind != Kind::Large
-            && let Some(blk) = self.take_kind(b, s, Kind::Tail, size, usize::MAX)?
-        {
-            return Ok(Grow::Block(self.handout(blk, size)));
-        }
         if tight {
             chunk = exact;
             self.stats.tight_growths += 1;

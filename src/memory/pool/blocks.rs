@@ -11,7 +11,7 @@ pub(crate) const NIL: u32 = u32::MAX;
 
 /// The class of a request, and of the chunks that serve it: each class has chunks and free
 /// lists of its own, so that a long-lived block of one class does not pin a chunk of another
-/// (save a tail, taken only when memory runs short).
+/// (save a tail, taken only as the last resort before out of memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     /// Up to `small_limit`: shared small chunks.
@@ -21,9 +21,11 @@ pub(crate) enum Kind {
     /// Above: a chunk per request, reused only by requests of nearly its size.
     Large = 2,
     /// What a large block leaves of its chunk: the driver maps chunks in whole 2 MiB pages, so a
-    /// large request rarely fills its chunk. When memory runs short, small and medium requests
-    /// take tails before the pool grows, so that bytes the device has given up anyway are not
-    /// wasted. A tail merges back into its large block when both are free.
+    /// large request rarely fills its chunk. When the device has no room left for a small or
+    /// medium request's own chunk, even after the out-of-memory recovery, the request takes a
+    /// tail: bytes the device has given up anyway. Only then, since a block in a tail keeps its
+    /// whole chunk from going back to the driver. A tail merges back into its large block when
+    /// both are free.
     Tail = 3,
 }
 

@@ -50,7 +50,7 @@ pub struct PoolConfig {
     /// whole (to serve a request of its size, or to go back to the driver whole). Splitting a
     /// large block for a much smaller request would leave most of its chunk pinned by that block.
     /// (What the request leaves becomes the chunk's tail, which only small and medium requests
-    /// take, and only when memory runs short.) Past the headroom, where the alternative is to
+    /// take, and only when nothing else is left.) Past the headroom, where the alternative is to
     /// give memory back and allocate anew, a request that fills a free block to half takes it,
     /// while what blocks leave unused stays within 0.25% of the device's memory. Default 75.
     pub large_fit_percent: u32,

@@ -47,9 +47,10 @@
 //!   leaves unused beside the blocks that are out is bounded: past 0.25% of the device's memory,
 //!   large chunks are exact.
 //! * *Tails.* The rest of a large chunk beside its block (at least what the driver's 2 MiB pages
-//!   add) is its tail ([`blocks::Kind::Tail`]). When memory runs short (below), small and medium
-//!   requests take tails before the pool grows: those bytes are spent on the device anyway. A tail
-//!   merges back into its large block when both are free.
+//!   add) is its tail ([`blocks::Kind::Tail`]). Small and medium requests take tails as the last
+//!   resort before out of memory (below): those bytes are spent on the device anyway, but a block
+//!   in a tail keeps the whole chunk from going back. A tail merges back into its large block when
+//!   both are free.
 //! * Before growing, the streams' caches are given back to the arena, which looks again.
 //! * *Headroom*: the arena grows freely while reserved memory stays within
 //!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (20%) of the most
@@ -69,7 +70,7 @@
 //! * *Out of memory*: the pool waits on the host for every free (with no lock held), merges,
 //!   looks again, gives back the free chunks that make up for what the request lacks, then
 //!   everything free, and retries the driver at exactly the request each time, so that what it
-//!   can reach matches what `cuMemAlloc` can.
+//!   can reach matches what `cuMemAlloc` can; a small or medium request then takes a tail.
 #![forbid(unsafe_code)]
 
 pub(crate) mod arena;
@@ -244,6 +245,10 @@ fn allocate_slow<H: Host>(
         if let Some(handout) = grow(h, slot, size)? {
             return Ok(adopt(handout));
         }
+    }
+    // Last, the tail of a large chunk: bytes the driver's pages added to a large block.
+    if let Some(handout) = h.arena(|a| a.take_tail(b, slot, size))? {
+        return Ok(adopt(handout));
     }
     let in_use = stats(h).in_use;
     Err(h.arena(|a| PoolError::OutOfMemory { requested, reserved: a.stats.reserved, in_use }))

@@ -63,6 +63,7 @@ fn graph_allocation_near_capacity_releases_nothing() {
 #[test]
 fn slack_follows_blocks_through_caches_streams_and_orphans() {
     let h = Harness::new(PoolConfig { min_large_split: 4 * MIB, ..PoolConfig::default() }, Mock::new(3));
+    h.mock.st().capacity = 1 << 40;
     let mut live = Vec::new();
     for (i, n) in [9 * MIB + 1, 17 * MIB + 3, 33 * MIB + 5, 65 * MIB + 7].into_iter().enumerate() {
         live.push((h.alloc(n, i % 2).unwrap(), i % 2));

@@ -430,11 +430,11 @@ fn the_pool_learns_what_the_driver_keeps_back() {
 }
 
 #[test]
-fn tails_of_large_chunks_serve_small_and_medium_requests_when_memory_is_short() {
+fn tails_of_large_chunks_serve_small_and_medium_requests_before_out_of_memory() {
     // A 12.5 MiB request takes a 14 MiB chunk (whole 2 MiB pages): its 1.5 MiB tail serves a
-    // 256 KiB and a 1.25 MiB request when the device has no room for their own chunks, and
-    // stays apart while it has.
-    for (capacity, short) in [(usize::MAX, false), (18 * MIB, true)] {
+    // 256 KiB and a 1.25 MiB request when the device has no room left for their own chunks (after
+    // the out-of-memory recovery), and stays apart while it has room.
+    for (capacity, short) in [(64 * MIB, false), (15 * MIB, true)] {
         let h = harness(1);
         h.mock.st().capacity = capacity;
         let big = h.alloc(12 * MIB + 512 * KIB, 0).unwrap();
@@ -446,19 +446,39 @@ fn tails_of_large_chunks_serve_small_and_medium_requests_when_memory_is_short() 
         let st = h.stats();
         if short {
             assert!(in_tail(small) && in_tail(medium), "{small:#x} {medium:#x} outside {big:#x}'s tail");
-            assert_eq!((st.driver_allocs, st.reserved), (1, 14 * MIB));
+            assert_eq!((st.driver_allocs, st.reserved, st.oom_recoveries), (1, 14 * MIB, 2));
         } else {
             assert!(!in_tail(small) && !in_tail(medium));
-            assert_eq!(st.driver_allocs, 3, "a small and a medium chunk of their own");
+            assert_eq!((st.driver_allocs, st.oom_recoveries), (3, 0), "a small and a medium chunk of their own");
         }
-        // Freed, the tail merges back into the large block, and the chunk goes back whole.
+        // Freed, the tail merges back into the large block: each chunk is one free block again.
         for p in [small, big, medium] {
             h.free(p, 0);
         }
-        trim_to(&h, 0).unwrap();
-        let st = h.stats();
-        assert_eq!((st.reserved, st.chunks), (0, 0));
+        trim_to(&h, usize::MAX).unwrap();
+        let chunks = h.stats().chunks;
+        assert_eq!(h.arena(|a| (a.blocks.len(), a.stats.free_tails)), (chunks, 0));
         h.check();
+        trim_to(&h, 0).unwrap();
+        assert_eq!(h.stats().reserved, 0);
+        h.teardown();
+    }
+}
+
+#[test]
+fn a_small_block_does_not_take_a_tail_while_the_device_has_room_for_its_chunk() {
+    // Near capacity, a small block in the tail of a 62 MiB chunk would keep the chunk from going
+    // back once its large block is freed, and a 64 MiB request would then find no room.
+    for config in [plain(), PoolConfig::default()] {
+        let h = Harness::new(config, Mock::new(1));
+        h.mock.st().capacity = 70 * MIB;
+        let big = h.alloc(60 * MIB + 512 * KIB, 0).unwrap();
+        let small = h.alloc(256 * KIB, 0).unwrap();
+        h.free(big, 0);
+        let r = h.alloc(64 * MIB, 0).expect("256 KiB and 64 MiB fit in 70 MiB");
+        h.check();
+        h.free(r, 0);
+        h.free(small, 0);
         h.teardown();
     }
 }
@@ -469,13 +489,16 @@ fn past_the_headroom_a_large_request_takes_a_free_block_it_fills_to_half() {
     // headroom, so the pool would release the 20 MiB chunk to make a 12 MiB one. Instead it hands
     // out the free block, as long as what such blocks leave unused (8 MiB here) stays within
     // 0.25% of the device's memory: not on a 1 GiB device (2.56 MiB).
-    for (capacity, reused) in [(usize::MAX, true), (8 << 30, true), (1 << 30, false)] {
+    // Below half (9 MiB: 45%), it is not reused. (Chunks are whole 2 MiB pages.)
+    for (capacity, request, reused) in
+        [(usize::MAX, 12, true), (8 << 30, 12, true), (1 << 30, 12, false), (8 << 30, 9, false)]
+    {
         let config = PoolConfig { headroom_percent: Some(0), ..plain() };
         let h = Harness::new(config, Mock::new(1));
         h.mock.st().capacity = capacity;
         let a = h.alloc(20 * MIB, 0).unwrap();
         h.free(a, 0);
-        let b = h.alloc(12 * MIB, 0).unwrap();
+        let b = h.alloc(request * MIB, 0).unwrap();
         h.check();
         let st = h.stats();
         if reused {
@@ -483,7 +506,8 @@ fn past_the_headroom_a_large_request_takes_a_free_block_it_fills_to_half() {
             assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (1, 0, 20 * MIB), "{capacity}");
             assert_eq!(h.arena(|a| (a.stats.loose_fits, a.stats.free_tails)), (1, 8 * MIB));
         } else {
-            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (2, 1, 12 * MIB), "{capacity}");
+            let exact = request.next_multiple_of(2) * MIB;
+            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (2, 1, exact), "{capacity}");
             assert_eq!(h.arena(|a| a.stats.loose_fits), 0);
         }
         // Freed, the block merges with its tail: a 16 MiB request (80%) takes the whole chunk.
