@@ -313,6 +313,7 @@ impl<B: Backend> Arena<B> {
         Some(match kind {
             Kind::Small => (c.small_chunk, c.small_chunk),
             Kind::Medium => (c.medium_chunk, round_up(size, c.large_granule)?),
+            // (No request is of kind `Tail`: tails are the rests of large chunks.)
             Kind::Large | Kind::Tail => {
                 let exact = round_up(size, c.large_granule)?;
                 (round_up(size_class(size, c.large_classes_per_octave), c.large_granule)?.max(exact), exact)

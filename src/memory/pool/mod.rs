@@ -41,8 +41,8 @@
 //! * Small requests (up to 1 MiB) share 2 MiB chunks, medium ones (up to 8 MiB) share 32 MiB
 //!   chunks: blocks there are split and merged. A large request gets a chunk of its own, rounded
 //!   up to a size class (8 to a doubling, about 9% apart), and a large chunk holds one large
-//!   block at a time: when it is freed the whole chunk is free, to serve a later request of 75%
-//!   of its size or more, or to go back to the driver whole. Each class has chunks of its own, so
+//!   block at a time: when it is freed (and its tail, below, is free) the whole chunk is free, to
+//!   serve a later request of 75% of its size or more, or to go back to the driver whole. Each class has chunks of its own, so
 //!   that while memory is plentiful a small block never pins a large chunk. What the rounding
 //!   leaves unused beside the blocks that are out is bounded: past 0.25% of the device's memory,
 //!   large chunks are exact.
