@@ -373,7 +373,9 @@ impl<B: Backend> Arena<B> {
         }
         if self.stats.reserved.saturating_add(chunk) > limit {
             chunk = exact;
-            if self.stats.reserved.saturating_add(chunk) > limit && kind == Kind::Large && !tight {
+        }
+        if self.stats.reserved.saturating_add(exact) > limit {
+            if kind == Kind::Large && !tight {
                 // Instead of releasing memory to make room for a new chunk, a free large block
                 // that the request fills to half serves it, while what such blocks leave stays
                 // within the bound on unused bytes. (Never near capacity: a large block pinned by
@@ -386,8 +388,8 @@ impl<B: Backend> Arena<B> {
                     return Ok(Grow::Block(self.handout(blk, size)));
                 }
             }
-            if may_release && self.stats.reserved.saturating_add(chunk) > limit {
-                let target = limit.saturating_sub(chunk);
+            if may_release {
+                let target = limit.saturating_sub(exact);
                 let detached = self.detach_free_chunks(b, target, super::release::Completion::Poll)?;
                 if !detached.is_empty() {
                     return Ok(Grow::Release(detached));
