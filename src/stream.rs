@@ -4,8 +4,9 @@ use std::any::Any;
 use std::cell::RefCell;
 use std::ffi::c_void;
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use cudrv_sys::{CUresult, CUstream};
@@ -25,8 +26,9 @@ const CU_STREAM_PER_THREAD: usize = 0x2;
 
 /// A CUDA stream: work queued on it runs in order, asynchronously to the host.
 ///
-/// `Stream` is a cheap handle (`Clone` shares it); the stream is destroyed when the last clone is
-/// dropped, and work still queued on it completes anyway (the driver's semantics). Streams made by
+/// `Stream` is a cheap handle (`Clone` shares it); the stream is destroyed when the last clone
+/// and the last buffer allocated on it are gone, and work still queued on it completes anyway (the
+/// driver's semantics). Streams made by
 /// [`Stream::new`] are non-blocking: they do not synchronise with the legacy default stream.
 ///
 /// ```
@@ -37,16 +39,97 @@ const CU_STREAM_PER_THREAD: usize = 0x2;
 /// stream.synchronize()?;
 /// # Ok::<(), cudrv::Error>(())
 /// ```
-#[derive(Clone)]
 pub struct Stream {
     handle: Arc<Handle>,
 }
 
-/// The users' share of a stream. When the last user clone goes, memory pools that cached blocks
-/// freed on the stream are told to forget it (while it is still valid), and release their own
+/// The users' share of a stream: every [`Stream`] value, and the [`StreamPin`]s of memory pools
+/// that keep the stream for buffers of theirs. When it goes, memory pools that cached blocks freed
+/// on the stream are told to forget it (while it is still valid), and release their own
 /// references; the stream is destroyed once those are gone too.
 struct Handle {
     key: StreamKey,
+    /// How many `Stream` values exist. `Arc`'s count holds them and the pins; when this reaches
+    /// 0, the pins that no allocation needs any more are let go (see [`StreamPin`]).
+    users: AtomicUsize,
+}
+
+impl Clone for Stream {
+    #[inline]
+    fn clone(&self) -> Stream {
+        // Relaxed, as `Arc::clone`: a new user is made from an existing one (or from a view that
+        // a pin keeps valid), so the stream cannot be let go meanwhile.
+        self.handle.users.fetch_add(1, Ordering::Relaxed);
+        Stream { handle: self.handle.clone() }
+    }
+}
+
+impl Drop for Stream {
+    #[inline]
+    fn drop(&mut self) {
+        if self.handle.users.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.key().users_gone();
+        }
+        // `self.handle` goes after this: while the pins were let go above, it kept the handle.
+    }
+}
+
+/// A counted reference to a stream that is not one of its users: a memory pool holds one while it
+/// has live allocations made on the stream, so that the buffers of those allocations can refer
+/// to the stream without a count of their own ([`StreamPin::view`]). It is let go when the
+/// stream has no users and the pool no live allocation on it, whichever comes last: the pool
+/// checks [`StreamPin::users_gone`] when its last allocation there is freed, and the last
+/// user's drop asks each attachment ([`Attachment::users_gone`]). Both look under the stream's
+/// attachment lock, so one of them sees the other's change.
+pub(crate) struct StreamPin(Arc<Handle>);
+
+impl StreamPin {
+    /// Pins `stream`.
+    pub(crate) fn new(stream: &Stream) -> StreamPin {
+        StreamPin(stream.handle.clone())
+    }
+
+    /// Whether the stream has no users left (only pins keep it). Read under the stream's
+    /// attachment lock (see [`StreamPin`]).
+    #[inline]
+    pub(crate) fn users_gone(&self) -> bool {
+        self.0.users.load(Ordering::Acquire) == 0
+    }
+
+    /// `stream` as a [`Stream`] that is not counted: it must never be dropped (`ManuallyDrop`),
+    /// and is valid while a pin of the stream is held. Cloning it makes a counted user.
+    ///
+    /// # Safety
+    /// The caller must not use the view (nor anything borrowed from it) after the last pin of the
+    /// stream that keeps it valid is let go.
+    #[inline]
+    pub(crate) unsafe fn view(stream: &Stream) -> ManuallyDrop<Stream> {
+        // SAFETY: `Arc::from_raw` of `Arc::as_ptr` makes a second `Arc` of the same allocation
+        // without counting it; `ManuallyDrop` keeps it from ever being uncounted, and the caller
+        // keeps it from being used after the allocation is freed.
+        ManuallyDrop::new(Stream { handle: unsafe { Arc::from_raw(Arc::as_ptr(&stream.handle)) } })
+    }
+
+    /// The pin as a [`Stream`] to borrow from, which it keeps valid itself: it must never be
+    /// dropped as a `Stream` (it is no user), only turned back with [`StreamPin::from_view`].
+    #[inline]
+    pub(crate) fn into_view(self) -> ManuallyDrop<Stream> {
+        let StreamPin(handle) = self;
+        ManuallyDrop::new(Stream { handle })
+    }
+
+    /// The pin that [`StreamPin::into_view`] made `view` of.
+    ///
+    /// # Safety
+    /// `view` must come from [`StreamPin::into_view`], and is taken: it must not be used after.
+    #[inline]
+    pub(crate) unsafe fn from_view(view: &mut ManuallyDrop<Stream>) -> StreamPin {
+        // SAFETY: the caller gives a view of a pin, taken once; its `Arc` is moved out of the
+        // `Stream` without running `Stream`'s drop (which would count a user gone).
+        let stream = ManuallyDrop::new(unsafe { ManuallyDrop::take(view) });
+        // SAFETY: read once out of a value that is never dropped.
+        StreamPin(unsafe { std::ptr::read(&stream.handle) })
+    }
 }
 
 /// A stream's identity for memory pools: keeps the stream alive, compares by [`Stream::id`].
@@ -157,6 +240,17 @@ impl StreamKey {
         any.downcast_mut::<T>().map(f)
     }
 
+    /// The stream's last user let go of it: each attachment lets go of its pin if it needs it no
+    /// more (see [`StreamPin`]). The pins are dropped after the lock.
+    #[cold]
+    fn users_gone(&self) {
+        let pins: Vec<StreamPin> = {
+            let mut list = self.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            list.iter_mut().filter_map(|(_, a)| a.users_gone()).collect()
+        };
+        drop(pins);
+    }
+
     /// Takes the attachment of `owner` off the stream.
     pub(crate) fn remove_attachment(&self, owner: u64) -> Option<Box<dyn Attachment>> {
         let mut list = self.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -201,8 +295,14 @@ pub(crate) fn join_hooks() -> Option<&'static JoinHooks> {
 /// the stream. When the stream's last user lets go of it (while it is still valid), each
 /// attachment is told, so that it can give back what it holds.
 pub(crate) trait Attachment: Any + Send {
-    /// The stream's last user let go of it; `stream` is still valid.
+    /// The stream's last user and pin let go of it; `stream` is still valid.
     fn retire(self: Box<Self>, stream: &StreamKey);
+
+    /// The stream's last user let go of it: the attachment's pin, if it holds one that it needs
+    /// no more (see [`StreamPin`]).
+    fn users_gone(&mut self) -> Option<StreamPin> {
+        None
+    }
 }
 
 /// A number for an attachment's owner, unique for the life of the process.
@@ -352,7 +452,7 @@ impl Stream {
             capture: AtomicU64::new(0),
             attachments: CachePadded(Mutex::new(Vec::new())),
         });
-        Stream { handle: Arc::new(Handle { key: StreamKey(inner) }) }
+        Stream { handle: Arc::new(Handle { key: StreamKey(inner), users: AtomicUsize::new(1) }) }
     }
 
     /// The legacy default stream of `device` (`CU_STREAM_LEGACY`), which synchronises with every
@@ -384,6 +484,8 @@ impl Stream {
             let mut cache = cache.borrow_mut();
             cache.retain(|(_, w)| w.strong_count() > 0);
             if let Some(handle) = cache.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+                // A new user (the stream may have had none left, only pins).
+                handle.users.fetch_add(1, Ordering::Relaxed);
                 return Ok(Stream { handle });
             }
             let stream = Self::wrap(CU_STREAM_PER_THREAD as CUstream, ctx, false, thread_token());

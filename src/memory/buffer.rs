@@ -2,19 +2,19 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::{align_of, size_of};
+use std::mem::{ManuallyDrop, align_of, size_of};
 use std::ops::{Bound as RangeBound, RangeBounds};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::host::PinnedBuffer;
-use super::{DevicePtr, MemoryResource, check_len, check_stream};
+use super::{DevicePtr, DeviceResource, MemoryResource, StreamOrderedPool, check_len, check_stream};
 use crate::context::report_drop_error;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::result::drv;
 use crate::session::{CaptureSession, GraphOwned, GraphUse};
-use crate::stream::Stream;
+use crate::stream::{Stream, StreamPin};
 
 /// Plain-old-data types that may live in device memory and be copied byte-wise to and from it.
 ///
@@ -83,7 +83,10 @@ pub struct DeviceBuffer<T: DeviceRepr> {
     ptr: DevicePtr,
     len: usize,
     resource: ResourceRef,
-    stream: Stream,
+    /// A view of the buffer's stream (see [`StreamPin`]), which no `Stream` counts as a user:
+    /// with [`ResourceRef::Kept`] the pool's pin keeps it valid until the buffer's free, else it
+    /// is the buffer's own pin, let go by hand in `Drop`.
+    stream: ManuallyDrop<Stream>,
     /// The capture the buffer was allocated in (its memory then belongs to that capture's graph),
     /// or 0.
     capture: u64,
@@ -115,6 +118,10 @@ impl Uses {
 #[derive(Clone)]
 enum ResourceRef {
     Device(&'static dyn MemoryResource),
+    /// The device's [`StreamOrderedPool`], which holds the allocation in the stream's cache and
+    /// so keeps the stream pinned until it is freed: the buffer's stream is a view, and the
+    /// buffer touches no shared reference count at all.
+    Kept(&'static StreamOrderedPool),
     Given(Arc<dyn MemoryResource>),
 }
 
@@ -125,6 +132,7 @@ impl std::ops::Deref for ResourceRef {
     fn deref(&self) -> &(dyn MemoryResource + 'static) {
         match self {
             ResourceRef::Device(r) => *r,
+            ResourceRef::Kept(p) => *p,
             ResourceRef::Given(r) => &**r,
         }
     }
@@ -143,9 +151,12 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// [`Error::OutOfMemory`], [`Error::InvalidArgument`] on overflow, the driver's error.
     #[inline]
     pub unsafe fn uninit(len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
-        let resource = super::device_resource_for_buffers(&stream.device())?;
+        let resource = match super::device_resource_for_buffers(&stream.device())? {
+            DeviceResource::StreamOrdered(pool) => ResourceRef::Kept(pool),
+            DeviceResource::Other(r) => ResourceRef::Device(r),
+        };
         // SAFETY: forwarded; the device's own resource, checked device-accessible.
-        unsafe { Self::allocate(ResourceRef::Device(resource), len, stream) }
+        unsafe { Self::allocate(resource, len, stream) }
     }
 
     /// As [`DeviceBuffer::uninit`], from `resource`.
@@ -189,7 +200,16 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         let bytes = byte_len::<T>(len)?;
         let capture = stream.key().capture_id();
         let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
-        let ptr = resource.allocate(bytes, stream)?;
+        let (ptr, resource) = match resource {
+            // The device's pool (checked by the caller), and no capture (checked above).
+            ResourceRef::Kept(pool) if capture == 0 => (pool.allocate_kept(bytes, stream)?, resource),
+            ResourceRef::Kept(pool) => match pool.allocate_keeping(bytes, stream)? {
+                (ptr, true) => (ptr, resource),
+                // A graph's block: the pool does not keep the stream for it.
+                (ptr, false) => (ptr, ResourceRef::Device(pool)),
+            },
+            r => (r.allocate(bytes, stream)?, r),
+        };
         if ptr % MAX_ALIGN as u64 != 0 {
             // A resource outside cudrv broke its contract; give the memory back unused.
             // SAFETY: `ptr` came from `resource` with `bytes`, and nothing has used it.
@@ -206,15 +226,14 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             }
             None => 0,
         };
-        Ok(DeviceBuffer {
-            ptr,
-            len,
-            resource,
-            stream: stream.clone(),
-            capture,
-            uses: Mutex::new(None),
-            _t: PhantomData,
-        })
+        let stream = match resource {
+            // SAFETY: the pool holds the allocation in `stream`'s cache, so it keeps the stream
+            // pinned until the allocation is freed; the buffer frees it last, in `Drop`, and does
+            // not use the view after.
+            ResourceRef::Kept(_) => unsafe { StreamPin::view(stream) },
+            _ => StreamPin::new(stream).into_view(),
+        };
+        Ok(DeviceBuffer { ptr, len, resource, stream, capture, uses: Mutex::new(None), _t: PhantomData })
     }
 
     /// The capture an allocation on `stream` takes part in (`stream` showed a capture id), if
@@ -720,11 +739,21 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
             && self.capture | self.stream.key().capture_id() == 0
             && !crate::host_fn::in_host_fn()
         {
-            // The usual case: used on its own stream only, and no capture.
-            // SAFETY: the pointer came from this resource with this size and is freed once; every
-            // use is queued on the buffer's stream.
-            if let Err(e) = unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) } {
-                report_drop_error(Some(self.stream.context()), e);
+            // The usual case: used on its own stream only, and no capture. The pointer came from
+            // this resource with this size and is freed once; every use is queued on the
+            // buffer's stream.
+            match self.resource {
+                // SAFETY: as above. The pool may let go of the stream with the free: the view is
+                // not used after.
+                ResourceRef::Kept(pool) => unsafe { pool.free_kept(self.ptr, bytes, &self.stream) },
+                _ => {
+                    // SAFETY: as above.
+                    if let Err(e) = unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) } {
+                        report_drop_error(Some(self.stream.context()), e);
+                    }
+                    // SAFETY: the buffer's own pin, let go once, here.
+                    drop(unsafe { StreamPin::from_view(&mut self.stream) });
+                }
             }
             return;
         }
@@ -741,14 +770,15 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             session.live_buffers.fetch_sub(1, Ordering::AcqRel);
         }
         let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take().unwrap_or_default();
-        let free = Free {
-            resource: self.resource.clone(),
-            ptr: self.ptr,
-            bytes,
-            stream: self.stream.clone(),
-            capture: self.capture,
-            uses,
-        };
+        // The free takes a counted reference: it may run later, and the pool's pin (with
+        // `ResourceRef::Kept`) lasts only until the free, which does not keep the stream for
+        // itself.
+        let stream = Stream::clone(&self.stream);
+        if !matches!(self.resource, ResourceRef::Kept(_)) {
+            // SAFETY: the buffer's own pin, let go once, here.
+            drop(unsafe { StreamPin::from_view(&mut self.stream) });
+        }
+        let free = Free { resource: self.resource.clone(), ptr: self.ptr, bytes, stream, capture: self.capture, uses };
         if crate::host_fn::in_host_fn() { crate::host_fn::defer(move || free.run()) } else { free.run() }
     }
 }

@@ -107,6 +107,9 @@ pub(crate) fn pools_missing_reason(caps: &crate::Capabilities) -> String {
 /// stays valid for the buffers that came from it.
 struct Entry {
     resource: Arc<dyn MemoryResource>,
+    /// The same resource when it is a [`StreamOrderedPool`], which keeps buffers' streams for them
+    /// (see [`StreamOrderedPool::allocate_keeping`]).
+    stream_ordered: Option<Arc<StreamOrderedPool>>,
     /// `resource.is_device_accessible()`, asked once.
     device_accessible: bool,
     choice: Choice,
@@ -134,6 +137,28 @@ fn slot(device: &Device) -> Result<&'static AtomicPtr<Entry>> {
         .ok_or_else(|| Error::InvalidArgument(format!("device {} is not in the device list", device.ordinal())))
 }
 
+impl Entry {
+    fn new(resource: Arc<dyn MemoryResource>, choice: Choice) -> Entry {
+        let any: Arc<dyn std::any::Any + Send + Sync> = resource.clone();
+        Entry {
+            device_accessible: resource.is_device_accessible(),
+            stream_ordered: any.downcast::<StreamOrderedPool>().ok(),
+            resource,
+            choice,
+        }
+    }
+}
+
+/// A device's resource as buffers use it: the registry's entries live for the rest of the
+/// process, so no reference count is touched.
+#[derive(Clone, Copy)]
+pub(crate) enum DeviceResource {
+    /// A [`StreamOrderedPool`], called directly.
+    StreamOrdered(&'static StreamOrderedPool),
+    /// Any other resource.
+    Other(&'static dyn MemoryResource),
+}
+
 /// Publishes `entry` for `device` (leaked: see [`Entry`]).
 fn install(slot: &AtomicPtr<Entry>, entry: Entry) -> &'static Entry {
     let entry: &'static Entry = Box::leak(Box::new(entry));
@@ -158,18 +183,21 @@ fn entry(device: &Device) -> Result<&'static Entry> {
     }
     let choice = choose(device)?;
     let resource = make(device, choice.kind)?;
-    Ok(install(slot, Entry { device_accessible: resource.is_device_accessible(), resource, choice }))
+    Ok(install(slot, Entry::new(resource, choice)))
 }
 
 /// The device's resource, for buffers: no reference count is touched. Refused when it is not
 /// device-accessible (a pinned-host resource set with `Device::set_memory_resource`).
 #[inline]
-pub(crate) fn device_resource_for_buffers(device: &Device) -> Result<&'static dyn MemoryResource> {
+pub(crate) fn device_resource_for_buffers(device: &Device) -> Result<DeviceResource> {
     let e = entry(device)?;
     if !e.device_accessible {
         return Err(Error::InvalidArgument(format!("{} is not device-accessible memory", e.resource.kind())));
     }
-    Ok(&*e.resource)
+    Ok(match &e.stream_ordered {
+        Some(pool) => DeviceResource::StreamOrdered(pool),
+        None => DeviceResource::Other(&*e.resource),
+    })
 }
 
 /// Makes the resource for a choice.
@@ -230,7 +258,7 @@ impl Device {
         let choice = Choice { kind: resource.kind(), reason: reason.into() };
         let _guard = INSTALL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let old = slot.load(Ordering::Acquire);
-        install(slot, Entry { device_accessible: resource.is_device_accessible(), resource, choice });
+        install(slot, Entry::new(resource, choice));
         if !old.is_null() {
             // SAFETY: as in `entry`.
             let _ = unsafe { &*old }.resource.trim(0);

@@ -31,7 +31,7 @@ mod uses;
 
 pub use buffer::{DeviceBuffer, DeviceRepr, DeviceView};
 pub use choice::{Choice, RESOURCE_VAR, choose};
-pub(crate) use choice::{device_resource_for_buffers, pools_missing_reason};
+pub(crate) use choice::{DeviceResource, device_resource_for_buffers, pools_missing_reason};
 pub use driver_pool::{DriverPool, DriverPoolConfig};
 pub use host::{HostRegistration, PinnedBuffer, PinnedFlags, PinnedHostResource, register_host};
 pub use managed::{Advice, Location, ManagedBuffer, ManagedResource};

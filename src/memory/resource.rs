@@ -1,5 +1,6 @@
 //! The memory-resource trait, and what resources report.
 
+use std::any::Any;
 use std::fmt;
 
 #[cfg(doc)]
@@ -36,13 +37,16 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// # Ok::<(), cudrv::Error>(())
 /// ```
 ///
+/// Resources are `'static` ([`Any`]), so that a `dyn MemoryResource` can be downcast to what it
+/// is (cudrv calls its own [`StreamOrderedPool`] directly, for example).
+///
 /// # Safety
 /// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least
 /// `bytes` bytes, aligned to at least 256 bytes, that is not in use by anything else on the GPU or
 /// host once work queued on `stream` after the call runs; and must not hand the same memory out
 /// again before work queued on the freeing stream before [`deallocate`](MemoryResource::deallocate)
 /// has completed (or is ordered before the new user).
-pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
+pub unsafe trait MemoryResource: Any + Send + Sync + fmt::Debug {
     /// Allocates `bytes` bytes for use on `stream`. The memory is usable by work queued on
     /// `stream` after this call (other streams must be ordered after it).
     ///

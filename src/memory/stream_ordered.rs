@@ -3,6 +3,7 @@
 //! this file keeps its state (the arena behind a lock, each stream's cache on the stream) and
 //! performs the driver calls it asks for.
 
+use std::cell::RefCell;
 use std::sync::{Arc, Mutex, Weak};
 
 use cudrv_sys::{CUevent, CUresult};
@@ -23,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::host_fn::{self, SendHandle};
 use crate::result::{driver, drv};
 use crate::session::{CaptureSession, GraphOwned};
-use crate::stream::{Attachment, Stream, StreamKey, attachment_owner_id};
+use crate::stream::{Attachment, Stream, StreamKey, StreamPin, attachment_owner_id};
 
 /// A stream-ordered caching pool written in plain Rust over `cuMemAlloc` / `cuMemFree`, with the
 /// semantics of `cuMemAllocAsync` / `cuMemFreeAsync`. It is what cudrv uses where the driver has
@@ -45,8 +46,12 @@ use crate::stream::{Attachment, Stream, StreamKey, attachment_owner_id};
 ///   what was asked, reserved and in use.
 /// * No lock is held across a blocking driver call (`cuEventSynchronize`, `cuMemFree`).
 ///
-/// When a stream's last user drops it, the pool records one last event on it (so other streams
-/// can still reuse its blocks after a GPU-side wait) and lets it go.
+/// While the pool holds live allocations made on a stream, it keeps the stream alive (a pin that
+/// is no user of it), so that a [`DeviceBuffer`](crate::memory::DeviceBuffer) from the pool
+/// refers to its stream without a reference count of its own: creating and dropping a buffer
+/// touches no memory that other threads share. When a stream's last user has dropped it and no
+/// allocation made there is live, the pool records one last event on it (so other streams can
+/// still reuse its blocks after a GPU-side wait) and lets it go.
 ///
 /// ```
 /// # if !cudrv::__doctest_driver() { return Ok(()); }
@@ -90,12 +95,44 @@ impl std::fmt::Debug for Shared {
 struct StreamCache {
     cache: Cache,
     pool: Weak<Shared>,
+    /// Held while `cache` holds live allocations, so that the buffers of those allocations may
+    /// refer to the stream without a count of their own (see [`StreamPin`]); kept between them
+    /// while the stream has users, so that a stream's usual allocate-and-free costs no shared
+    /// reference count.
+    pin: Option<StreamPin>,
+}
+
+impl StreamCache {
+    /// Keeps the pin in step with the cache after an operation of the pool changed it: pins the
+    /// stream on its first live allocation (`here` is the stream when the operation is on it; only
+    /// such an operation allocates), and gives the pin up once no allocation is live and the
+    /// stream has no users.
+    #[inline]
+    fn settle_pin(&mut self, here: Option<&Stream>) -> Option<StreamPin> {
+        let live = self.cache.stats.live > 0;
+        if live == self.pin.is_some() {
+            return None;
+        }
+        if live {
+            debug_assert!(here.is_some(), "an allocation made on another stream than the operation's");
+            self.pin = here.map(StreamPin::new);
+            None
+        } else if self.pin.as_ref().is_some_and(StreamPin::users_gone) {
+            self.pin.take()
+        } else {
+            None
+        }
+    }
 }
 
 impl Attachment for StreamCache {
     fn retire(self: Box<Self>, stream: &StreamKey) {
         let Some(shared) = self.pool.upgrade() else { return };
         retire_when_not_capturing(shared, stream.clone(), self.cache);
+    }
+
+    fn users_gone(&mut self) -> Option<StreamPin> {
+        if self.cache.stats.live == 0 { self.pin.take() } else { None }
     }
 }
 
@@ -130,14 +167,92 @@ impl Host for Shared {
         f(&mut self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
-    #[inline]
     fn cache<R>(&self, stream: &StreamKey, f: impl FnOnce(&mut Cache) -> R) -> R {
-        let make = || StreamCache { cache: Cache::new(self.arena(|a| a.register(stream))), pool: self.me.clone() };
-        stream.with_attachment(self.id, make, |sc: &mut StreamCache| f(&mut sc.cache))
+        stream.with_attachment(self.id, || self.new_cache(stream), |sc: &mut StreamCache| f(&mut sc.cache))
     }
 
     fn existing_cache<R>(&self, stream: &StreamKey, f: impl FnOnce(&mut Cache) -> R) -> Option<R> {
         stream.with_existing_attachment(self.id, |sc: &mut StreamCache| f(&mut sc.cache))
+    }
+}
+
+impl Shared {
+    fn new_cache(&self, stream: &StreamKey) -> StreamCache {
+        StreamCache { cache: Cache::new(self.arena(|a| a.register(stream))), pool: self.me.clone(), pin: None }
+    }
+}
+
+/// One allocation or free, on `stream`: the pool's [`Host`] for the operations that change which
+/// allocations are live. Each cache it touches keeps its pin in step ([`StreamCache::settle_pin`]);
+/// the pins given up are dropped with the `Op`, once the pool is done with every stream (the
+/// last pin may take its stream with it).
+struct Op<'a> {
+    shared: &'a Shared,
+    stream: &'a Stream,
+    let_go: RefCell<Vec<StreamPin>>,
+}
+
+impl<'a> Op<'a> {
+    #[inline]
+    fn new(shared: &'a Shared, stream: &'a Stream) -> Self {
+        Op { shared, stream, let_go: RefCell::new(Vec::new()) }
+    }
+
+    /// The operation's stream, if `key` is it.
+    #[inline]
+    fn here(&self, key: &StreamKey) -> Option<&'a Stream> {
+        Some(self.stream).filter(|s| s.key() == key)
+    }
+
+    #[inline]
+    fn let_go(&self, pin: Option<StreamPin>) {
+        #[cold]
+        fn push(list: &RefCell<Vec<StreamPin>>, pin: StreamPin) {
+            list.borrow_mut().push(pin);
+        }
+        if let Some(pin) = pin {
+            push(&self.let_go, pin);
+        }
+    }
+}
+
+impl Host for Op<'_> {
+    type B = CudaBackend;
+
+    #[inline]
+    fn backend(&self) -> &CudaBackend {
+        &self.shared.backend
+    }
+
+    #[inline]
+    fn arena<R>(&self, f: impl FnOnce(&mut Arena<CudaBackend>) -> R) -> R {
+        self.shared.arena(f)
+    }
+
+    #[inline]
+    fn cache<R>(&self, stream: &StreamKey, f: impl FnOnce(&mut Cache) -> R) -> R {
+        let here = self.here(stream);
+        let (r, pin) = stream.with_attachment(
+            self.shared.id,
+            || self.shared.new_cache(stream),
+            |sc: &mut StreamCache| {
+                let r = f(&mut sc.cache);
+                (r, sc.settle_pin(here))
+            },
+        );
+        self.let_go(pin);
+        r
+    }
+
+    #[inline]
+    fn existing_cache<R>(&self, stream: &StreamKey, f: impl FnOnce(&mut Cache) -> R) -> Option<R> {
+        let here = self.here(stream);
+        let (r, pin) = stream.with_existing_attachment(self.shared.id, |sc: &mut StreamCache| {
+            let r = f(&mut sc.cache);
+            (r, sc.settle_pin(here))
+        })?;
+        self.let_go(pin);
+        Some(r)
     }
 }
 
@@ -288,6 +403,55 @@ impl StreamOrderedPool {
         pool::stats(&*self.shared)
     }
 
+    /// Allocates `bytes` on `stream`, as [`MemoryResource::allocate`]; `true` with the pointer
+    /// when the allocation is held in the stream's cache (not a graph's block): then the pool
+    /// keeps the stream, pinned, until the allocation is freed, and a buffer may hold a view of
+    /// it ([`StreamPin::view`]) instead of a counted reference.
+    ///
+    /// # Errors
+    /// As [`MemoryResource::allocate`].
+    #[inline]
+    pub(crate) fn allocate_keeping(&self, bytes: usize, stream: &Stream) -> Result<(DevicePtr, bool)> {
+        check_stream("StreamOrderedPool::allocate", self.device(), stream)?;
+        if stream.key().capture_id() != 0
+            && let Some(session) = stream.capture()
+        {
+            return self.allocate_for_graph(bytes, &session).map(|ptr| (ptr, false));
+        }
+        self.allocate_kept(bytes, stream).map(|ptr| (ptr, true))
+    }
+
+    /// [`StreamOrderedPool::allocate_keeping`] for a caller that checked what it checks: `stream`
+    /// is of the pool's device and showed no capture. The allocation is held in the stream's
+    /// cache (the pool keeps the stream for it).
+    ///
+    /// # Errors
+    /// As [`MemoryResource::allocate`].
+    #[inline]
+    pub(crate) fn allocate_kept(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        let op = Op::new(&self.shared, stream);
+        pool::allocate(&op, bytes, stream.key()).map_err(|e| self.map_error(e))
+    }
+
+    /// Frees an allocation of [`StreamOrderedPool::allocate_kept`] (or one that
+    /// [`StreamOrderedPool::allocate_keeping`] said is kept) on the stream it was made on, and
+    /// reports an error to the pool's context (a buffer's drop).
+    ///
+    /// # Safety
+    /// As [`MemoryResource::deallocate`], on the allocation's own stream. `stream` may be a view
+    /// that only the allocation's pin keeps valid: the pin may go with the free, and the caller
+    /// must not use `stream` after this call.
+    #[inline]
+    pub(crate) unsafe fn free_kept(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
+        let op = Op::new(&self.shared, stream);
+        let freed = pool::deallocate(&op, ptr, bytes, stream.key());
+        // The pins given up go here, after the last use of `stream`.
+        drop(op);
+        if let Err(e) = freed {
+            report_drop_error(Some(&self.shared.backend.ctx), self.map_error(e));
+        }
+    }
+
     /// Whether `ptr` is a live allocation of this pool (`stream` is where to look first).
     pub(crate) fn owns(&self, ptr: DevicePtr, stream: &Stream) -> bool {
         pool::owns(&*self.shared, ptr, stream.key())
@@ -332,13 +496,7 @@ impl StreamOrderedPool {
 unsafe impl MemoryResource for StreamOrderedPool {
     #[inline]
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        check_stream("StreamOrderedPool::allocate", self.device(), stream)?;
-        if stream.key().capture_id() != 0
-            && let Some(session) = stream.capture()
-        {
-            return self.allocate_for_graph(bytes, &session);
-        }
-        pool::allocate(&*self.shared, bytes, stream.key()).map_err(|e| self.map_error(e))
+        self.allocate_keeping(bytes, stream).map(|(ptr, _)| ptr)
     }
 
     fn supports_capture(&self) -> bool {
@@ -348,7 +506,12 @@ unsafe impl MemoryResource for StreamOrderedPool {
     #[inline]
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         check_stream("StreamOrderedPool::deallocate", self.device(), stream)?;
-        pool::deallocate(&*self.shared, ptr, bytes, stream.key()).map_err(|e| self.map_error(e))
+        let op = Op::new(&self.shared, stream);
+        let freed = pool::deallocate(&op, ptr, bytes, stream.key()).map_err(|e| self.map_error(e));
+        // The pins given up go here, after the last use of `stream`: a view of a stream kept by
+        // this pool alone is valid until this point (see `StreamOrderedPool::free_kept`).
+        drop(op);
+        freed
     }
 
     fn device(&self) -> Device {

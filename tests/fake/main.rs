@@ -12,6 +12,7 @@ mod launch;
 mod memory;
 mod review2;
 mod soundness;
+mod stream_life;
 
 use std::fmt::Debug;
 use std::sync::Arc;

@@ -26,7 +26,7 @@ const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
 
 /// Ends the child process with a message if `body` has not finished within `limit`: a deadlock
 /// must fail the test, not hang it.
-fn within<R>(limit: Duration, what: &str, body: impl FnOnce() -> R) -> R {
+pub(crate) fn within<R>(limit: Duration, what: &str, body: impl FnOnce() -> R) -> R {
     let (tx, rx) = mpsc::channel::<()>();
     let what = what.to_string();
     let watchdog = std::thread::spawn(move || {
