@@ -152,6 +152,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     #[inline]
     pub unsafe fn uninit(len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
         let resource = match super::device_resource_for_buffers(&stream.device())? {
+            DeviceResource::StreamOrdered(pool) if stream.key().capture_id() == 0 => {
+                // SAFETY: forwarded; the device's own pool, and no capture.
+                return unsafe { Self::allocate_kept(pool, len, stream) };
+            }
             DeviceResource::StreamOrdered(pool) => ResourceRef::Kept(pool),
             DeviceResource::Other(r) => ResourceRef::Device(r),
         };
@@ -184,12 +188,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         unsafe { Self::allocate(resource, len, stream) }
     }
 
-    /// Allocates from `resource`, which belongs to `stream`'s device and is device-accessible.
-    ///
-    /// # Safety
-    /// As [`DeviceBuffer::uninit`].
+    /// The bytes of `len` elements, for a buffer: `T` must not need more alignment than
+    /// resources give.
     #[inline]
-    unsafe fn allocate(resource: ResourceRef, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+    fn buffer_bytes(len: usize) -> Result<usize> {
         if align_of::<T>() > MAX_ALIGN {
             return Err(Error::InvalidArgument(format!(
                 "DeviceBuffer needs align_of::<T>() <= {MAX_ALIGN} (what memory resources guarantee); {} has {}",
@@ -197,7 +199,38 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 align_of::<T>()
             )));
         }
-        let bytes = byte_len::<T>(len)?;
+        byte_len::<T>(len)
+    }
+
+    /// The usual case of [`DeviceBuffer::uninit`]: from the device's `StreamOrderedPool`, on a
+    /// stream that showed no capture. The pool keeps the stream for the buffer.
+    ///
+    /// # Safety
+    /// As [`DeviceBuffer::uninit`]; `pool` is the resource of `stream`'s device.
+    #[inline]
+    unsafe fn allocate_kept(pool: &'static StreamOrderedPool, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        let ptr = pool.allocate_kept(Self::buffer_bytes(len)?, stream)?;
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            resource: ResourceRef::Kept(pool),
+            // SAFETY: the pool holds the allocation in `stream`'s cache, so it keeps the stream
+            // pinned until the allocation is freed; the buffer frees it last, in `Drop`, and does
+            // not use the view after.
+            stream: unsafe { StreamPin::view(stream) },
+            capture: 0,
+            uses: Mutex::new(None),
+            _t: PhantomData,
+        })
+    }
+
+    /// Allocates from `resource`, which belongs to `stream`'s device and is device-accessible.
+    ///
+    /// # Safety
+    /// As [`DeviceBuffer::uninit`].
+    #[inline]
+    unsafe fn allocate(resource: ResourceRef, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        let bytes = Self::buffer_bytes(len)?;
         let capture = stream.key().capture_id();
         let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
         let (ptr, resource) = match resource {
