@@ -236,7 +236,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         let (ptr, resource) = match resource {
             // The device's pool (checked by the caller), and no capture (checked above).
             ResourceRef::Kept(pool) if capture == 0 => (pool.allocate_kept(bytes, stream)?, resource),
-            ResourceRef::Kept(pool) => match pool.allocate_keeping(bytes, stream)? {
+            ResourceRef::Kept(pool) => match pool.allocate_keeping(bytes, stream, true)? {
                 (ptr, true) => (ptr, resource),
                 // A graph's block: the pool does not keep the stream for it.
                 (ptr, false) => (ptr, ResourceRef::Device(pool)),
@@ -803,13 +803,15 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             session.live_buffers.fetch_sub(1, Ordering::AcqRel);
         }
         let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take().unwrap_or_default();
-        // The free takes a counted reference: it may run later, and the pool's pin (with
-        // `ResourceRef::Kept`) lasts only until the free, which does not keep the stream for
-        // itself.
+        // The free takes a counted reference: it may run later, or never (a failed wait leaks
+        // the memory).
         let stream = Stream::clone(&self.stream);
-        if !matches!(self.resource, ResourceRef::Kept(_)) {
+        match self.resource {
+            // The pool keeps the stream for the allocation no more, so that a free that waits
+            // forever or fails (leaking the memory) does not keep the stream too.
+            ResourceRef::Kept(pool) => pool.unkeep(self.ptr, &stream),
             // SAFETY: the buffer's own pin, let go once, here.
-            drop(unsafe { StreamPin::from_view(&mut self.stream) });
+            _ => drop(unsafe { StreamPin::from_view(&mut self.stream) }),
         }
         let free = Free { resource: self.resource.clone(), ptr: self.ptr, bytes, stream, capture: self.capture, uses };
         if crate::host_fn::in_host_fn() { crate::host_fn::defer(move || free.run()) } else { free.run() }

@@ -46,12 +46,13 @@ use crate::stream::{Attachment, Stream, StreamKey, StreamPin, attachment_owner_i
 ///   what was asked, reserved and in use.
 /// * No lock is held across a blocking driver call (`cuEventSynchronize`, `cuMemFree`).
 ///
-/// While the pool holds live allocations made on a stream, it keeps the stream alive (a pin that
-/// is no user of it), so that a [`DeviceBuffer`](crate::memory::DeviceBuffer) from the pool
-/// refers to its stream without a reference count of its own: creating and dropping a buffer
-/// touches no memory that other threads share. When a stream's last user has dropped it and no
-/// allocation made there is live, the pool records one last event on it (so other streams can
-/// still reuse its blocks after a GPU-side wait) and lets it go.
+/// While [`DeviceBuffer`](crate::memory::DeviceBuffer)s of the device's pool live on a stream,
+/// the pool keeps the stream alive (a pin that is no user of it), so that such a buffer refers to
+/// its stream without a reference count of its own: creating and dropping it touches no memory
+/// that other threads share. When a stream's last user has dropped it and no such buffer is left,
+/// the pool records one last event on it (so other streams can still reuse its blocks after a
+/// GPU-side wait) and lets it go; allocations of [`MemoryResource::allocate`] still live on it
+/// then may be freed on any stream.
 ///
 /// ```
 /// # if !cudrv::__doctest_driver() { return Ok(()); }
@@ -95,25 +96,25 @@ impl std::fmt::Debug for Shared {
 struct StreamCache {
     cache: Cache,
     pool: Weak<Shared>,
-    /// Held while `cache` holds live allocations, so that the buffers of those allocations may
-    /// refer to the stream without a count of their own (see [`StreamPin`]); kept between them
-    /// while the stream has users, so that a stream's usual allocate-and-free costs no shared
-    /// reference count.
+    /// Held while `cache` holds kept allocations ([`Cache::kept`]), so that the buffers of those
+    /// allocations may refer to the stream without a count of their own (see [`StreamPin`]);
+    /// kept between them while the stream has users, so that a stream's usual allocate-and-free
+    /// costs no shared reference count.
     pin: Option<StreamPin>,
 }
 
 impl StreamCache {
     /// Keeps the pin in step with the cache after an operation of the pool changed it: pins the
-    /// stream on its first live allocation (`here` is the stream when the operation is on it; only
-    /// such an operation allocates), and gives the pin up once no allocation is live and the
+    /// stream on its first kept allocation (`here` is the stream when the operation is on it; only
+    /// such an operation allocates), and gives the pin up once no kept allocation is live and the
     /// stream has no users.
     #[inline]
     fn settle_pin(&mut self, here: Option<&Stream>) -> Option<StreamPin> {
-        let live = self.cache.stats.live > 0;
-        if live == self.pin.is_some() {
+        let kept = self.cache.kept > 0;
+        if kept == self.pin.is_some() {
             return None;
         }
-        if live {
+        if kept {
             debug_assert!(here.is_some(), "an allocation made on another stream than the operation's");
             self.pin = here.map(StreamPin::new);
             None
@@ -132,7 +133,7 @@ impl Attachment for StreamCache {
     }
 
     fn users_gone(&mut self) -> Option<StreamPin> {
-        if self.cache.stats.live == 0 { self.pin.take() } else { None }
+        if self.cache.kept == 0 { self.pin.take() } else { None }
     }
 }
 
@@ -196,6 +197,11 @@ impl<'a> Op<'a> {
     #[inline]
     fn new(shared: &'a Shared, stream: &'a Stream) -> Self {
         Op { shared, stream, let_go: RefCell::new(Vec::new()) }
+    }
+
+    /// The allocation at `ptr` on the operation's stream is kept no more.
+    fn unkeep(&self, ptr: DevicePtr) {
+        self.existing_cache(self.stream.key(), |c| c.unkeep(ptr));
     }
 
     /// The operation's stream, if `key` is it.
@@ -403,53 +409,69 @@ impl StreamOrderedPool {
         pool::stats(&*self.shared)
     }
 
-    /// Allocates `bytes` on `stream`, as [`MemoryResource::allocate`]; `true` with the pointer
-    /// when the allocation is held in the stream's cache (not a graph's block): then the pool
-    /// keeps the stream, pinned, until the allocation is freed, and a buffer may hold a view of
-    /// it ([`StreamPin::view`]) instead of a counted reference.
+    /// Allocates `bytes` on `stream`, as [`MemoryResource::allocate`]. With `keep`, the allocation
+    /// is a buffer's that refers to its stream through the pool: `true` comes back with the
+    /// pointer when it is held in the stream's cache (not a graph's block), and the pool then
+    /// keeps the stream alive until it is freed (or [`StreamOrderedPool::unkeep`]), so that the
+    /// buffer may hold a view of the stream ([`StreamPin::view`]) instead of a counted reference.
     ///
     /// # Errors
     /// As [`MemoryResource::allocate`].
     #[inline]
-    pub(crate) fn allocate_keeping(&self, bytes: usize, stream: &Stream) -> Result<(DevicePtr, bool)> {
+    pub(crate) fn allocate_keeping(&self, bytes: usize, stream: &Stream, keep: bool) -> Result<(DevicePtr, bool)> {
         check_stream("StreamOrderedPool::allocate", self.device(), stream)?;
         if stream.key().capture_id() != 0
             && let Some(session) = stream.capture()
         {
             return self.allocate_for_graph(bytes, &session).map(|ptr| (ptr, false));
         }
-        self.allocate_kept(bytes, stream).map(|ptr| (ptr, true))
+        self.allocate_on(bytes, stream, keep).map(|ptr| (ptr, keep))
     }
 
-    /// [`StreamOrderedPool::allocate_keeping`] for a caller that checked what it checks: `stream`
-    /// is of the pool's device and showed no capture. The allocation is held in the stream's
-    /// cache (the pool keeps the stream for it).
+    /// [`StreamOrderedPool::allocate_keeping`] with `keep` for a caller that checked what it
+    /// checks: `stream` is of the pool's device and showed no capture. The pool keeps the stream
+    /// for the allocation.
     ///
     /// # Errors
     /// As [`MemoryResource::allocate`].
     #[inline]
     pub(crate) fn allocate_kept(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        let op = Op::new(&self.shared, stream);
-        pool::allocate(&op, bytes, stream.key()).map_err(|e| self.map_error(e))
+        self.allocate_on(bytes, stream, true)
     }
 
-    /// Frees an allocation of [`StreamOrderedPool::allocate_kept`] (or one that
-    /// [`StreamOrderedPool::allocate_keeping`] said is kept) on the stream it was made on, and
-    /// reports an error to the pool's context (a buffer's drop).
+    /// An allocation held in `stream`'s cache (`keep`: see [`StreamOrderedPool::allocate_keeping`]).
+    #[inline]
+    fn allocate_on(&self, bytes: usize, stream: &Stream, keep: bool) -> Result<DevicePtr> {
+        let op = Op::new(&self.shared, stream);
+        pool::allocate(&op, bytes, stream.key(), keep).map_err(|e| self.map_error(e))
+    }
+
+    /// Frees a kept allocation ([`StreamOrderedPool::allocate_keeping`]) on the stream it was made
+    /// on, and reports an error to the pool's context (a buffer's drop). If the free fails, the
+    /// memory leaks (which is sound) but the stream is kept for it no more.
     ///
     /// # Safety
     /// As [`MemoryResource::deallocate`], on the allocation's own stream. `stream` may be a view
-    /// that only the allocation's pin keeps valid: the pin may go with the free, and the caller
-    /// must not use `stream` after this call.
+    /// that only the pool keeps valid: it may go with the free, and the caller must not use
+    /// `stream` after this call.
     #[inline]
     pub(crate) unsafe fn free_kept(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
         let op = Op::new(&self.shared, stream);
         let freed = pool::deallocate(&op, ptr, bytes, stream.key());
+        if freed.is_err() {
+            op.unkeep(ptr);
+        }
         // The pins given up go here, after the last use of `stream`.
         drop(op);
         if let Err(e) = freed {
             report_drop_error(Some(&self.shared.backend.ctx), self.map_error(e));
         }
+    }
+
+    /// The kept allocation at `ptr`, made on `stream`, is kept no more: its buffer holds a counted
+    /// reference to the stream from now on (its free may wait, or fail).
+    pub(crate) fn unkeep(&self, ptr: DevicePtr, stream: &Stream) {
+        Op::new(&self.shared, stream).unkeep(ptr);
     }
 
     /// Whether `ptr` is a live allocation of this pool (`stream` is where to look first).
@@ -496,7 +518,7 @@ impl StreamOrderedPool {
 unsafe impl MemoryResource for StreamOrderedPool {
     #[inline]
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        self.allocate_keeping(bytes, stream).map(|(ptr, _)| ptr)
+        self.allocate_keeping(bytes, stream, false).map(|(ptr, _)| ptr)
     }
 
     fn supports_capture(&self) -> bool {

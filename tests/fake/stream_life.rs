@@ -1,16 +1,20 @@
-//! How long a stream lives: as long as a `Stream` value, a buffer allocated on it, or a live
-//! allocation of `StreamOrderedPool` made on it needs it, and no longer. Buffers of the device's
-//! `StreamOrderedPool` refer to their stream without a reference count of their own (the pool
-//! keeps the stream pinned while it holds allocations made there), so these tests race the
-//! last user's drop against the buffers' frees and check that every stream is destroyed once,
-//! after its last use, with the data intact.
+//! How long a stream lives: as long as a `Stream` value or a buffer allocated on it needs it, and
+//! no longer. Buffers of the device's `StreamOrderedPool` refer to their stream without a
+//! reference count of their own (the pool keeps the stream pinned while such buffers live), so
+//! these tests race the last user's drop against the buffers' frees, the per-thread stream's
+//! users made again, host functions, captures, resource switches and failed frees, and check
+//! that every stream is destroyed once, after its last use, with the data intact. (The second
+//! half came from a review of the pins.)
 
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, mpsc};
 use std::time::Duration;
 
-use cudrv::memory::{DeviceBuffer, MemoryResource, StreamOrderedPool};
+use cudrv::graph::{CaptureMode, CaptureStatus};
+use cudrv::memory::{DeviceBuffer, MemoryResource, StreamOrderedPool, SyncResource};
 use cudrv::{Device, Stream};
 use cudrv_test_support::{assert_no_leaks, fake_report, run_with_fake};
+
+const POOL: [(&str, &str); 2] = [("CUDRV_MEMORY_RESOURCE", "pool"), ("CUDRV_FAKE_MODE", "tcc")];
 
 use crate::driver_pool_refused;
 
@@ -18,9 +22,18 @@ fn live_streams() -> u64 {
     fake_report().live_streams
 }
 
+/// Every stream made since `base` was counted is gone, and nothing leaked or was misused.
+fn all_gone(dev: &Device, base: u64) {
+    trim_all(dev);
+    assert_eq!(live_streams(), base);
+    assert!(fake_report().violations.is_empty(), "{:?}", fake_report().violations);
+    assert_no_leaks();
+}
+
 fn trim_all(dev: &Device) {
     cudrv::flush_deferred_drops().unwrap();
     dev.memory_resource().unwrap().trim(0).unwrap();
+    dev.primary_context().unwrap().release_cached_events();
 }
 
 /// With every resource: a buffer outlives the last `Stream` of its stream, which stays valid
@@ -84,9 +97,10 @@ fn a_stream_goes_with_its_last_user_when_no_buffer_needs_it() {
     });
 }
 
-/// The raw pool API: an allocation keeps its stream until it is freed, even on another stream.
+/// The raw pool API: an allocation does not keep its stream (only buffers do); once the stream
+/// is gone, the allocation may be freed on another stream.
 #[test]
-fn a_raw_pool_allocation_keeps_its_stream_until_it_is_freed() {
+fn a_raw_pool_allocation_does_not_keep_its_stream() {
     run_with_fake(&[("CUDRV_FAKE_MODE", "tcc")], || {
         let dev = Device::get(0).unwrap();
         let pool = StreamOrderedPool::new(&dev).unwrap();
@@ -95,10 +109,9 @@ fn a_raw_pool_allocation_keeps_its_stream_until_it_is_freed() {
         let b = Stream::new(&dev).unwrap();
         let p = pool.allocate(1 << 20, &a).unwrap();
         drop(a);
-        assert_eq!(live_streams(), base + 2, "the allocation keeps its stream");
+        assert_eq!(live_streams(), base + 1, "only `b` is left");
         // SAFETY: `p` came from `pool` with this size; nothing used it.
         unsafe { pool.deallocate(p, 1 << 20, &b) }.unwrap();
-        assert_eq!(live_streams(), base + 1, "let go with the free");
         // The block is reusable on `b` now (it was freed there).
         let q = pool.allocate(1 << 20, &b).unwrap();
         assert_eq!(p, q);
@@ -110,6 +123,53 @@ fn a_raw_pool_allocation_keeps_its_stream_until_it_is_freed() {
         assert_eq!(live_streams(), base);
         assert_no_leaks();
     });
+}
+
+/// The last user of a capturing stream that holds a raw allocation ends the capture (its
+/// stream goes), as without the allocation.
+#[test]
+fn a_raw_allocation_does_not_keep_an_abandoned_capture() {
+    run_with_fake(&POOL, || {
+        let dev = Device::get(0).unwrap();
+        let res = dev.memory_resource().unwrap();
+        let origin = Stream::new(&dev).unwrap();
+        let side = Stream::new(&dev).unwrap();
+        let p = res.allocate(4096, &origin).unwrap();
+        origin.begin_capture(CaptureMode::Relaxed).unwrap();
+        side.wait_stream(&origin).unwrap();
+        assert_eq!(side.capture_status().unwrap(), CaptureStatus::Active);
+        drop(origin);
+        cudrv::flush_deferred_drops().unwrap();
+        assert_eq!(side.capture_status().unwrap(), CaptureStatus::None, "the last user ended the capture");
+        // SAFETY: from `res` with this size; nothing used it.
+        unsafe { res.deallocate(p, 4096, &side) }.unwrap();
+        side.synchronize().unwrap();
+    });
+}
+
+/// A buffer whose free fails (it leaks its memory, which is sound) does not leak its stream.
+#[test]
+fn a_failed_free_does_not_keep_the_stream() {
+    run_with_fake(
+        &[
+            ("CUDRV_MEMORY_RESOURCE", "pool"),
+            ("CUDRV_FAKE_MODE", "tcc"),
+            ("CUDRV_FAKE_FAIL", "cuStreamWaitEvent:2+:999,cuStreamSynchronize:1+:999"),
+        ],
+        || {
+            let dev = Device::get(0).unwrap();
+            let base = live_streams();
+            let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+            // SAFETY: never read.
+            let buf = unsafe { DeviceBuffer::<u32>::uninit(1024, &a) }.unwrap();
+            buf.record_use(&b).unwrap();
+            drop(buf); // the free cannot be ordered after `b`: the memory leaks
+            drop(a);
+            drop(b);
+            cudrv::flush_deferred_drops().unwrap();
+            assert_eq!(live_streams(), base, "the leaked memory kept a stream");
+        },
+    );
 }
 
 /// The last user's drop races the frees of the stream's buffers on other threads, and other
@@ -185,4 +245,222 @@ fn a_host_function_may_drop_a_streams_last_buffer() {
             assert_no_leaks();
         },
     );
+}
+
+/// The per-thread stream: its owner makes users again (Weak upgrade) while other threads
+/// free its last buffers, round after round. Every buffer reads its data back; nothing leaks.
+#[test]
+fn per_thread_users_race_buffer_frees() {
+    run_with_fake(&POOL, || {
+        crate::soundness::within(Duration::from_secs(120), "per-thread pins", || {
+            let dev = Device::get(0).unwrap();
+            let base = live_streams();
+            for round in 0..30u32 {
+                let s = Stream::per_thread(&dev).unwrap();
+                let id = s.id();
+                let bufs: Vec<DeviceBuffer<u32>> =
+                    (0..3).map(|t| DeviceBuffer::from_slice(&[round * 10 + t; 300], &s).unwrap()).collect();
+                drop(s); // only the pool's pin is left
+                let start = Arc::new(Barrier::new(bufs.len() + 1));
+                let workers: Vec<_> = bufs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(t, b)| {
+                        let start = start.clone();
+                        std::thread::spawn(move || {
+                            start.wait();
+                            assert!(b.to_vec().unwrap().iter().all(|&v| v == round * 10 + t as u32));
+                            let c = b.stream().clone();
+                            drop(b);
+                            drop(c);
+                        })
+                    })
+                    .collect();
+                start.wait();
+                for _ in 0..50 {
+                    let again = Stream::per_thread(&dev).unwrap();
+                    if again.id() == id {
+                        // The same stream while a pin holds it: usable.
+                        let x = DeviceBuffer::from_slice(&[round; 16], &again).unwrap();
+                        drop(again);
+                        assert_eq!(x.to_vec().unwrap(), vec![round; 16]);
+                    }
+                }
+                for w in workers {
+                    w.join().unwrap();
+                }
+            }
+            all_gone(&dev, base);
+        });
+    });
+}
+
+/// The last user of a stream is dropped in a host function (its pin released there) while
+/// other threads free the stream's buffers, and make buffers on their views.
+#[test]
+fn last_user_in_a_host_function_races_frees() {
+    run_with_fake(&[POOL[0], POOL[1], ("CUDRV_FAKE_DELAY_US", "200")], || {
+        crate::soundness::within(Duration::from_secs(120), "host-fn last user", || {
+            let dev = Device::get(0).unwrap();
+            let base = live_streams();
+            let other = Stream::new(&dev).unwrap();
+            for round in 0..20u32 {
+                let s = Stream::new(&dev).unwrap();
+                let bufs: Vec<DeviceBuffer<u32>> =
+                    (0..3).map(|t| DeviceBuffer::from_slice(&[round + t; 500], &s).unwrap()).collect();
+                let (go, wait) = mpsc::channel::<()>();
+                other
+                    .launch_host_fn(move || {
+                        wait.recv().unwrap();
+                        drop(s);
+                    })
+                    .unwrap();
+                let workers: Vec<_> = bufs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(t, b)| {
+                        std::thread::spawn(move || {
+                            let more = DeviceBuffer::<u32>::zeroed(64, b.stream()).unwrap();
+                            assert!(b.to_vec().unwrap().iter().all(|&v| v == round + t as u32));
+                            drop(b);
+                            assert_eq!(more.to_vec().unwrap(), vec![0; 64]);
+                        })
+                    })
+                    .collect();
+                go.send(()).unwrap();
+                for w in workers {
+                    w.join().unwrap();
+                }
+                other.synchronize().unwrap();
+            }
+            drop(other);
+            all_gone(&dev, base);
+        });
+    });
+}
+
+/// A buffer of the device's pool allocated before a capture, used by it on another stream and
+/// dropped while the graph lives, then every user of its stream goes: the stream goes once the
+/// graph is released and the deferred free has run.
+#[test]
+fn buffer_used_by_a_capture_keeps_its_stream_until_the_graph_goes() {
+    run_with_fake(&POOL, || {
+        let dev = Device::get(0).unwrap();
+        let base = live_streams();
+        let a = Stream::new(&dev).unwrap();
+        let c = Stream::new(&dev).unwrap();
+        let src = DeviceBuffer::from_slice(&[9u32; 256], &a).unwrap();
+        let mut dst = DeviceBuffer::<u32>::zeroed(256, &c).unwrap();
+        c.begin_capture(CaptureMode::Global).unwrap();
+        dst.copy_from(&src).unwrap(); // `src` used by the capture, on `c`
+        let graph = c.end_capture().unwrap();
+        let exec = graph.instantiate().unwrap();
+        drop(src); // its free waits for the graph
+        drop(a); // the Free's counted reference keeps `a`
+        exec.launch(&c).unwrap();
+        c.synchronize().unwrap();
+        assert_eq!(dst.to_vec().unwrap(), vec![9; 256]);
+        assert_eq!(live_streams(), base + 2);
+        drop((exec, graph));
+        cudrv::flush_deferred_drops().unwrap();
+        assert_eq!(live_streams(), base + 1, "`a` goes with the graph's release");
+        drop((dst, c));
+        all_gone(&dev, base);
+    });
+}
+
+/// The device's resource is switched while buffers of the old pool live on a stream without
+/// users; new buffers on the view come from the new resource. Everything goes at the end.
+#[test]
+fn switching_the_device_resource_while_kept_buffers_live() {
+    run_with_fake(&POOL, || {
+        let dev = Device::get(0).unwrap();
+        let base = live_streams();
+        let s = Stream::new(&dev).unwrap();
+        let old = DeviceBuffer::from_slice(&[1u32; 1000], &s).unwrap();
+        drop(s);
+        let mine = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        dev.set_memory_resource(mine.clone(), "review").unwrap();
+        let newer = DeviceBuffer::from_slice(&[2u32; 1000], old.stream()).unwrap();
+        // The same pool through `uninit_in` too (a pin of its own), and a sync buffer.
+        let given = DeviceBuffer::from_slice_in(&[3u32; 10], old.stream(), mine.clone()).unwrap();
+        let sync =
+            DeviceBuffer::from_slice_in(&[4u32; 10], old.stream(), Arc::new(SyncResource::new(&dev).unwrap())).unwrap();
+        drop(old);
+        assert_eq!(live_streams(), base + 1);
+        assert_eq!(newer.to_vec().unwrap(), vec![2; 1000]);
+        drop(newer);
+        assert_eq!(given.to_vec().unwrap(), vec![3; 10]);
+        drop(given);
+        assert_eq!(live_streams(), base + 1, "the sync buffer keeps it");
+        drop(sync);
+        assert_eq!(live_streams(), base, "gone with the last buffer");
+        cudrv::flush_deferred_drops().unwrap();
+        mine.trim(0).unwrap();
+    });
+}
+
+/// A pool that is not the device's is dropped while a raw allocation keeps a stream that has
+/// no users: the pool's teardown lets go of the stream (the allocation is reported leaked).
+#[test]
+fn dropping_a_pool_with_a_live_raw_allocation() {
+    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc")], || {
+        let dev = Device::get(0).unwrap();
+        let base = live_streams();
+        let pool = StreamOrderedPool::new(&dev).unwrap();
+        let a = Stream::new(&dev).unwrap();
+        let p = pool.allocate(1 << 16, &a).unwrap();
+        let buf = DeviceBuffer::<u8>::zeroed(1 << 16, &a).unwrap();
+        drop(a);
+        assert_eq!(live_streams(), base + 1, "the buffer keeps the stream");
+        drop(buf);
+        assert_eq!(live_streams(), base, "a raw allocation does not keep its stream");
+        drop(pool); // reports the raw allocation as leaked
+        let _ = cudrv::flush_deferred_drops();
+        assert_eq!(live_streams(), base);
+        let _ = p;
+    });
+}
+
+/// Raw allocations on one stream freed on another race the stream's last user and its
+/// buffers' frees on several threads.
+#[test]
+fn raw_cross_stream_frees_race_the_last_user() {
+    run_with_fake(&POOL, || {
+        crate::soundness::within(Duration::from_secs(120), "raw cross-stream frees", || {
+            let dev = Device::get(0).unwrap();
+            let res = dev.memory_resource().unwrap();
+            let base = live_streams();
+            let b = Stream::new(&dev).unwrap();
+            for round in 0..40usize {
+                let a = Stream::new(&dev).unwrap();
+                let raw: Vec<u64> = (0..4).map(|i| res.allocate(512 * (i + 1), &a).unwrap()).collect();
+                let buf = DeviceBuffer::from_slice(&[round as u32; 64], &a).unwrap();
+                let start = Arc::new(Barrier::new(3));
+                let (r2, b2, s2) = (res.clone(), b.clone(), start.clone());
+                let freer = std::thread::spawn(move || {
+                    s2.wait();
+                    for (i, p) in raw.into_iter().enumerate() {
+                        // SAFETY: from `r2` with this size, unused.
+                        unsafe { r2.deallocate(p, 512 * (i + 1), &b2) }.unwrap();
+                    }
+                });
+                let s3 = start.clone();
+                let dropper = std::thread::spawn(move || {
+                    s3.wait();
+                    assert_eq!(buf.to_vec().unwrap(), vec![round as u32; 64]);
+                    drop(buf);
+                });
+                start.wait();
+                drop(a);
+                freer.join().unwrap();
+                dropper.join().unwrap();
+                assert_eq!(live_streams(), base + 1, "round {round}");
+            }
+            drop(b);
+            trim_all(&dev);
+            assert_eq!(live_streams(), base);
+            assert_no_leaks();
+        });
+    });
 }

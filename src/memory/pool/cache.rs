@@ -46,27 +46,32 @@ pub(crate) struct Cache {
     free: FastMap<usize, Vec<(u64, u32)>>,
     /// Live allocations made on, or moved to, this stream.
     live: FastMap<u64, Live>,
+    /// How many of them are *kept*: buffers' allocations whose buffer refers to the stream through
+    /// the pool, which keeps the stream alive while there are any
+    /// ([`StreamPin`](crate::stream::StreamPin)).
+    pub(crate) kept: usize,
     pub(crate) stats: CacheStats,
 }
 
 impl Cache {
     pub(crate) fn new(slot: u32) -> Self {
-        Cache { slot, free: FastMap::default(), live: FastMap::default(), stats: CacheStats::default() }
+        Cache { slot, free: FastMap::default(), live: FastMap::default(), kept: 0, stats: CacheStats::default() }
     }
 
-    /// A cached block of exactly `size` rounded bytes, for a request of `requested` bytes.
+    /// A cached block of exactly `size` rounded bytes, for a request of `requested` bytes
+    /// (`kept`: see [`Cache::kept`]).
     #[inline]
-    pub(crate) fn take(&mut self, size: usize, requested: usize) -> Option<u64> {
+    pub(crate) fn take(&mut self, size: usize, requested: usize, kept: bool) -> Option<u64> {
         let (ptr, blk) = self.free.get_mut(&size)?.pop()?;
         self.stats.free_bytes -= size;
         self.stats.hits += 1;
-        self.adopt_block(ptr, Live { blk, size, requested });
+        self.adopt_block(ptr, Live { blk, size, requested, kept });
         Some(ptr)
     }
 
     /// Takes a block handed out by the arena as a live allocation of `requested` bytes.
-    pub(crate) fn adopt(&mut self, h: Handout, requested: usize) -> u64 {
-        self.adopt_block(h.ptr, Live { blk: h.blk, size: h.size, requested });
+    pub(crate) fn adopt(&mut self, h: Handout, requested: usize, kept: bool) -> u64 {
+        self.adopt_block(h.ptr, Live { blk: h.blk, size: h.size, requested, kept });
         h.ptr
     }
 
@@ -78,6 +83,7 @@ impl Cache {
         s.live_bytes += live.requested;
         s.live_block_bytes += live.size;
         s.peak_live_bytes = s.peak_live_bytes.max(s.live_bytes);
+        self.kept += usize::from(live.kept);
         let old = self.live.insert(ptr, live);
         debug_assert!(old.is_none(), "a pointer handed out twice");
     }
@@ -90,12 +96,26 @@ impl Cache {
             Some(l) if l.requested != requested => Found::WrongSize,
             Some(_) => {
                 let live = self.live.remove(&ptr).expect("found above");
+                self.kept -= usize::from(live.kept);
                 let s = &mut self.stats;
                 s.live -= 1;
                 s.live_bytes -= live.requested;
                 s.live_block_bytes -= live.size;
                 Found::Here(live)
             }
+        }
+    }
+
+    /// The allocation at `ptr` is kept no more (its buffer now holds a counted reference to the
+    /// stream); whether it was.
+    pub(crate) fn unkeep(&mut self, ptr: u64) -> bool {
+        match self.live.get_mut(&ptr) {
+            Some(l) if l.kept => {
+                l.kept = false;
+                self.kept -= 1;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -126,6 +146,7 @@ impl Cache {
     pub(crate) fn take_live(&mut self) -> Vec<(u64, Live)> {
         let s = &mut self.stats;
         (s.live, s.live_bytes, s.live_block_bytes) = (0, 0, 0);
+        self.kept = 0;
         self.live.drain().collect()
     }
 

@@ -168,7 +168,7 @@ pub(crate) fn allocate_for_graph<H: Host>(
         }
     };
     Ok(h.arena(|a| {
-        let live = Live { blk: handout.blk, size: handout.size, requested: bytes };
+        let live = Live { blk: handout.blk, size: handout.size, requested: bytes, kept: false };
         a.graphs.blocks.insert(handout.ptr, GraphBlock { live, graph, freed: false, released: false });
         let n = a.graphs.per_graph.entry(graph).or_insert(0);
         *n += 1;

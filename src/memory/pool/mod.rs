@@ -125,6 +125,9 @@ pub(crate) struct Live {
     pub(crate) blk: u32,
     pub(crate) size: usize,
     pub(crate) requested: usize,
+    /// Made for a buffer that refers to the allocation's stream through the pool (see
+    /// [`Cache::kept`]).
+    pub(crate) kept: bool,
 }
 
 /// A fast hasher for device pointers, sizes and stream identities (the keys are not
@@ -196,14 +199,20 @@ pub(crate) type StreamOf<H> = <<H as Host>::B as Backend>::Stream;
 pub(crate) type ErrorOf<H> = <<H as Host>::B as Backend>::Error;
 
 /// Allocates `bytes` for use on `stream`, in stream order: the memory may be used by work queued
-/// on `stream` after this call. `allocate(0)` hands out a distinct minimal block.
+/// on `stream` after this call. `allocate(0)` hands out a distinct minimal block. `kept`: the
+/// allocation is a buffer's that refers to its stream through the pool ([`Cache::kept`]).
 #[inline]
-pub(crate) fn allocate<H: Host>(h: &H, bytes: usize, stream: &StreamOf<H>) -> Result<u64, PoolError<ErrorOf<H>>> {
+pub(crate) fn allocate<H: Host>(
+    h: &H,
+    bytes: usize,
+    stream: &StreamOf<H>,
+    kept: bool,
+) -> Result<u64, PoolError<ErrorOf<H>>> {
     let size = Arena::<H::B>::rounded(bytes).ok_or(PoolError::TooLarge { requested: bytes })?;
-    let (hit, slot) = h.cache(stream, |c| (c.take(size, bytes), c.slot));
+    let (hit, slot) = h.cache(stream, |c| (c.take(size, bytes, kept), c.slot));
     match hit {
         Some(ptr) => Ok(ptr),
-        None => allocate_slow(h, stream, slot, size, bytes),
+        None => allocate_slow(h, stream, slot, size, bytes, kept),
     }
 }
 
@@ -216,9 +225,10 @@ fn allocate_slow<H: Host>(
     slot: u32,
     size: usize,
     requested: usize,
+    kept: bool,
 ) -> Result<u64, PoolError<ErrorOf<H>>> {
     let b = h.backend();
-    let adopt = |handout| h.cache(stream, |c| c.adopt(handout, requested));
+    let adopt = |handout| h.cache(stream, |c| c.adopt(handout, requested, kept));
     if let Some(handout) = h.arena(|a| a.take(b, slot, size))? {
         return Ok(adopt(handout));
     }

@@ -164,7 +164,7 @@ impl SimulatedPool {
     /// released what it caches; [`Error::InvalidArgument`] for a request above the largest the
     /// pool accepts.
     pub fn allocate(&self, bytes: usize, stream: usize) -> Result<u64> {
-        super::allocate(&self.host, bytes, &stream).map_err(|e| self.error(e))
+        super::allocate(&self.host, bytes, &stream, false).map_err(|e| self.error(e))
     }
 
     /// Frees `ptr` (of `bytes` bytes) on stream `stream`.

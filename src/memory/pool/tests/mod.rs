@@ -99,8 +99,13 @@ impl Harness {
 
     /// Allocates on stream `s` and checks the block against every earlier free of its memory.
     fn alloc(&self, bytes: usize, s: usize) -> Result<u64, PoolError<MockErr>> {
+        self.alloc_as(bytes, s, false)
+    }
+
+    /// [`Harness::alloc`] of a kept allocation (a buffer's, see `Cache::kept`) or not.
+    fn alloc_as(&self, bytes: usize, s: usize, kept: bool) -> Result<u64, PoolError<MockErr>> {
         let before = self.stats();
-        let r = allocate(self, bytes, &S(s));
+        let r = allocate(self, bytes, &S(s), kept);
         match &r {
             Ok(p) => self.mock.allocated(*p, bytes, s),
             Err(_) if self.concurrent => {}

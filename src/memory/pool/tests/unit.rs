@@ -10,6 +10,35 @@ fn harness(streams: usize) -> Harness {
     Harness::new(plain(), Mock::new(streams))
 }
 
+/// Kept allocations (buffers that refer to their stream through the pool) are counted on their
+/// stream's cache from the cache and from the arena, and uncounted by every free, on their own
+/// stream or another, and by `unkeep`.
+#[test]
+fn kept_allocations_are_counted_through_every_path() {
+    let h = harness(2);
+    let kept = |s: usize| h.existing_cache(&S(s), |c| c.kept).unwrap_or(0);
+    let unkeep = |p: u64| h.existing_cache(&S(0), |c| c.unkeep(p)).unwrap();
+    let a = h.alloc_as(1000, 0, true).unwrap(); // from the arena
+    let b = h.alloc_as(1000, 0, false).unwrap();
+    assert_eq!(kept(0), 1);
+    h.free(a, 0);
+    assert_eq!(kept(0), 0);
+    let c = h.alloc_as(1000, 0, true).unwrap(); // from the cache: `a`'s block
+    assert_eq!((c, kept(0)), (a, 1));
+    assert!(unkeep(c));
+    assert!(!unkeep(c), "once");
+    assert!(!unkeep(b), "never kept");
+    assert_eq!(kept(0), 0);
+    let d = h.alloc_as(3000, 0, true).unwrap();
+    assert_eq!(kept(0), 1);
+    h.free(d, 1); // on another stream
+    assert_eq!((kept(0), kept(1)), (0, 0));
+    h.free(b, 0);
+    h.free(c, 0);
+    h.check();
+    h.teardown();
+}
+
 #[test]
 fn same_stream_reuse_makes_no_backend_call() {
     let h = harness(1);
