@@ -43,10 +43,10 @@ pub struct Stream {
     handle: Arc<Handle>,
 }
 
-/// The users' share of a stream: every [`Stream`] value, and the [`StreamPin`]s of memory pools
-/// that keep the stream for buffers of theirs. When it goes, memory pools that cached blocks freed
-/// on the stream are told to forget it (while it is still valid), and release their own
-/// references; the stream is destroyed once those are gone too.
+/// The users' share of a stream: every [`Stream`] value, and every [`StreamPin`] (of a memory
+/// pool that keeps the stream for its buffers, or of a buffer). When it goes, memory pools that
+/// cached blocks freed on the stream are told to forget it (while it is still valid), and release
+/// their own references; the stream is destroyed once those are gone too.
 struct Handle {
     key: StreamKey,
     /// How many `Stream` values exist. `Arc`'s count holds them and the pins; when this reaches
@@ -74,13 +74,14 @@ impl Drop for Stream {
     }
 }
 
-/// A counted reference to a stream that is not one of its users: a memory pool holds one while it
-/// has live allocations made on the stream, so that the buffers of those allocations can refer
-/// to the stream without a count of their own ([`StreamPin::view`]). It is let go when the
-/// stream has no users and the pool no live allocation on it, whichever comes last: the pool
-/// checks [`StreamPin::users_gone`] when its last allocation there is freed, and the last
-/// user's drop asks each attachment ([`Attachment::users_gone`]). Both look under the stream's
-/// attachment lock, so one of them sees the other's change.
+/// A counted reference to a stream that is not one of its users. A buffer of a resource other than
+/// the device's `StreamOrderedPool` holds one of its own ([`StreamPin::into_view`]). That pool
+/// holds one while buffers of its own live on the stream, so that they can refer to the stream
+/// without a count of their own ([`StreamPin::view`]); it lets go of it when the stream has no
+/// users and the pool no such buffer there, whichever comes last: the pool checks
+/// [`StreamPin::users_gone`] when its last such buffer there is freed, and the last user's drop
+/// asks each attachment ([`Attachment::users_gone`]). Both look under the stream's attachment
+/// lock, so one of them sees the other's change.
 pub(crate) struct StreamPin(Arc<Handle>);
 
 impl StreamPin {
