@@ -296,7 +296,9 @@ pub(crate) fn join_hooks() -> Option<&'static JoinHooks> {
 /// the stream. When the stream's last user lets go of it (while it is still valid), each
 /// attachment is told, so that it can give back what it holds.
 pub(crate) trait Attachment: Any + Send {
-    /// The stream's last user and pin let go of it; `stream` is still valid.
+    /// The stream's last user and pin let go of it; `stream` is still valid. Called with the
+    /// stream's attachment lock held: what the attachment holds must be findable elsewhere when
+    /// this returns.
     fn retire(self: Box<Self>, stream: &StreamKey);
 
     /// The stream's last user let go of it: the attachment's pin, if it holds one that it needs
@@ -321,9 +323,11 @@ impl Drop for Handle {
             {
                 (hooks.abandoned)(&key);
             }
-            let attachments =
-                std::mem::take(&mut *key.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-            for (_, a) in attachments {
+            // Under the lock: another thread looking for what an attachment holds (a pool freeing,
+            // on another stream, an allocation made on this one) waits until it is where that
+            // thread looks next. (A stream's attachments, then a pool's arena: the lock order.)
+            let mut list = key.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (_, a) in std::mem::take(&mut *list) {
                 a.retire(&key);
             }
         };

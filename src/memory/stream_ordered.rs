@@ -129,7 +129,10 @@ impl StreamCache {
 impl Attachment for StreamCache {
     fn retire(self: Box<Self>, stream: &StreamKey) {
         let Some(shared) = self.pool.upgrade() else { return };
-        retire_when_not_capturing(shared, stream.clone(), self.cache);
+        let mut cache = self.cache;
+        // At once, even while a capture defers the rest: other streams' frees look there.
+        pool::orphan_live(&*shared, &mut cache);
+        retire_when_not_capturing(shared, stream.clone(), cache);
     }
 
     fn users_gone(&mut self) -> Option<StreamPin> {

@@ -430,16 +430,24 @@ fn release_settled<H: Host>(h: &H, keep_bytes: usize) -> Result<(), ErrorOf<H>> 
     free_chunks(h, &detached)
 }
 
+/// Moves the live allocations of `cache` (taken off its stream) to the arena's orphans, which any
+/// stream may free.
+pub(crate) fn orphan_live<H: Host>(h: &H, cache: &mut Cache) {
+    let live = cache.take_live();
+    if !live.is_empty() {
+        h.arena(|a| a.orphans.extend(live));
+    }
+}
+
 /// Forgets `stream`, whose last user let go of it; `cache` is its cache, already taken off the
 /// stream. Its free blocks go to the arena with a last event recorded on the stream, and its live
 /// allocations become orphans that any stream may free.
 pub(crate) fn retire<H: Host>(h: &H, stream: &StreamOf<H>, mut cache: Cache) -> Result<(), ErrorOf<H>> {
+    orphan_live(h, &mut cache);
     let blocks = cache.take_free();
-    let live = cache.take_live();
     let stats = cache.stats;
     h.arena(|a| {
         a.give_back(cache.slot, &blocks);
-        a.orphans.extend(live);
         a.stats.retired_allocations += stats.allocations;
         a.stats.retired_hits += stats.hits;
         a.forget_stream(h.backend(), stream)
