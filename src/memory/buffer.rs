@@ -234,9 +234,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         let capture = stream.key().capture_id();
         let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
         let (ptr, resource) = match resource {
-            // The device's pool (checked by the caller), and no capture (checked above).
-            ResourceRef::Kept(pool) if capture == 0 => (pool.allocate_kept(bytes, stream)?, resource),
-            ResourceRef::Kept(pool) => match pool.allocate_keeping(bytes, stream, true)? {
+            ResourceRef::Kept(pool) => match pool.allocate_keeping(bytes, stream)? {
                 (ptr, true) => (ptr, resource),
                 // A graph's block: the pool does not keep the stream for it.
                 (ptr, false) => (ptr, ResourceRef::Device(pool)),

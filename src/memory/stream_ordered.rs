@@ -186,8 +186,8 @@ impl Shared {
     }
 }
 
-/// One allocation or free, on `stream`: the pool's [`Host`] for the operations that change which
-/// allocations are live. Each cache it touches keeps its pin in step ([`StreamCache::settle_pin`]);
+/// One allocation, free or unkeep of a kept allocation on `stream`: the pool's [`Host`] for the
+/// operations that change which allocations are kept. Each cache it touches keeps its pin in step ([`StreamCache::settle_pin`]);
 /// the pins given up are dropped with the `Op`, once the pool is done with every stream (the
 /// last pin may take its stream with it).
 struct Op<'a> {
@@ -412,41 +412,46 @@ impl StreamOrderedPool {
         pool::stats(&*self.shared)
     }
 
-    /// Allocates `bytes` on `stream`, as [`MemoryResource::allocate`]. With `keep`, the allocation
-    /// is a buffer's that refers to its stream through the pool: `true` comes back with the
-    /// pointer when it is held in the stream's cache (not a graph's block), and the pool then
-    /// keeps the stream alive until it is freed (or [`StreamOrderedPool::unkeep`]), so that the
-    /// buffer may hold a view of the stream ([`StreamPin::view`]) instead of a counted reference.
+    /// Allocates `bytes` on `stream`, as [`MemoryResource::allocate`], for a buffer that refers to
+    /// its stream through the pool: `true` comes back with the pointer when the allocation is
+    /// held in the stream's cache (not a graph's block), and the pool then keeps the stream alive
+    /// until it is freed (or [`StreamOrderedPool::unkeep`]), so that the buffer may hold a view of
+    /// the stream ([`StreamPin::view`]) instead of a counted reference.
     ///
     /// # Errors
     /// As [`MemoryResource::allocate`].
     #[inline]
-    pub(crate) fn allocate_keeping(&self, bytes: usize, stream: &Stream, keep: bool) -> Result<(DevicePtr, bool)> {
+    pub(crate) fn allocate_keeping(&self, bytes: usize, stream: &Stream) -> Result<(DevicePtr, bool)> {
+        self.allocate_on(bytes, stream, true)
+    }
+
+    /// [`StreamOrderedPool::allocate_keeping`] for a caller that checked what it checks: `stream`
+    /// is of the pool's device and showed no capture. The pool keeps the stream for the
+    /// allocation.
+    ///
+    /// # Errors
+    /// As [`MemoryResource::allocate`].
+    #[inline]
+    pub(crate) fn allocate_kept(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        let op = Op::new(&self.shared, stream);
+        pool::allocate(&op, bytes, stream.key(), true).map_err(|e| self.map_error(e))
+    }
+
+    /// An allocation on `stream`: a graph's block while the stream captures, else one held in the
+    /// stream's cache, kept (`true` with the pointer) when `keep` asks for it.
+    #[inline]
+    fn allocate_on(&self, bytes: usize, stream: &Stream, keep: bool) -> Result<(DevicePtr, bool)> {
         check_stream("StreamOrderedPool::allocate", self.device(), stream)?;
         if stream.key().capture_id() != 0
             && let Some(session) = stream.capture()
         {
             return self.allocate_for_graph(bytes, &session).map(|ptr| (ptr, false));
         }
-        self.allocate_on(bytes, stream, keep).map(|ptr| (ptr, keep))
-    }
-
-    /// [`StreamOrderedPool::allocate_keeping`] with `keep` for a caller that checked what it
-    /// checks: `stream` is of the pool's device and showed no capture. The pool keeps the stream
-    /// for the allocation.
-    ///
-    /// # Errors
-    /// As [`MemoryResource::allocate`].
-    #[inline]
-    pub(crate) fn allocate_kept(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        self.allocate_on(bytes, stream, true)
-    }
-
-    /// An allocation held in `stream`'s cache (`keep`: see [`StreamOrderedPool::allocate_keeping`]).
-    #[inline]
-    fn allocate_on(&self, bytes: usize, stream: &Stream, keep: bool) -> Result<DevicePtr> {
-        let op = Op::new(&self.shared, stream);
-        pool::allocate(&op, bytes, stream.key(), keep).map_err(|e| self.map_error(e))
+        if keep {
+            return self.allocate_kept(bytes, stream).map(|ptr| (ptr, true));
+        }
+        // Nothing to keep: no pin changes, so the pool's plain host serves.
+        pool::allocate(&*self.shared, bytes, stream.key(), false).map(|ptr| (ptr, false)).map_err(|e| self.map_error(e))
     }
 
     /// Frees a kept allocation ([`StreamOrderedPool::allocate_keeping`]) on the stream it was made
@@ -521,7 +526,7 @@ impl StreamOrderedPool {
 unsafe impl MemoryResource for StreamOrderedPool {
     #[inline]
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        self.allocate_keeping(bytes, stream, false).map(|(ptr, _)| ptr)
+        self.allocate_on(bytes, stream, false).map(|(ptr, _)| ptr)
     }
 
     fn supports_capture(&self) -> bool {
@@ -531,12 +536,9 @@ unsafe impl MemoryResource for StreamOrderedPool {
     #[inline]
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         check_stream("StreamOrderedPool::deallocate", self.device(), stream)?;
-        let op = Op::new(&self.shared, stream);
-        let freed = pool::deallocate(&op, ptr, bytes, stream.key()).map_err(|e| self.map_error(e));
-        // The pins given up go here, after the last use of `stream`: a view of a stream kept by
-        // this pool alone is valid until this point (see `StreamOrderedPool::free_kept`).
-        drop(op);
-        freed
+        // Kept allocations are freed by `free_kept` only (a buffer that frees otherwise unkeeps
+        // first), so no pin changes here: the pool's plain host serves.
+        pool::deallocate(&*self.shared, ptr, bytes, stream.key()).map_err(|e| self.map_error(e))
     }
 
     fn device(&self) -> Device {
