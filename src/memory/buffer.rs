@@ -138,6 +138,24 @@ impl std::ops::Deref for ResourceRef {
     }
 }
 
+/// Checks that `resource` kept its contract to align `ptr` to [`MAX_ALIGN`] bytes; a resource
+/// outside cudrv that broke it gets the memory back unused, and the caller an error.
+///
+/// # Safety
+/// `ptr` came from `resource` with `bytes` on `stream`, and nothing has used it: it may be freed.
+#[inline]
+unsafe fn check_aligned(resource: &dyn MemoryResource, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+    if ptr.is_multiple_of(MAX_ALIGN as u64) {
+        return Ok(());
+    }
+    // SAFETY: as the caller promised.
+    let _ = unsafe { resource.deallocate(ptr, bytes, stream) };
+    Err(Error::InvalidArgument(format!(
+        "{} returned {ptr:#x}, which is not aligned to {MAX_ALIGN} bytes",
+        resource.kind()
+    )))
+}
+
 impl<T: DeviceRepr> DeviceBuffer<T> {
     /// A buffer of `len` elements on `stream`, from the device's [`Device::memory_resource`],
     /// with unspecified contents.
@@ -157,6 +175,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 return unsafe { Self::allocate_kept(pool, len, stream) };
             }
             DeviceResource::StreamOrdered(pool) => ResourceRef::Kept(pool),
+            DeviceResource::Other(r) if stream.key().capture_id() == 0 => {
+                // SAFETY: forwarded; the device's own resource, and no capture.
+                return unsafe { Self::allocate_uncaptured(r, len, stream) };
+            }
             DeviceResource::Other(r) => ResourceRef::Device(r),
         };
         // SAFETY: forwarded; the device's own resource, checked device-accessible.
@@ -224,6 +246,33 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         })
     }
 
+    /// The usual case of [`DeviceBuffer::uninit`] for the device's other resources: on a stream
+    /// that showed no capture. Built in place, as [`DeviceBuffer::allocate_kept`]: the general
+    /// path moves the resource's enum, which the profile showed stalling on the H200's host.
+    ///
+    /// # Safety
+    /// As [`DeviceBuffer::uninit`]; `resource` is the resource of `stream`'s device.
+    #[inline]
+    unsafe fn allocate_uncaptured(
+        resource: &'static dyn MemoryResource,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer<T>> {
+        let bytes = Self::buffer_bytes(len)?;
+        let ptr = resource.allocate(bytes, stream)?;
+        // SAFETY: forwarded; `ptr` came from `resource` with `bytes` on `stream`, unused.
+        unsafe { check_aligned(resource, ptr, bytes, stream)? };
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            resource: ResourceRef::Device(resource),
+            stream: StreamPin::new(stream).into_view(),
+            capture: 0,
+            uses: Mutex::new(None),
+            _t: PhantomData,
+        })
+    }
+
     /// Allocates from `resource`, which belongs to `stream`'s device and is device-accessible.
     ///
     /// # Safety
@@ -241,15 +290,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             },
             r => (r.allocate(bytes, stream)?, r),
         };
-        if ptr % MAX_ALIGN as u64 != 0 {
-            // A resource outside cudrv broke its contract; give the memory back unused.
-            // SAFETY: `ptr` came from `resource` with `bytes`, and nothing has used it.
-            let _ = unsafe { resource.deallocate(ptr, bytes, stream) };
-            return Err(Error::InvalidArgument(format!(
-                "{} returned {ptr:#x}, which is not aligned to {MAX_ALIGN} bytes",
-                resource.kind()
-            )));
-        }
+        // SAFETY: forwarded; `ptr` came from `resource` with `bytes` on `stream`, unused.
+        unsafe { check_aligned(&*resource, ptr, bytes, stream)? };
         let capture = match session {
             Some(s) => {
                 s.live_buffers.fetch_add(1, Ordering::AcqRel);

@@ -10,7 +10,7 @@ use cudrv_sys::{CUevent, CUresult};
 
 use super::pool::arena::Arena;
 use super::pool::backend::Backend;
-use super::pool::cache::Cache;
+use super::pool::cache::{Cache, Found};
 use super::pool::config::PoolConfig;
 use super::pool::error::PoolError;
 use super::pool::stats::PoolStats;
@@ -433,8 +433,28 @@ impl StreamOrderedPool {
     /// As [`MemoryResource::allocate`].
     #[inline]
     pub(crate) fn allocate_kept(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        let op = Op::new(&self.shared, stream);
-        pool::allocate(&op, bytes, stream.key(), true).map_err(|e| self.map_error(e))
+        // The fast path, a block of the size in the stream's cache, settles the pin in the same
+        // lock: an allocation only ever takes one, so nothing is let go.
+        let key = stream.key();
+        let size = Arena::<CudaBackend>::rounded(bytes)
+            .ok_or_else(|| self.map_error(PoolError::TooLarge { requested: bytes }))?;
+        let (hit, slot) = key.with_attachment(
+            self.shared.id,
+            || self.shared.new_cache(key),
+            |sc: &mut StreamCache| {
+                let hit = sc.cache.take(size, bytes, true);
+                let pin = sc.settle_pin(Some(stream));
+                debug_assert!(pin.is_none(), "an allocation let go of a pin");
+                (hit, sc.cache.slot)
+            },
+        );
+        match hit {
+            Some(ptr) => Ok(ptr),
+            None => {
+                let op = Op::new(&self.shared, stream);
+                pool::allocate_slow(&op, key, slot, size, bytes, true).map_err(|e| self.map_error(e))
+            }
+        }
     }
 
     /// An allocation on `stream`: a graph's block while the stream captures, else one held in the
@@ -464,6 +484,22 @@ impl StreamOrderedPool {
     /// `stream` after this call.
     #[inline]
     pub(crate) unsafe fn free_kept(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
+        // The fast path, a live allocation of this stream's cache, settles the pin in the same
+        // lock and lets go of it (if it does) after the last use of `stream`.
+        let fast = stream.key().with_existing_attachment(self.shared.id, |sc: &mut StreamCache| {
+            match sc.cache.remove_live(ptr, bytes) {
+                Found::Here(live) => {
+                    sc.cache.put_free(ptr, live);
+                    Some(sc.settle_pin(Some(stream)))
+                }
+                Found::WrongSize | Found::Missing => None,
+            }
+        });
+        if let Some(let_go) = fast.flatten() {
+            drop(let_go);
+            return;
+        }
+        // Elsewhere (another stream's cache, an orphan, a graph's block) or an error.
         let op = Op::new(&self.shared, stream);
         let freed = pool::deallocate(&op, ptr, bytes, stream.key());
         if freed.is_err() {

@@ -539,3 +539,50 @@ fn peer_access_is_idempotent_and_per_device_pools_stay_apart() {
         drop((a, b));
     });
 }
+
+/// A resource outside cudrv that breaks the alignment contract: it hands out its inner
+/// resource's memory 64 bytes in, and counts what it gets back.
+#[derive(Debug)]
+struct Misaligning {
+    inner: SyncResource,
+    freed: std::sync::atomic::AtomicUsize,
+}
+
+// SAFETY: every pointer is the inner resource's, 64 bytes in, and goes back to it as it came;
+// only the alignment contract is broken, which is what the test checks cudrv refuses.
+unsafe impl MemoryResource for Misaligning {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<u64> {
+        Ok(self.inner.allocate(bytes + 64, stream)? + 64)
+    }
+    unsafe fn deallocate(&self, ptr: u64, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
+        self.freed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: `ptr - 64` came from the inner resource with `bytes + 64`.
+        unsafe { self.inner.deallocate(ptr - 64, bytes + 64, stream) }
+    }
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+    fn kind(&self) -> ResourceKind {
+        ResourceKind::Custom
+    }
+}
+
+#[test]
+fn a_resource_that_misaligns_gets_its_memory_back_and_the_caller_an_error() {
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let stream = Stream::new(&dev).unwrap();
+        let r = Arc::new(Misaligning { inner: SyncResource::new(&dev).unwrap(), freed: Default::default() });
+        // Given to the buffer, and as the device's resource (each path of `uninit`).
+        // SAFETY: nothing reads the contents.
+        let err = unsafe { DeviceBuffer::<u8>::uninit_in(1000, &stream, r.clone()) }.err().unwrap();
+        assert!(matches!(&err, Error::InvalidArgument(m) if m.contains("not aligned to 256")), "{err}");
+        dev.set_memory_resource(r.clone(), "misaligning").unwrap();
+        // SAFETY: as above.
+        let err = unsafe { DeviceBuffer::<u8>::uninit(1000, &stream) }.err().unwrap();
+        assert!(matches!(&err, Error::InvalidArgument(m) if m.contains("custom returned")), "{err}");
+        assert_eq!(r.freed.load(std::sync::atomic::Ordering::Relaxed), 2, "each allocation went back");
+        drop(stream);
+        assert_no_leaks();
+    });
+}

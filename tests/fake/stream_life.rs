@@ -97,6 +97,38 @@ fn a_stream_goes_with_its_last_user_when_no_buffer_needs_it() {
     });
 }
 
+/// A buffer served from the stream's cache (no arena, the fast path) pins the stream again when
+/// the pool had let go of its pin: here the stream's last user is gone and only another
+/// resource's buffer keeps it, then goes too.
+#[test]
+fn a_cached_block_pins_a_stream_the_pool_had_let_go() {
+    run_with_fake(&POOL, || {
+        let dev = Device::get(0).unwrap();
+        let base = live_streams();
+        let stream = Stream::new(&dev).unwrap();
+        // A block of 64 KiB cached on the stream.
+        drop(DeviceBuffer::<u8>::zeroed(1 << 16, &stream).unwrap());
+        // Another resource's buffer holds a pin of its own; the last user goes, and with no
+        // kept allocation the pool lets go of its pin.
+        let other = DeviceBuffer::<u8>::zeroed_in(256, &stream, Arc::new(SyncResource::new(&dev).unwrap())).unwrap();
+        drop(stream);
+        assert_eq!(live_streams(), base + 1, "the other buffer keeps the stream");
+        // On the view: the cached block serves it, and the pool must pin the stream again.
+        let r = dev.memory_resource().unwrap();
+        let pool = (r.as_ref() as &dyn std::any::Any).downcast_ref::<StreamOrderedPool>().unwrap();
+        let hits = pool.pool_stats().cache_hits;
+        let mut kept = DeviceBuffer::<u8>::zeroed(1 << 16, other.stream()).unwrap();
+        assert_eq!(pool.pool_stats().cache_hits, hits + 1, "served from the stream's cache");
+        drop(other);
+        assert_eq!(live_streams(), base + 1, "the kept buffer keeps the stream");
+        kept.fill(7).unwrap();
+        assert_eq!(kept.to_vec().unwrap(), vec![7u8; 1 << 16]);
+        drop(kept);
+        drop(r);
+        all_gone(&dev, base);
+    });
+}
+
 /// The raw pool API: an allocation does not keep its stream (only buffers do); once the stream
 /// is gone, the allocation may be freed on another stream.
 #[test]

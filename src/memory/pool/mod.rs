@@ -219,7 +219,7 @@ pub(crate) fn allocate<H: Host>(
 /// The arena's path: its best fit (this stream's blocks, then other streams' after an event), then
 /// the same after the caches are given back, then growth, then out-of-memory recovery.
 #[inline(never)]
-fn allocate_slow<H: Host>(
+pub(crate) fn allocate_slow<H: Host>(
     h: &H,
     stream: &StreamOf<H>,
     slot: u32,
