@@ -3,12 +3,7 @@
 and with all but 6 GiB of the device taken (as in the budgeted replays). ctypes only: runs on
 the device machine as `python3 scripts/driver_alloc_cost.py`. Figures: BENCHMARKS.md."""
 import ctypes, time
-cu = ctypes.CDLL("libcuda.so.1")
-def ck(r, what):
-    if r != 0: raise SystemExit(f"{what} -> {r}")
-ck(cu.cuInit(0), "init")
-dev = ctypes.c_int(); ck(cu.cuDeviceGet(ctypes.byref(dev), 0), "dev")
-ctx = ctypes.c_void_p(); ck(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "retain"); ck(cu.cuCtxSetCurrent(ctx), "set")
+from cuda_ctypes import cu, ck, dev
 free = ctypes.c_size_t(); total = ctypes.c_size_t()
 def meminfo():
     ck(cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "info"); return free.value
