@@ -434,27 +434,29 @@ impl StreamOrderedPool {
     #[inline]
     pub(crate) fn allocate_kept(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         // The fast path, a block of the size in the stream's cache, settles the pin in the same
-        // lock: an allocation only ever takes one, so nothing is let go.
+        // lock. A hit takes the pin if the cache has none. A miss changes nothing, but may find
+        // the pin no longer needed (the stream's last user went, and its hook has not run yet):
+        // that pin is dropped at the end, after the last use of `stream`, never under the lock.
         let key = stream.key();
         let size = Arena::<CudaBackend>::rounded(bytes)
             .ok_or_else(|| self.map_error(PoolError::TooLarge { requested: bytes }))?;
-        let (hit, slot) = key.with_attachment(
+        let (hit, slot, let_go) = key.with_attachment(
             self.shared.id,
             || self.shared.new_cache(key),
             |sc: &mut StreamCache| {
                 let hit = sc.cache.take(size, bytes, true);
-                let pin = sc.settle_pin(Some(stream));
-                debug_assert!(pin.is_none(), "an allocation let go of a pin");
-                (hit, sc.cache.slot)
+                (hit, sc.cache.slot, sc.settle_pin(Some(stream)))
             },
         );
-        match hit {
+        let r = match hit {
             Some(ptr) => Ok(ptr),
             None => {
                 let op = Op::new(&self.shared, stream);
                 pool::allocate_slow(&op, key, slot, size, bytes, true).map_err(|e| self.map_error(e))
             }
-        }
+        };
+        drop(let_go);
+        r
     }
 
     /// An allocation on `stream`: a graph's block while the stream captures, else one held in the

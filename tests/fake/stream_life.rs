@@ -255,6 +255,47 @@ fn last_user_drops_race_buffer_frees() {
     });
 }
 
+/// The last user's drop races buffers made on a view of the stream that another resource's buffer
+/// keeps, while the pool holds no kept allocation there: a request the stream's cache serves, and
+/// one it does not (the pool may find its pin unneeded in the middle of it). Every buffer reads
+/// back its data, nothing deadlocks, and the stream goes with the last buffer.
+#[test]
+fn buffers_on_a_view_race_the_last_user() {
+    run_with_fake(&POOL, || {
+        crate::soundness::within(Duration::from_secs(60), "buffers on a view racing the last user", || {
+            let dev = Device::get(0).unwrap();
+            let base = live_streams();
+            let sync: Arc<dyn MemoryResource> = Arc::new(SyncResource::new(&dev).unwrap());
+            for round in 0..60u8 {
+                let stream = Stream::new(&dev).unwrap();
+                // A block cached on the stream; the pool keeps its pin between allocations.
+                drop(DeviceBuffer::<u8>::zeroed(4096, &stream).unwrap());
+                let other = DeviceBuffer::<u8>::zeroed_in(256, &stream, sync.clone()).unwrap();
+                let start = Arc::new(Barrier::new(2));
+                let worker = {
+                    let start = start.clone();
+                    std::thread::spawn(move || {
+                        start.wait();
+                        // A cache hit, then a request the cache cannot serve.
+                        for bytes in [4096, (1 << 20) + usize::from(round) * 512] {
+                            let mut b = DeviceBuffer::<u8>::zeroed(bytes, other.stream()).unwrap();
+                            b.fill(round).unwrap();
+                            assert!(b.to_vec().unwrap().iter().all(|&v| v == round), "round {round}");
+                        }
+                        drop(other);
+                    })
+                };
+                start.wait();
+                drop(stream);
+                worker.join().unwrap();
+                assert_eq!(live_streams(), base, "round {round}: the stream outlived its buffers");
+            }
+            drop(sync);
+            all_gone(&dev, base);
+        });
+    });
+}
+
 /// A buffer dropped inside a host function is its stream's last reference: the stream's
 /// destruction is handed to cudrv's thread, like the free.
 #[test]
