@@ -126,6 +126,18 @@ impl StreamCache {
     }
 }
 
+impl StreamCache {
+    /// The cache holds a kept allocation made on `stream` (the operation's own): pins the stream
+    /// if the cache has no pin. Never lets a pin go (see [`StreamCache::settle_pin`]).
+    #[inline]
+    fn pin_for_kept(&mut self, stream: &Stream) {
+        debug_assert!(self.cache.kept > 0, "pinning for a cache without kept allocations");
+        if self.pin.is_none() {
+            self.pin = Some(StreamPin::new(stream));
+        }
+    }
+}
+
 impl Attachment for StreamCache {
     fn retire(self: Box<Self>, stream: &StreamKey) {
         let Some(shared) = self.pool.upgrade() else { return };
@@ -433,30 +445,30 @@ impl StreamOrderedPool {
     /// As [`MemoryResource::allocate`].
     #[inline]
     pub(crate) fn allocate_kept(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        // The fast path, a block of the size in the stream's cache, settles the pin in the same
-        // lock. A hit takes the pin if the cache has none. A miss changes nothing, but may find
-        // the pin no longer needed (the stream's last user went, and its hook has not run yet):
-        // that pin is dropped at the end, after the last use of `stream`, never under the lock.
+        // The fast path, a block of the size in the stream's cache: the cache now holds a kept
+        // allocation, so it pins the stream if it has no pin, in the same lock. A miss changes
+        // nothing here; the slow path settles the pin through its `Op`.
         let key = stream.key();
         let size = Arena::<CudaBackend>::rounded(bytes)
             .ok_or_else(|| self.map_error(PoolError::TooLarge { requested: bytes }))?;
-        let (hit, slot, let_go) = key.with_attachment(
+        let (hit, slot) = key.with_attachment(
             self.shared.id,
             || self.shared.new_cache(key),
             |sc: &mut StreamCache| {
                 let hit = sc.cache.take(size, bytes, true);
-                (hit, sc.cache.slot, sc.settle_pin(Some(stream)))
+                if hit.is_some() {
+                    sc.pin_for_kept(stream);
+                }
+                (hit, sc.cache.slot)
             },
         );
-        let r = match hit {
+        match hit {
             Some(ptr) => Ok(ptr),
             None => {
                 let op = Op::new(&self.shared, stream);
                 pool::allocate_slow(&op, key, slot, size, bytes, true).map_err(|e| self.map_error(e))
             }
-        };
-        drop(let_go);
-        r
+        }
     }
 
     /// An allocation on `stream`: a graph's block while the stream captures, else one held in the
