@@ -116,7 +116,9 @@ impl StreamCache {
         }
         if kept {
             debug_assert!(here.is_some(), "an allocation made on another stream than the operation's");
-            self.pin = here.map(StreamPin::new);
+            if let Some(stream) = here {
+                self.pin_for_kept(stream);
+            }
             None
         } else if self.pin.as_ref().is_some_and(StreamPin::users_gone) {
             self.pin.take()
@@ -124,9 +126,7 @@ impl StreamCache {
             None
         }
     }
-}
 
-impl StreamCache {
     /// The cache holds a kept allocation made on `stream` (the operation's own): pins the stream
     /// if the cache has no pin. Never lets a pin go (see [`StreamCache::settle_pin`]).
     #[inline]
@@ -199,9 +199,9 @@ impl Shared {
 }
 
 /// One allocation, free or unkeep of a kept allocation on `stream`: the pool's [`Host`] for the
-/// operations that change which allocations are kept. Each cache it touches keeps its pin in step ([`StreamCache::settle_pin`]);
-/// the pins given up are dropped with the `Op`, once the pool is done with every stream (the
-/// last pin may take its stream with it).
+/// operations that change which allocations are kept. Each cache it touches keeps its pin in step
+/// ([`StreamCache::settle_pin`]); the pins given up are dropped with the `Op`, once the pool is
+/// done with every stream (the last pin may take its stream with it).
 struct Op<'a> {
     shared: &'a Shared,
     stream: &'a Stream,
@@ -501,11 +501,8 @@ impl StreamOrderedPool {
         // The fast path, a live allocation of this stream's cache, settles the pin in the same
         // lock and lets go of it (if it does) after the last use of `stream`.
         let fast = stream.key().with_existing_attachment(self.shared.id, |sc: &mut StreamCache| {
-            match sc.cache.remove_live(ptr, bytes) {
-                Found::Here(live) => {
-                    sc.cache.put_free(ptr, live);
-                    Some(sc.settle_pin(Some(stream)))
-                }
+            match sc.cache.free_here(ptr, bytes) {
+                Found::Here(_) => Some(sc.settle_pin(Some(stream))),
                 Found::WrongSize | Found::Missing => None,
             }
         });

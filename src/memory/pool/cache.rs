@@ -124,6 +124,17 @@ impl Cache {
         self.live.contains_key(&ptr)
     }
 
+    /// Frees the live allocation at `ptr` of `requested` bytes on this cache's own stream: its
+    /// block is cached here. What the lookup found (nothing changes unless it is `Here`).
+    #[inline]
+    pub(crate) fn free_here(&mut self, ptr: u64, requested: usize) -> Found {
+        let found = self.remove_live(ptr, requested);
+        if let Found::Here(live) = found {
+            self.put_free(ptr, live);
+        }
+        found
+    }
+
     /// Caches the block of an allocation freed on this stream.
     #[inline]
     pub(crate) fn put_free(&mut self, ptr: u64, live: Live) {

@@ -312,14 +312,7 @@ pub(crate) fn deallocate<H: Host>(
     bytes: usize,
     stream: &StreamOf<H>,
 ) -> Result<(), PoolError<ErrorOf<H>>> {
-    let found = h.existing_cache(stream, |c| {
-        let found = c.remove_live(ptr, bytes);
-        if let Found::Here(live) = found {
-            c.put_free(ptr, live);
-        }
-        found
-    });
-    match found.unwrap_or(Found::Missing) {
+    match h.existing_cache(stream, |c| c.free_here(ptr, bytes)).unwrap_or(Found::Missing) {
         Found::Here(_) => Ok(()),
         Found::WrongSize => Err(PoolError::InvalidFree { ptr, bytes }),
         Found::Missing => deallocate_elsewhere(h, ptr, bytes, stream),
