@@ -108,6 +108,9 @@ fn set_config(c: &mut PoolConfig, kv: &str) -> Result<(), String> {
                 Some(v.parse().map_err(|_| format!("--config headroom={v:?}: expected a percentage or none"))?)
             }
         }
+        "expandable" => {
+            c.expandable = v.parse().map_err(|_| format!("--config expandable={v:?}: expected true or false"))?
+        }
         _ => return Err(format!("--config: unknown field {k:?}")),
     }
     Ok(())

@@ -30,7 +30,10 @@
 //! the pool's whole chunk (2 MiB or 32 MiB for small and medium buffers), so the other process can
 //! reach the chunk's other buffers too. Give the buffers you share a pool of their own, or use a
 //! [`SyncResource`]. The handle records the buffer's offset in the chunk and its size; the
-//! importer sees only the buffer.
+//! importer sees only the buffer. Where the device has virtual memory management, a
+//! `StreamOrderedPool` grows in segments of virtual memory by default
+//! ([`PoolConfig::expandable`](crate::memory::PoolConfig::expandable)), which legacy IPC cannot
+//! share: a pool for buffers to share that way sets `expandable: false`.
 //!
 //! # Lifetimes across processes
 //!
@@ -586,6 +589,17 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         // SAFETY: the attribute is a boolean int.
         let legacy: i32 = unsafe { pointer_attribute(ptr, PA::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE) }?;
         if legacy == 0 {
+            if self.resource().kind() == ResourceKind::StreamOrderedPool {
+                return Err(device.unsupported(
+                    "legacy IPC of this memory",
+                    "the StreamOrderedPool grows in segments of virtual memory (PoolConfig::expandable, on by default \
+                     where the device has virtual memory management), which cuIpcGetMemHandle cannot share",
+                    Some(
+                        "a StreamOrderedPool made with PoolConfig { expandable: false, .. }, a SyncResource, or an \
+                          ipc::SharedPool",
+                    ),
+                ));
+            }
             return Err(device.unsupported(
                 "legacy IPC of this memory",
                 "CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE is 0: the memory is not from cuMemAlloc",

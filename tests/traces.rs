@@ -1,7 +1,9 @@
 //! Every allocation trace in `traces/` replayed on the simulator (`SimulatedPool`, the same
 //! bookkeeping as `StreamOrderedPool`, on an emulated device that keeps back what the driver keeps
-//! for itself): it completes within a memory budget of 1.10x its peak of live bytes, cold and warm
-//! (replayed twice), with the one exception below; and without a budget it reserves at most 1.25x.
+//! for itself), growing in segments (where the device has virtual memory management) and in
+//! chunks (where it has not): it completes within a memory budget of 1.10x its peak of live bytes,
+//! cold and warm (replayed twice), with the one exception below; and without a budget it reserves
+//! at most 1.25x.
 
 use cudrv::memory::{PoolConfig, SimulatedPool, Trace};
 
@@ -21,44 +23,65 @@ fn traces() -> Vec<(String, Trace)> {
     out
 }
 
-/// The budget a trace must fit in, in percent of its peak of live bytes.
+/// Both ways the pool grows.
+fn configs() -> [PoolConfig; 2] {
+    [PoolConfig::default(), PoolConfig { expandable: false, ..PoolConfig::default() }]
+}
+
+/// The budget a trace must fit in, in percent of its peak of live bytes: 1.10x, in segments
+/// always.
 ///
-/// `decode_kvcache` needs 1.12x: its peak comes at the end of the prefill, with twelve per-layer
+/// In chunks, `decode_kvcache` needs 1.12x: its peak comes at the end of the prefill, with twelve per-layer
 /// KV tensors of 10.32 MiB live. Each has a chunk of its own, and the driver maps whole 2 MiB
 /// pages, so each holds 12 MiB (what `cuMemAlloc` itself takes for 10.32 MiB: measured on the
 /// H200). That is 20 MiB above live; with the 2 MiB the driver keeps back, the 1.10x budget is
 /// 1.5 MB short. Those tails serve small and medium requests once nothing else is left, but no KV
 /// tensor fits in one. Packing the tensors into shared chunks would need them to come with room
 /// to spare, which a tight budget does not leave; only address-space remapping (VMM, which TCC
-/// devices lack) packs them.
-fn budget_percent(name: &str) -> usize {
-    if name == "decode_kvcache.csv" { 112 } else { 110 }
+/// devices lack) packs them, as segments do.
+fn budget_percent(name: &str, config: &PoolConfig) -> usize {
+    if name == "decode_kvcache.csv" && !config.expandable { 112 } else { 110 }
 }
 
 #[test]
 fn every_trace_fits_in_its_budget_cold_and_warm() {
-    for (name, trace) in traces() {
-        let percent = budget_percent(&name);
-        let budget = trace.peak_live() / 100 * percent;
-        let pool = SimulatedPool::new(PoolConfig::default(), Some(budget));
-        for pass in ["cold", "warm"] {
-            let r = trace.replay_on(&pool);
-            assert_eq!(r.out_of_memory_at, None, "{name} ({pass}): out of memory at event {:?}", r.out_of_memory_at);
-            println!(
-                "{name} {pass}: budget {percent}%: reserved/live {:.3}, {} driver allocs",
-                r.ratio(),
-                r.driver_allocs
-            );
+    for config in configs() {
+        for (name, trace) in traces() {
+            let percent = budget_percent(&name, &config);
+            let budget = trace.peak_live() / 100 * percent;
+            let pool = SimulatedPool::new(config.clone(), Some(budget));
+            for pass in ["cold", "warm"] {
+                let r = trace.replay_on(&pool);
+                let how = if config.expandable { "segments" } else { "chunks" };
+                assert_eq!(
+                    r.out_of_memory_at, None,
+                    "{name} ({how}, {pass}): out of memory at event {:?}",
+                    r.out_of_memory_at
+                );
+                println!(
+                    "{name} {how} {pass}: budget {percent}%: reserved/live {:.3}, {} driver allocs",
+                    r.ratio(),
+                    r.driver_allocs
+                );
+            }
         }
     }
 }
 
 #[test]
 fn every_trace_reserves_at_most_125_percent_of_its_peak() {
-    for (name, trace) in traces() {
-        let r = trace.replay_simulated(PoolConfig::default(), None);
-        println!("{name}: reserved/live {:.3}, {} driver allocs, {} frees", r.ratio(), r.driver_allocs, r.driver_frees);
-        assert!(r.ratio() <= 1.25, "{name}: reserved/live {:.3}", r.ratio());
+    for config in configs() {
+        for (name, trace) in traces() {
+            let r = trace.replay_simulated(config.clone(), None);
+            let how = if config.expandable { "segments" } else { "chunks" };
+            println!(
+                "{name} {how}: reserved/live {:.3}, {} driver allocs, {} frees",
+                r.ratio(),
+                r.driver_allocs,
+                r.driver_frees
+            );
+            assert!(r.ratio() <= 1.25, "{name} ({how}): reserved/live {:.3}", r.ratio());
+        }
     }
 }
 
@@ -87,8 +110,8 @@ fn bad_traces_name_the_line() {
 fn a_device_filled_with_live_buffers_is_filled_to_99_percent() {
     const DEVICE: usize = 149_557_477_376;
     const GIB: usize = 1 << 30;
-    let fill = |sizes: &mut dyn FnMut() -> usize| {
-        let pool = SimulatedPool::new(PoolConfig::default(), Some(DEVICE));
+    let fill = |config: &PoolConfig, sizes: &mut dyn FnMut() -> usize| {
+        let pool = SimulatedPool::new(config.clone(), Some(DEVICE));
         let (mut reached, mut misses) = (0usize, 0);
         while misses < 32 {
             let n = sizes();
@@ -106,18 +129,20 @@ fn a_device_filled_with_live_buffers_is_filled_to_99_percent() {
         }
         reached as f64 / DEVICE as f64
     };
-    let gib = fill(&mut || GIB);
-    assert!(gib >= 0.99, "1 GiB buffers: {:.2}% of the device", gib * 100.0);
-    for seed in [1u64, 2, 7, 12345] {
-        let mut rng = seed | 1;
-        let mixed = fill(&mut || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            let exp = 20.0 + (rng % 10_000) as f64 / 10_000.0 * 12.0;
-            (2f64.powf(exp) as usize).clamp(1 << 20, 4 * GIB)
-        });
-        assert!(mixed >= 0.99, "mixed sizes, seed {seed}: {:.2}% of the device", mixed * 100.0);
+    for config in configs() {
+        let gib = fill(&config, &mut || GIB);
+        assert!(gib >= 0.99, "1 GiB buffers, {config:?}: {:.2}% of the device", gib * 100.0);
+        for seed in [1u64, 2, 7, 12345] {
+            let mut rng = seed | 1;
+            let mixed = fill(&config, &mut || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let exp = 20.0 + (rng % 10_000) as f64 / 10_000.0 * 12.0;
+                (2f64.powf(exp) as usize).clamp(1 << 20, 4 * GIB)
+            });
+            assert!(mixed >= 0.99, "mixed sizes, seed {seed}, {config:?}: {:.2}% of the device", mixed * 100.0);
+        }
     }
 }
 
@@ -127,22 +152,32 @@ fn a_device_filled_with_live_buffers_is_filled_to_99_percent() {
 /// runs; a request beyond what is left is a typed out-of-memory error that changes nothing.
 #[test]
 fn the_driver_keeps_2_mib_back_and_the_pool_plans_for_it() {
+    for config in configs() {
+        the_driver_keeps_2_mib_back_with(config);
+    }
+}
+
+fn the_driver_keeps_2_mib_back_with(config: PoolConfig) {
     const MIB: usize = 1 << 20;
-    let pool = SimulatedPool::new(PoolConfig::default(), Some(64 * MIB));
-    // A 30 MiB chunk, cached free; then 33 MiB (a 34 MiB chunk). The device reports 34 MiB free,
-    // of which the driver gives 32: the cached chunk must go first.
+    let expandable = config.expandable;
+    let pool = SimulatedPool::new(config, Some(64 * MIB));
+    // 30 MiB, cached free; then 33 MiB. In chunks that is a 34 MiB chunk: the device reports 34
+    // MiB free, of which the driver gives 32, so the cached chunk must go first. In segments the
+    // free 30 MiB are the top block: 4 MiB mapped above make 34, and nothing goes.
     let a = pool.allocate(30 * MIB, 0).unwrap();
     pool.deallocate(a, 30 * MIB, 0).unwrap();
     let b = pool.allocate(33 * MIB, 0).expect("33 MiB once the cached 30 MiB are released");
     let stats = pool.stats();
-    assert_eq!((stats.oom_recoveries, stats.driver_frees, stats.reserved), (0, 1, 34 * MIB), "{stats:?}");
-    // 30 MiB are left, 28 of them for the pool: 28 MiB fit, 29 do not, and the refusal changes
-    // nothing.
-    let err = pool.allocate(29 * MIB, 0).expect_err("the last 2 MiB are the driver's");
-    assert!(matches!(err, cudrv::Error::OutOfMemory { requested, .. } if requested == 29 * MIB), "{err}");
+    let frees = if expandable { 0 } else { 1 };
+    assert_eq!((stats.oom_recoveries, stats.driver_frees, stats.reserved), (0, frees, 34 * MIB), "{stats:?}");
+    // 30 MiB are left, 28 of them for the pool: in chunks 28 MiB fit, 29 do not; in segments the
+    // 1 MiB that `b` leaves of its mapping adds to them. The refusal changes nothing.
+    let fits = if expandable { 29 * MIB } else { 28 * MIB };
+    let err = pool.allocate(fits + MIB, 0).expect_err("the last 2 MiB are the driver's");
+    assert!(matches!(err, cudrv::Error::OutOfMemory { requested, .. } if requested == fits + MIB), "{err}");
     assert_eq!((pool.stats().in_use, pool.stats().reserved), (33 * MIB, 34 * MIB));
-    let c = pool.allocate(28 * MIB, 0).expect("28 MiB: all but the driver's 2");
+    let c = pool.allocate(fits, 0).expect("all but the driver's 2 MiB");
     assert_eq!(pool.stats().reserved, 62 * MIB);
     pool.deallocate(b, 33 * MIB, 0).unwrap();
-    pool.deallocate(c, 28 * MIB, 0).unwrap();
+    pool.deallocate(c, fits, 0).unwrap();
 }

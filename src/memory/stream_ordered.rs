@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, Weak};
 use cudrv_sys::{CUevent, CUresult};
 
 use super::pool::arena::Arena;
-use super::pool::backend::Backend;
+use super::pool::backend::{Backend, RANGE_PER_BYTE, Segments};
 use super::pool::cache::{Cache, Found};
 use super::pool::config::PoolConfig;
 use super::pool::error::PoolError;
@@ -281,6 +281,65 @@ impl Host for Op<'_> {
 #[derive(Debug)]
 struct CudaBackend {
     ctx: Arc<Context>,
+    /// How the pool grows in segments, where the device has virtual memory management.
+    segments: Option<Segments>,
+    /// Who may read and write what segments map: the device, and every device that can access
+    /// it peer to peer (as `cuMemAlloc` memory, which peers reach once peer access is enabled).
+    access: Vec<cudrv_sys::CUmemAccessDesc>,
+}
+
+impl CudaBackend {
+    /// What segments need on `device`: its mapping granularity and its memory. `None` where it has
+    /// no virtual memory management, or the driver cannot tell.
+    fn segments_on(device: &Device) -> Option<Segments> {
+        if !device.capabilities().ok()?.virtual_memory_management {
+            return None;
+        }
+        let prop = Self::allocation_prop(device);
+        let mut granularity = 0;
+        let minimum = cudrv_sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        // SAFETY: valid out-pointer and property; no context is needed.
+        check("cuMemGetAllocationGranularity", unsafe {
+            driver().ok()?.cuMemGetAllocationGranularity(&mut granularity, &prop, minimum)
+        })
+        .ok()?;
+        let total = device.total_memory().ok()?;
+        let reserve = total.checked_mul(RANGE_PER_BYTE)?.checked_next_multiple_of(granularity.max(1))?;
+        Some(Segments { granularity, reserve })
+    }
+
+    /// Pinned device memory on `device`, with no handle to share it.
+    fn allocation_prop(device: &Device) -> cudrv_sys::CUmemAllocationProp {
+        cudrv_sys::CUmemAllocationProp {
+            type_: cudrv_sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            location: Self::location(device),
+            ..Default::default()
+        }
+    }
+
+    /// Read and write access for `device` and every device that can access it peer to peer.
+    fn access_on(device: &Device) -> Vec<cudrv_sys::CUmemAccessDesc> {
+        let desc = |d: &Device| cudrv_sys::CUmemAccessDesc {
+            location: Self::location(d),
+            flags: cudrv_sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        let mut access = vec![desc(device)];
+        let peers = Device::all().unwrap_or_default();
+        access.extend(
+            peers
+                .iter()
+                .filter(|p| p.ordinal() != device.ordinal() && p.can_access_peer(device).unwrap_or(false))
+                .map(desc),
+        );
+        access
+    }
+
+    fn location(device: &Device) -> cudrv_sys::CUmemLocation {
+        cudrv_sys::CUmemLocation {
+            type_: cudrv_sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device.ordinal_i32(),
+        }
+    }
 }
 
 /// An event owned by the pool (one per stream, reused), destroyed with its last clone.
@@ -331,6 +390,71 @@ impl Backend for CudaBackend {
         let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: the pool frees a chunk once, after the host saw every use of it complete.
         unsafe { drv!(cuMemFree_v2(ptr)) }
+    }
+
+    fn segments(&self) -> Option<Segments> {
+        self.segments
+    }
+
+    fn reserve(&self, bytes: usize) -> Result<u64> {
+        let _b = self.ctx.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter();
+        let alignment = self.segments.map_or(0, |s| s.granularity);
+        let mut va = 0;
+        // SAFETY: valid out-pointer; a size that is a multiple of the granularity; no fixed
+        // address.
+        unsafe { drv!(cuMemAddressReserve(&mut va, bytes, alignment, 0, 0)) }?;
+        Ok(va)
+    }
+
+    fn free_reserve(&self, va: u64, bytes: usize) -> Result<()> {
+        let _b = self.ctx.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter();
+        // SAFETY: a range from `reserve`, given back once, with nothing mapped in it.
+        unsafe { drv!(cuMemAddressFree(va, bytes)) }
+    }
+
+    fn map(&self, va: u64, bytes: usize) -> Result<u64> {
+        let _b = self.ctx.bind()?;
+        // Never part of a capture: allowed whatever captures are active.
+        let _relaxed = RelaxedCaptureMode::enter();
+        let device = self.ctx.device();
+        let prop = Self::allocation_prop(&device);
+        let mut handle = 0;
+        // SAFETY: valid out-pointer and property; `bytes` is a multiple of the granularity.
+        unsafe { drv!(cuMemCreate(&mut handle, bytes, &prop, 0)) }?;
+        let undo_create = |e: Error| {
+            if let Ok(d) = driver() {
+                // SAFETY: the handle just created, mapped nowhere, released once.
+                let _ = unsafe { d.cuMemRelease(handle) };
+            }
+            e
+        };
+        // SAFETY: `[va, va + bytes)` lies in a range from `reserve`, and nothing is mapped there
+        // (the pool maps above what it mapped before, and unmaps before it maps there again).
+        unsafe { drv!(cuMemMap(va, bytes, 0, handle, 0)) }.map_err(undo_create)?;
+        // SAFETY: the range just mapped; valid descriptors, as many as passed.
+        if let Err(e) = unsafe { drv!(cuMemSetAccess(va, bytes, self.access.as_ptr(), self.access.len())) } {
+            // SAFETY: the range just mapped, which nothing has used.
+            let _ = unsafe { drv!(cuMemUnmap(va, bytes)) };
+            return Err(undo_create(e));
+        }
+        Ok(handle)
+    }
+
+    fn unmap(&self, va: u64, bytes: usize, handle: u64) -> Result<()> {
+        let _b = self.ctx.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter();
+        // SAFETY: a range the pool mapped, unmapped once, after the host saw every use of it
+        // complete.
+        unsafe { drv!(cuMemUnmap(va, bytes)) }?;
+        // Unmapped, the range is gone whatever happens next: a failed release only leaks the
+        // memory, which is reported, not the pool's business any more.
+        // SAFETY: the handle of that range, released once.
+        if let Err(e) = unsafe { drv!(cuMemRelease(handle)) } {
+            report_drop_error(Some(&self.ctx), e);
+        }
+        Ok(())
     }
 
     fn free_memory(&self) -> Option<usize> {
@@ -402,20 +526,41 @@ impl StreamOrderedPool {
         Self::with_config(device, PoolConfig::default())
     }
 
-    /// A pool on `device` with `config` (chunk sizes, headroom, release threshold).
+    /// A pool on `device` with `config` (segments or chunks, headroom, release threshold).
     ///
     /// # Errors
     /// The driver's error when retaining the context.
     pub fn with_config(device: &Device, config: PoolConfig) -> Result<StreamOrderedPool> {
         let ctx = device.primary_context()?;
+        let segments = if config.expandable { CudaBackend::segments_on(device) } else { None };
+        let access = if segments.is_some() { CudaBackend::access_on(device) } else { Vec::new() };
+        let backend = CudaBackend { ctx, segments, access };
+        let mut arena = Arena::new(config);
+        arena.use_segments(backend.segments());
         let shared = Arc::new_cyclic(|me| Shared {
             id: attachment_owner_id(),
             me: me.clone(),
-            backend: CudaBackend { ctx },
-            arena: Mutex::new(Arena::new(config)),
+            arena: Mutex::new(arena),
+            backend,
             dropped: std::sync::atomic::AtomicBool::new(false),
         });
         Ok(StreamOrderedPool { shared })
+    }
+
+    /// Whether the pool grows in segments of virtual memory ([`PoolConfig::expandable`], where the
+    /// device has virtual memory management) rather than in `cuMemAlloc` chunks.
+    ///
+    /// ```no_run
+    /// use cudrv::{Device, memory::{PoolConfig, StreamOrderedPool}};
+    /// let device = Device::get(0)?;
+    /// let vmm = device.capabilities()?.virtual_memory_management;
+    /// assert_eq!(StreamOrderedPool::new(&device)?.grows_in_segments(), vmm);
+    /// let chunked = StreamOrderedPool::with_config(&device, PoolConfig { expandable: false, ..PoolConfig::default() })?;
+    /// assert!(!chunked.grows_in_segments());
+    /// # Ok::<(), cudrv::Error>(())
+    /// ```
+    pub fn grows_in_segments(&self) -> bool {
+        self.shared.backend.segments.is_some()
     }
 
     /// The pool's counters: reserved and in-use bytes with their peaks, driver allocations, cache

@@ -1055,8 +1055,19 @@ fn legacy_ipc_between_two_processes() {
         }
         let sync = Arc::new(SyncResource::new(&dev).unwrap());
         let a = DeviceBuffer::from_slice_in(&(0..1024).collect::<Vec<u32>>(), &s, sync).unwrap();
+        // A buffer of a pool in segments of virtual memory cannot be shared with legacy IPC; the
+        // error says what to use instead.
+        let segments = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        assert!(segments.grows_in_segments(), "the fake's devices have virtual memory management");
+        let v = DeviceBuffer::<u32>::zeroed_in(100, &s, segments).unwrap();
+        let (feature, reason) = unsupported(v.ipc_handle().unwrap_err());
+        assert_eq!(feature, "legacy IPC of this memory");
+        assert!(reason.contains("PoolConfig::expandable"), "{reason}");
+        drop(v); // and the pool with it: its mapping and its address range go back to the driver
         // A StreamOrderedPool buffer after another one: legacy IPC of its chunk, with the offset.
-        let pool = Arc::new(StreamOrderedPool::with_config(&dev, PoolConfig::default()).unwrap());
+        let chunked = PoolConfig { expandable: false, ..PoolConfig::default() };
+        let pool = Arc::new(StreamOrderedPool::with_config(&dev, chunked).unwrap());
+        assert!(!pool.grows_in_segments());
         let filler = DeviceBuffer::<u8>::zeroed_in(4096, &s, pool.clone()).unwrap();
         let mut b = DeviceBuffer::<u32>::zeroed_in(3000, &s, pool.clone()).unwrap();
         b.fill(0xB0B0).unwrap();
@@ -1108,8 +1119,10 @@ fn pool_ipc_between_two_processes() {
             assert_no_pools_on_oldest(SharedPool::with_handle_type(&dev, ShareableHandleType::PosixFd));
             assert_no_pools_on_oldest(SharedPool::new(&dev));
             if !ipc_refused_on_oldest(&dev, &s) {
+                // The default resource is cudrv's pool, in segments of virtual memory: refused,
+                // saying what to use.
                 let buf = DeviceBuffer::from_slice(&[0.25f64; 500], &s).unwrap();
-                assert_eq!(buf.ipc_handle().unwrap().kind(), IpcMemKind::Legacy);
+                assert!(unsupported(buf.ipc_handle().unwrap_err()).1.contains("PoolConfig::expandable"));
             }
             return;
         }
@@ -1142,9 +1155,14 @@ fn ipc_refuses_what_cannot_be_shared() {
         assert_eq!(driver_pool.resource().kind(), pool_kind(&dev));
         if oldest() {
             // No driver's pool on CUDA 11.1 (pool_kind checked that DriverPool is refused): the
-            // default resource is cudrv's pool, whose memory has legacy IPC handles.
+            // default resource is cudrv's pool, in segments of virtual memory (refused, saying
+            // what to use); in chunks, its memory has legacy IPC handles.
             if !ipc_refused_on_oldest(&dev, &s) {
-                assert_eq!(driver_pool.ipc_handle().unwrap().kind(), IpcMemKind::Legacy);
+                assert!(unsupported(driver_pool.ipc_handle().unwrap_err()).1.contains("PoolConfig::expandable"));
+                let chunked = PoolConfig { expandable: false, ..PoolConfig::default() };
+                let pool = Arc::new(StreamOrderedPool::with_config(&dev, chunked).unwrap());
+                let buf = DeviceBuffer::from_slice_in(&[1u32; 64], &s, pool).unwrap();
+                assert_eq!(buf.ipc_handle().unwrap().kind(), IpcMemKind::Legacy);
             }
         } else {
             let (feature, reason) = unsupported(driver_pool.ipc_handle().unwrap_err());

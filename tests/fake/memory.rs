@@ -586,3 +586,113 @@ fn a_resource_that_misaligns_gets_its_memory_back_and_the_caller_an_error() {
         assert_no_leaks();
     });
 }
+
+/// A pool in segments of virtual memory on a device that live buffers nearly fill: memory is
+/// mapped, unmapped between live buffers (leaving holes) and mapped again where a new buffer needs
+/// it. Every buffer keeps its data, the fake sees no access to memory that is not mapped (it
+/// checks each queued copy and kernel when it runs, 200 µs late), and nothing leaks.
+#[test]
+fn a_pool_in_segments_moves_memory_where_it_is_needed_and_keeps_the_data() {
+    let memory = (72u64 << 20).to_string();
+    run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "200"), ("CUDRV_FAKE_MEMORY", &memory)], || {
+        let dev = Device::get(0).unwrap();
+        let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        assert!(pool.grows_in_segments(), "the fake's devices have virtual memory management");
+        let s = Stream::new(&dev).unwrap();
+        let words = cudrv_test_support::random_u64s(cudrv_test_support::time_seed(), 400);
+        let mut live: Vec<(DeviceBuffer<u32>, u32)> = Vec::new();
+        let mut live_bytes = 0usize;
+        for (i, w) in words.iter().enumerate() {
+            // Up to 12 MiB; at most 40 MiB live (what a mapping shares with a live buffer stays
+            // mapped: a few MiB per gap between live buffers).
+            let len = 1 + (w % (3 << 20)) as usize;
+            let mut pick = w >> 32;
+            while !live.is_empty() && (live_bytes + 4 * len > 40 << 20 || pick % 3 == 0) {
+                let (buf, _) = live.remove(pick as usize % live.len());
+                live_bytes -= 4 * buf.len();
+                pick = pick / 3 + 1;
+            }
+            let mut buf = DeviceBuffer::<u32>::zeroed_in(len, &s, pool.clone()).unwrap();
+            buf.fill(i as u32).unwrap();
+            live_bytes += 4 * len;
+            live.push((buf, i as u32));
+            if i % 16 == 15 {
+                // The host sees the frees complete: the next growth may unmap their memory.
+                s.synchronize().unwrap();
+                for (buf, v) in &live {
+                    let back = buf.to_vec().unwrap();
+                    assert!(back.iter().all(|x| x == v), "a buffer of {} words lost its data", buf.len());
+                }
+            }
+        }
+        drop(live);
+        drop(pool);
+        let report = fake_report();
+        assert!(report.violations.is_empty(), "{report}");
+        assert_no_leaks_but_streams(&report);
+    });
+}
+
+/// Freed memory between live buffers goes where a larger buffer needs it: on a full device, the
+/// pool unmaps the gaps and maps that memory again at the top of its segment.
+#[test]
+fn a_pool_in_segments_unmaps_gaps_to_serve_a_larger_buffer() {
+    let memory = (72u64 << 20).to_string();
+    run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "200"), ("CUDRV_FAKE_MEMORY", &memory)], || {
+        let dev = Device::get(0).unwrap();
+        let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        let s = Stream::new(&dev).unwrap();
+        const MIB_WORDS: usize = 1 << 18;
+        let mut bufs: Vec<Option<DeviceBuffer<u32>>> = (0..8u32)
+            .map(|i| {
+                let mut b = DeviceBuffer::<u32>::zeroed_in(8 * MIB_WORDS, &s, pool.clone()).unwrap();
+                b.fill(i).unwrap();
+                Some(b)
+            })
+            .collect();
+        let full = pool.pool_stats();
+        assert_eq!(full.reserved, 64 << 20, "{full:?}");
+        // Every other one goes: 32 MiB free, in 8 MiB gaps, and 6 MiB left on the device.
+        for b in bufs.iter_mut().step_by(2) {
+            *b = None;
+        }
+        let mut big = DeviceBuffer::<u32>::zeroed_in(24 * MIB_WORDS, &s, pool.clone()).unwrap();
+        big.fill(0xB16).unwrap();
+        let st = pool.pool_stats();
+        assert!(st.driver_frees >= 2, "the gaps were not unmapped: {st:?}");
+        assert!(st.reserved <= 64 << 20, "{st:?}");
+        for (i, b) in bufs.iter().enumerate().filter_map(|(i, b)| Some((i, b.as_ref()?))) {
+            assert!(b.to_vec().unwrap().iter().all(|&x| x == i as u32), "buffer {i} lost its data");
+        }
+        assert!(big.to_vec().unwrap().iter().all(|&x| x == 0xB16));
+        // Then everything goes, and one buffer takes nearly all the device: holes and top alike.
+        drop((bufs, big));
+        let mut huge = DeviceBuffer::<u32>::zeroed_in(64 * MIB_WORDS, &s, pool.clone()).unwrap();
+        huge.fill(7).unwrap();
+        assert!(huge.to_vec().unwrap().iter().all(|&x| x == 7));
+        drop(huge);
+        drop(pool);
+        let report = fake_report();
+        assert!(report.violations.is_empty(), "{report}");
+        assert_no_leaks_but_streams(&report);
+    });
+}
+
+/// Where the device has no virtual memory management, the pool grows in chunks of `cuMemAlloc`.
+#[test]
+fn a_pool_without_virtual_memory_grows_in_chunks() {
+    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_VMM", "0")], || {
+        let dev = Device::get(0).unwrap();
+        assert!(!dev.capabilities().unwrap().virtual_memory_management);
+        let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        assert!(!pool.grows_in_segments());
+        let s = Stream::new(&dev).unwrap();
+        let buf = DeviceBuffer::from_slice_in(&[3u8; 5000], &s, pool.clone()).unwrap();
+        assert_eq!(buf.to_vec().unwrap(), [3u8; 5000]);
+        assert_eq!(pool.pool_stats().chunks, 1);
+    });
+}
+
+fn assert_no_leaks_but_streams(report: &cudrv_test_support::FakeReport) {
+    assert_eq!(report.live_allocations, 0, "{report}");
+}

@@ -554,7 +554,21 @@ fn legacy_ipc_and_events_between_two_processes() {
     let (_, module, s) = setup();
     let spin = module.function("spin_fill_u32").unwrap();
     let mut a = DeviceBuffer::<u32>::zeroed_in(1 << 20, &s, Arc::new(SyncResource::new(&dev).unwrap())).unwrap();
-    let pool = Arc::new(StreamOrderedPool::with_config(&dev, PoolConfig::default()).unwrap());
+    // Legacy IPC shares cuMemAlloc memory: a pool in chunks, not in segments of virtual memory.
+    let chunked = PoolConfig { expandable: false, ..PoolConfig::default() };
+    let pool = Arc::new(StreamOrderedPool::with_config(&dev, chunked).unwrap());
+    assert!(!pool.grows_in_segments());
+    if dev.capabilities().unwrap().virtual_memory_management {
+        let segments = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        assert!(segments.grows_in_segments());
+        let v = DeviceBuffer::<u32>::zeroed_in(100, &s, segments).unwrap();
+        match v.ipc_handle() {
+            Err(cudrv::Error::Unsupported { reason, .. }) => {
+                assert!(reason.contains("PoolConfig::expandable"), "{reason}")
+            }
+            other => panic!("legacy IPC of a segment pool's buffer: {other:?}"),
+        }
+    }
     let _filler = DeviceBuffer::<u8>::zeroed_in(10_000, &s, pool.clone()).unwrap();
     let b = DeviceBuffer::from_slice_in(&(0..50_000).collect::<Vec<u32>>(), &s, pool.clone()).unwrap();
     let hb = b.ipc_handle().unwrap();

@@ -5,8 +5,8 @@
 //! It is plain data behind one lock (`&mut self`), and never blocks: what needs a host wait or a
 //! `cuMemFree` is handed back to the caller to do with the lock released.
 
-use super::backend::{Backend, DRIVER_SPARE, MAX_DRIVER_SPARE};
-use super::blocks::{Block, Chunk, Kind, NIL, State, best_fit};
+use super::backend::{Backend, DRIVER_SPARE, MAX_DRIVER_SPARE, Segments};
+use super::blocks::{Block, Chunk, KINDS, Kind, NIL, State, best_fit};
 use super::config::PoolConfig;
 use super::events::StreamState;
 use super::slots::Slots;
@@ -57,12 +57,15 @@ pub(crate) struct ArenaStats {
 }
 
 /// A chunk taken off the free lists, to be freed (`Backend::free_chunk`) with no lock held, then
-/// reported with [`Arena::finish_release`].
+/// reported with [`Arena::finish_release`]; or a segment's mapping cut off its top, to be
+/// unmapped (`Backend::unmap`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Detached {
     pub(crate) chunk: u32,
     pub(crate) ptr: u64,
     pub(crate) size: usize,
+    /// The mapping's handle, for a segment's mapping.
+    pub(crate) handle: Option<u64>,
 }
 
 /// What [`Arena::grow`] did.
@@ -73,6 +76,12 @@ pub(crate) enum Grow {
     Release(Vec<Detached>),
     /// The driver is out of memory, even for exactly the request.
     OutOfMemory,
+    /// The segment to grow is being unmapped by another thread (with no lock held): call `grow`
+    /// again once it is done.
+    Busy,
+    /// Out of memory after part of the request was mapped: unmap these, then report out of
+    /// memory.
+    Refused(Vec<Detached>),
 }
 
 /// The shared layer of a stream-ordered pool. See the module documentation.
@@ -92,6 +101,10 @@ pub(crate) struct Arena<B: Backend> {
     /// What the pool leaves of the device's reported free memory for the driver: [`DRIVER_SPARE`]
     /// at first, raised by [`Arena::learn_spare`].
     pub(crate) driver_spare: usize,
+    /// Set where the pool grows in segments ([`super::segment`]) instead of chunks.
+    pub(crate) segments: Option<Segments>,
+    /// Each kind's segment (`NIL`: none yet).
+    pub(crate) segment_of: [u32; KINDS],
 }
 
 impl<B: Backend> Arena<B> {
@@ -107,7 +120,16 @@ impl<B: Backend> Arena<B> {
             graphs: super::graph::GraphBlocks::default(),
             stats: ArenaStats::default(),
             driver_spare: DRIVER_SPARE,
+            segments: None,
+            segment_of: [NIL; KINDS],
         }
+    }
+
+    /// Makes the arena grow in segments where the backend offers them (`segments`) and the
+    /// configuration allows them ([`PoolConfig::expandable`]). Call before the first allocation.
+    pub(crate) fn use_segments(&mut self, segments: Option<Segments>) {
+        debug_assert!(self.chunks.iter().next().is_none(), "the arena's growth changes before it grows");
+        self.segments = segments.filter(|s| self.config.expandable && s.granularity > 0 && s.reserve > 0);
     }
 
     /// The slot of `stream`'s state, created if new.
@@ -135,7 +157,7 @@ impl<B: Backend> Arena<B> {
     pub(crate) fn kind_for(&self, size: usize) -> Kind {
         if size <= self.config.small_limit {
             Kind::Small
-        } else if size <= self.config.medium_limit {
+        } else if size <= self.config.medium_limit && self.segments.is_none() {
             Kind::Medium
         } else {
             Kind::Large
@@ -166,6 +188,8 @@ impl<B: Backend> Arena<B> {
     /// request, one it fills to at least `percent`; any for the other kinds.
     pub(crate) fn largest_fit(&self, kind: Kind, size: usize, percent: u32) -> usize {
         match (kind, percent.min(100)) {
+            // A segment's blocks have no chunk of their own to pin: best fit, always split.
+            _ if self.segments.is_some() => usize::MAX,
             (Kind::Large, percent @ 1..) => {
                 usize::try_from(size as u128 * 100 / u128::from(percent)).unwrap_or(usize::MAX)
             }
@@ -252,7 +276,7 @@ impl<B: Backend> Arena<B> {
     }
 
     /// The block of chunk `c` that holds address `ptr`, which must be in a free block.
-    fn free_block_at(&self, c: u32, ptr: u64) -> u32 {
+    pub(crate) fn free_block_at(&self, c: u32, ptr: u64) -> u32 {
         let mut cur = self.chunks[c].first;
         while self.blocks[cur].ptr + self.blocks[cur].size as u64 <= ptr {
             cur = self.blocks[cur].next;
@@ -338,10 +362,11 @@ impl<B: Backend> Arena<B> {
         may_release: bool,
     ) -> Result<Grow, super::PoolError<B::Error>> {
         let kind = self.kind_for(size);
+        if self.segments.is_some() {
+            return self.grow_segment(b, s, kind, size, headroom, may_release);
+        }
         let (mut chunk, exact) = self.chunk_sizes(kind, size).ok_or(super::PoolError::TooLarge { requested: size })?;
-        let live = self.stats.out_bytes.saturating_add(size);
-        self.stats.peak_live = self.stats.peak_live.max(live);
-        let peak = self.stats.peak_live;
+        let peak = self.note_live(size);
         // Memory runs short when the device would be left with less than a tenth of what the pool
         // then holds: grow by exactly the request, and release whatever free chunk can go first.
         let after = self.stats.reserved.saturating_add(chunk);
@@ -358,19 +383,7 @@ impl<B: Backend> Arena<B> {
         if kind == Kind::Large && chunk - size > self.may_leave_unused(free) {
             chunk = exact;
         }
-        let mut limit = self.config.release_threshold;
-        if let Some(pct) = self.config.headroom_percent.filter(|_| headroom && !tight) {
-            limit = limit.min(peak.saturating_add(peak / 100 * pct as usize));
-        }
-        if tight
-            && headroom
-            && let Some(free) = free
-        {
-            // Near capacity the device's memory is the bound: make room by releasing free chunks
-            // (only what the request lacks, and none that is not known to be done with) before
-            // asking for more than the device has.
-            limit = limit.min(self.stats.reserved.saturating_add(free));
-        }
+        let limit = self.growth_limit(peak, headroom, tight, free);
         if self.stats.reserved.saturating_add(chunk) > limit {
             chunk = exact;
         }
@@ -416,6 +429,33 @@ impl<B: Backend> Arena<B> {
         Ok(Grow::OutOfMemory)
     }
 
+    /// Counts a request of `size` bytes about to be served by growth as live (what is out of the
+    /// arena is live then: the caches were given back). Returns the most live at once.
+    pub(crate) fn note_live(&mut self, size: usize) -> usize {
+        let live = self.stats.out_bytes.saturating_add(size);
+        self.stats.peak_live = self.stats.peak_live.max(live);
+        self.stats.peak_live
+    }
+
+    /// The most the pool may hold after growing: the release threshold, and the headroom over
+    /// `peak` live bytes unless `headroom` is off or memory is `tight`. Near capacity the
+    /// device's `free` memory is the bound instead: the pool makes room by releasing free memory
+    /// (only what the request lacks, and none not known to be done with) before asking for more
+    /// than the device has.
+    pub(crate) fn growth_limit(&self, peak: usize, headroom: bool, tight: bool, free: Option<usize>) -> usize {
+        let mut limit = self.config.release_threshold;
+        if let Some(pct) = self.config.headroom_percent.filter(|_| headroom && !tight) {
+            limit = limit.min(peak.saturating_add(peak / 100 * pct as usize));
+        }
+        if tight
+            && headroom
+            && let Some(free) = free
+        {
+            limit = limit.min(self.stats.reserved.saturating_add(free));
+        }
+        limit
+    }
+
     /// What may stay reserved so that the device has room for an exact chunk for `size` rounded
     /// bytes, as far as the backend knows its free memory (0 when it does not).
     pub(crate) fn reserved_after_making_room(&self, b: &B, size: usize) -> usize {
@@ -437,7 +477,7 @@ impl<B: Backend> Arena<B> {
     }
 
     /// What new chunks may take of `reported` free bytes: all but what the driver keeps back.
-    fn usable(&self, reported: usize) -> usize {
+    pub(crate) fn usable(&self, reported: usize) -> usize {
         reported.saturating_sub(self.driver_spare)
     }
 
@@ -458,7 +498,7 @@ impl<B: Backend> Arena<B> {
     pub(crate) fn add_chunk(&mut self, s: u32, kind: Kind, ptr: u64, size: usize) -> u32 {
         debug_assert!(ptr.is_multiple_of(256), "the driver aligns chunks to 256 bytes");
         // The chunk's slot is taken first so that the block can name it.
-        let c = self.chunks.insert(Chunk { ptr, size, first: NIL, out: 0, releasing: false });
+        let c = self.chunks.insert(Chunk { ptr, size, first: NIL, out: 0, releasing: false, segment: None });
         let blk = self.blocks.insert(Block {
             ptr,
             size,
@@ -516,7 +556,11 @@ impl<B: Backend> Arena<B> {
             let mut cur = chunk.first;
             while cur != NIL {
                 let b = &self.blocks[cur];
-                let sign = if matches!(b.state, State::Out) { '+' } else { '-' };
+                let sign = match b.state {
+                    State::Out => '+',
+                    State::Free { .. } => '-',
+                    State::Hole => '~',
+                };
                 let _ = write!(out, " {sign}{:.2}", b.size as f64 / (1 << 20) as f64);
                 cur = b.next;
             }

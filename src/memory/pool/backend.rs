@@ -16,6 +16,22 @@ pub(crate) const DRIVER_SPARE: usize = 2 << 20;
 /// The most the pool learns to leave free for the driver.
 pub(crate) const MAX_DRIVER_SPARE: usize = 64 << 20;
 
+/// What a backend with virtual memory management offers for segments (see
+/// [`arena`](super::arena)'s segments): address ranges are reserved in `reserve` bytes, and
+/// memory is mapped into them in multiples of `granularity` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Segments {
+    /// The mapping granularity (`cuMemGetAllocationGranularity`, 2 MiB on current GPUs).
+    pub(crate) granularity: usize,
+    /// The size of each address range reserved: [`RANGE_PER_BYTE`] times the device's memory,
+    /// so that holes (addresses whose memory went elsewhere) leave room for growth.
+    pub(crate) reserve: usize,
+}
+
+/// The addresses a segment reserves per byte of the device's memory. Addresses are plentiful (47
+/// bits on x86-64 Linux: 1,000 times an H200's memory), and a reservation holds no memory.
+pub(crate) const RANGE_PER_BYTE: usize = 4;
+
 /// The driver work the pool's bookkeeping asks for. The real implementation calls the CUDA
 /// driver; the simulator emulates a device; tests use a mock that checks stream ordering.
 ///
@@ -38,6 +54,23 @@ pub(crate) trait Backend {
     /// device). Called only once the host has seen every use of the chunk complete, and never
     /// with a lock held.
     fn free_chunk(&self, ptr: u64, bytes: usize) -> Result<(), Self::Error>;
+    /// Whether the backend can map memory into reserved address ranges, and how; `None` where the
+    /// device has no virtual memory management. Asked once, when the pool is made.
+    fn segments(&self) -> Option<Segments>;
+    /// Reserves `bytes` of addresses (`cuMemAddressReserve`), aligned to the granularity. They
+    /// hold no memory until [`map`](Self::map) puts some there.
+    fn reserve(&self, bytes: usize) -> Result<u64, Self::Error>;
+    /// Gives back a range from [`reserve`](Self::reserve) with nothing mapped in it
+    /// (`cuMemAddressFree`).
+    fn free_reserve(&self, va: u64, bytes: usize) -> Result<(), Self::Error>;
+    /// Backs `[va, va + bytes)` of a reserved range with new device memory, readable and writable
+    /// by the device (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`); returns the handle of the
+    /// memory. On error nothing stays mapped or allocated.
+    fn map(&self, va: u64, bytes: usize) -> Result<u64, Self::Error>;
+    /// Unmaps a range from [`map`](Self::map) and frees its memory (`cuMemUnmap`, `cuMemRelease`;
+    /// the unmap may wait for the device). As [`free_chunk`](Self::free_chunk): called only once
+    /// the host has seen every use of the range complete, and never with a lock held.
+    fn unmap(&self, va: u64, bytes: usize, handle: u64) -> Result<(), Self::Error>;
     /// The device's free memory as the driver reports it (`cuMemGetInfo`), if the backend can
     /// tell; a new chunk may take all but what the driver keeps back ([`DRIVER_SPARE`] or more).
     /// Asked only when the pool grows, to grow exactly when memory runs short.

@@ -40,6 +40,9 @@ pub(crate) enum State {
     Free { stream: u32, seq: u64 },
     /// Outside the arena: handed out to a user, or cached by a stream for reuse there.
     Out,
+    /// Addresses of a segment with no memory mapped (or being unmapped): never listed, never
+    /// handed out; adjacent holes merge.
+    Hole,
 }
 
 /// A contiguous piece of a chunk.
@@ -58,10 +61,12 @@ pub(crate) struct Block {
     pub(crate) slack: usize,
 }
 
-/// Memory from one `alloc_chunk` call.
+/// Memory from one `alloc_chunk` call, or a segment: a reserved address range mapped from its
+/// start (see [`Segment`]).
 #[derive(Debug, Clone)]
 pub(crate) struct Chunk {
     pub(crate) ptr: u64,
+    /// The chunk's bytes; for a segment, the bytes mapped (its blocks cover exactly those).
     pub(crate) size: usize,
     /// The block at the chunk's start; merges always keep the lower block, so it never changes.
     pub(crate) first: u32,
@@ -69,6 +74,29 @@ pub(crate) struct Chunk {
     pub(crate) out: u32,
     /// Being freed by a caller with no lock held: its blocks are off the free lists.
     pub(crate) releasing: bool,
+    /// `Some` for a segment.
+    pub(crate) segment: Option<Segment>,
+}
+
+/// A segment: one reserved address range per kind, into which device memory is mapped as the
+/// pool grows (at its top, or into a hole), and from which free memory is unmapped as the pool
+/// shrinks (leaving a hole). Its blocks split and merge across what each mapping added, so a
+/// request of a new size is served by merged free space instead of new memory: no chunk
+/// boundaries. The chunk's blocks cover `[chunk.ptr, chunk.ptr + chunk.size)`: mapped blocks and
+/// holes.
+#[derive(Debug, Clone)]
+pub(crate) struct Segment {
+    /// The reserved bytes: the range is `[chunk.ptr, chunk.ptr + reserved)`.
+    pub(crate) reserved: usize,
+    /// The kind of every block of the segment.
+    pub(crate) kind: Kind,
+    /// The mappings: address -> (bytes, handle). They cover exactly the blocks that are not holes.
+    pub(crate) maps: BTreeMap<u64, (usize, u64)>,
+    /// The bytes of `maps`.
+    pub(crate) mapped: usize,
+    /// Bytes being unmapped by a caller with no lock held (holes already). The segment neither
+    /// grows nor releases more meanwhile.
+    pub(crate) unmapping: usize,
 }
 
 /// Free blocks of one kind and one stream, best fit first: key `(size, ptr)`, value block index.
@@ -107,8 +135,13 @@ impl<B: Backend> Arena<B> {
                 size: rest,
                 chunk: block.chunk,
                 // A large block's rest is the chunk's tail: no large request takes it apart from
-                // the block, so no large block ever pins another's chunk.
-                kind: if block.kind == Kind::Large { Kind::Tail } else { block.kind },
+                // the block, so no large block ever pins another's chunk. (A segment has no
+                // chunks to pin: its rests stay of its kind.)
+                kind: if block.kind == Kind::Large && self.chunks[block.chunk].segment.is_none() {
+                    Kind::Tail
+                } else {
+                    block.kind
+                },
                 prev: blk,
                 next: block.next,
                 state: State::Free { stream, seq },
@@ -168,7 +201,7 @@ impl<B: Backend> Arena<B> {
     /// Whether a block free on stream `s` at `seq` may merge with neighbour `nb`, and if so the
     /// sequence number of the merged block, which `s` owns. Allowed when `nb` is free on the same
     /// stream, or when both are host-safe (then the result is host-safe too).
-    fn merge_target(&self, nb: u32, s: u32, seq: u64) -> Option<u64> {
+    pub(crate) fn merge_target(&self, nb: u32, s: u32, seq: u64) -> Option<u64> {
         let State::Free { stream: nb_stream, seq: nb_seq } = self.blocks[nb].state else { return None };
         if nb_stream == s {
             Some(seq.max(nb_seq))
@@ -204,7 +237,7 @@ impl<B: Backend> Arena<B> {
     }
 
     /// Grows `lo` over its upper neighbour `hi` (both unlisted) and frees `hi`'s slot.
-    fn absorb(&mut self, lo: u32, hi: u32) {
+    pub(crate) fn absorb(&mut self, lo: u32, hi: u32) {
         let hi_block = self.blocks.remove(hi).expect("a merged block exists");
         let l = &mut self.blocks[lo];
         debug_assert_eq!(l.next, hi);

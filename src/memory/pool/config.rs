@@ -67,6 +67,19 @@ pub struct PoolConfig {
     /// counts the blocks handed out, not the tails of their chunks, so this bounds what the
     /// driver's 2 MiB pages and the size classes add as well. Default `Some(20)`.
     pub headroom_percent: Option<u32>,
+    /// Where the device has virtual memory management (`cuMemCreate`, `cuMemMap`), grow in
+    /// *segments* instead of chunks: one address range of the device's size per group of requests
+    /// (small ones, and the rest), reserved once, into which memory is mapped at the top as the
+    /// pool grows and from whose top it is unmapped as it shrinks. Freed blocks then merge
+    /// across what each growth added, so requests whose sizes keep changing reuse memory instead
+    /// of growing the pool: reserved memory stays close to live memory, and a warm workload makes
+    /// no driver call. The chunk settings above then apply only where the device has no virtual
+    /// memory management.
+    ///
+    /// Memory in segments cannot be shared with legacy IPC (`cuIpcGetMemHandle` takes only
+    /// `cuMemAlloc` memory): [`DeviceBuffer::ipc_handle`](crate::memory::DeviceBuffer::ipc_handle)
+    /// refuses it. A pool for buffers shared that way sets this to `false`. Default `true`.
+    pub expandable: bool,
 }
 
 impl Default for PoolConfig {
@@ -82,6 +95,7 @@ impl Default for PoolConfig {
             large_fit_percent: 75,
             large_classes_per_octave: 8,
             headroom_percent: Some(20),
+            expandable: true,
         }
     }
 }

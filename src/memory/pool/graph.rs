@@ -49,7 +49,7 @@ pub(crate) struct GraphUse {
 
 impl<B: Backend> Arena<B> {
     /// The slot of the stream state that holds host-safe blocks of no stream.
-    fn host_slot(&mut self) -> u32 {
+    pub(crate) fn host_slot(&mut self) -> u32 {
         if let Some((s, epoch)) = self.graphs.host
             && self.streams.get(s).is_some_and(|st| st.epoch == epoch)
         {
@@ -151,12 +151,24 @@ pub(crate) fn allocate_for_graph<H: Host>(
         Some(handout) => handout,
         None => {
             // A new chunk's blocks are host-safe: nothing has used them.
-            match h.arena(|a| {
-                let s = a.host_slot();
-                a.grow(b, s, size, false, false)
-            })? {
+            let grow = || {
+                h.arena(|a| {
+                    let s = a.host_slot();
+                    a.grow(b, s, size, false, false)
+                })
+            };
+            let mut grown = grow()?;
+            while let Grow::Busy = grown {
+                // Another thread unmaps the segment's top with no lock held: wait for it.
+                std::thread::yield_now();
+                grown = grow()?;
+            }
+            if let Grow::Refused(undo) = &grown {
+                super::free_chunks(h, undo).map_err(PoolError::Backend)?;
+            }
+            match grown {
                 Grow::Block(handout) => handout,
-                Grow::Release(_) | Grow::OutOfMemory => {
+                Grow::Release(_) | Grow::OutOfMemory | Grow::Busy | Grow::Refused(_) => {
                     let in_use = super::stats(h).in_use;
                     return Err(h.arena(|a| PoolError::OutOfMemory {
                         requested: bytes,

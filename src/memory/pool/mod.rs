@@ -82,6 +82,7 @@ pub(crate) mod error;
 pub(crate) mod events;
 pub(crate) mod graph;
 pub(crate) mod release;
+pub(crate) mod segment;
 pub(crate) mod sim;
 pub(crate) mod slots;
 pub(crate) mod stats;
@@ -229,6 +230,14 @@ pub(crate) fn allocate_slow<H: Host>(
 ) -> Result<u64, PoolError<ErrorOf<H>>> {
     let b = h.backend();
     let adopt = |handout| h.cache(stream, |c| c.adopt(handout, requested, kept));
+    if h.arena(|a| a.segments.is_some()) {
+        // In segments, the arena places best with every free block in view: the stream's own
+        // cached blocks go back first, to merge with their neighbours.
+        h.existing_cache(stream, |c| {
+            let blocks = c.take_free();
+            h.arena(|a| a.give_back(c.slot, &blocks));
+        });
+    }
     if let Some(handout) = h.arena(|a| a.take(b, slot, size))? {
         return Ok(adopt(handout));
     }
@@ -270,27 +279,42 @@ fn grow<H: Host>(h: &H, slot: u32, size: usize) -> Result<Option<Handout>, PoolE
     let b = h.backend();
     // Each round frees what the previous one took out; the headroom check then passes, or nothing
     // more can be taken out. Past a few rounds the arena grows beyond its headroom.
-    for round in 0..5 {
+    let mut round = 0;
+    while round < 5 {
         match h.arena(|a| a.grow(b, slot, size, round < 4, true))? {
             Grow::Block(handout) => return Ok(Some(handout)),
             Grow::Release(chunks) => free_chunks(h, &chunks)?,
             Grow::OutOfMemory => return Ok(None),
+            Grow::Refused(undo) => {
+                free_chunks(h, &undo)?;
+                return Ok(None);
+            }
+            // Another thread unmaps the top of the segment, with no lock held: wait for it.
+            Grow::Busy => {
+                std::thread::yield_now();
+                continue;
+            }
         }
+        round += 1;
     }
     Ok(None)
 }
 
-/// Frees chunks taken off the arena's free lists, with no lock held, and reports them back. A
-/// chunk whose free fails goes back to the arena (a later release retries it); the first error is
-/// returned.
-fn free_chunks<H: Host>(h: &H, chunks: &[Detached]) -> Result<(), ErrorOf<H>> {
+/// Frees chunks taken off the arena's free lists (or unmaps a segment's mappings), with no lock
+/// held, and reports them back. A chunk whose free fails goes back to the arena (a later release
+/// retries it), as does a mapping whose unmapping fails; the first error is returned.
+pub(crate) fn free_chunks<H: Host>(h: &H, chunks: &[Detached]) -> Result<(), ErrorOf<H>> {
     if chunks.is_empty() {
         return Ok(());
     }
+    let b = h.backend();
     let mut first = Ok(());
     let mut done = Vec::with_capacity(chunks.len());
     for &c in chunks {
-        let r = h.backend().free_chunk(c.ptr, c.size);
+        let r = match c.handle {
+            None => b.free_chunk(c.ptr, c.size),
+            Some(handle) => b.unmap(c.ptr, c.size, handle),
+        };
         done.push((c, r.is_ok()));
         if let Err(e) = r
             && first.is_ok()
@@ -298,7 +322,7 @@ fn free_chunks<H: Host>(h: &H, chunks: &[Detached]) -> Result<(), ErrorOf<H>> {
             first = Err(e);
         }
     }
-    h.arena(|a| a.finish_release(&done));
+    h.arena(|a| a.finish_release(b, &done));
     first
 }
 

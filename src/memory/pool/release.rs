@@ -29,8 +29,21 @@ impl<B: Backend> Arena<B> {
         how: Completion,
     ) -> Result<Vec<Detached>, B::Error> {
         let mut detached = Vec::new();
+        if self.segments.is_some() {
+            // A segment left empty keeps its range only while giving it back fails.
+            self.free_empty_segments(b);
+        }
         let mut reserved = self.stats.reserved - self.releasing_bytes();
         if reserved <= target {
+            return Ok(detached);
+        }
+        if self.segments.is_some() {
+            if let Err(e) = self.detach_segment_maps(b, reserved, target, how, true, &mut detached) {
+                // Put back what was cut, so that nothing is lost.
+                let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
+                self.finish_release(b, &undo);
+                return Err(e);
+            }
             return Ok(detached);
         }
         let mut idle: Vec<(usize, u32)> =
@@ -55,7 +68,7 @@ impl<B: Backend> Arena<B> {
                 Err(e) => {
                     // Put back what was taken off, so that nothing is lost.
                     let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
-                    self.finish_release(&undo);
+                    self.finish_release(b, &undo);
                     return Err(e);
                 }
             }
@@ -63,9 +76,16 @@ impl<B: Backend> Arena<B> {
         Ok(detached)
     }
 
-    /// Bytes of the chunks being freed.
+    /// Bytes of the chunks being freed, and of the mappings being unmapped.
     fn releasing_bytes(&self) -> usize {
-        self.chunks.iter().filter(|(_, c)| c.releasing).map(|(_, c)| c.size).sum()
+        self.chunks
+            .iter()
+            .map(|(_, c)| match &c.segment {
+                Some(seg) => seg.unmapping,
+                None if c.releasing => c.size,
+                None => 0,
+            })
+            .sum()
     }
 
     /// Whether every block of free chunk `c` is host-safe (polling its streams' events in `Poll`
@@ -99,12 +119,17 @@ impl<B: Backend> Arena<B> {
             self.unlist(cur);
             cur = self.blocks[cur].next;
         }
-        Detached { chunk: c, ptr, size }
+        Detached { chunk: c, ptr, size, handle: None }
     }
 
     /// Settles chunks taken off the free lists: a freed one (`true`) leaves the arena; one whose
-    /// free failed goes back on the free lists, to be released later.
-    pub(crate) fn finish_release(&mut self, done: &[(Detached, bool)]) {
+    /// free failed goes back on the free lists, to be released later. (A segment's mappings:
+    /// [`Arena::finish_unmap`].)
+    pub(crate) fn finish_release(&mut self, b: &B, done: &[(Detached, bool)]) {
+        if self.segments.is_some() {
+            self.finish_unmap(b, done);
+            return;
+        }
         let mut owners = Vec::new();
         for &(d, freed) in done {
             let first = self.chunks[d.chunk].first;
@@ -204,7 +229,7 @@ impl<B: Backend> Arena<B> {
         let mut leaked = Leaked { allocations, bytes, ..Leaked::default() };
         for (_, c) in self.chunks.iter() {
             leaked.chunks += 1;
-            leaked.chunk_bytes += c.size;
+            leaked.chunk_bytes += c.segment.as_ref().map_or(c.size, |seg| seg.mapped);
         }
         leaked
     }

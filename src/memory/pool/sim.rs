@@ -7,7 +7,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 use super::arena::Arena;
-use super::backend::{Backend, DRIVER_SPARE};
+use super::backend::{Backend, DRIVER_SPARE, RANGE_PER_BYTE, Segments};
 use super::cache::Cache;
 use super::config::PoolConfig;
 use super::error::PoolError;
@@ -15,13 +15,35 @@ use super::stats::PoolStats;
 use super::{Host, round_up};
 use crate::error::{Error, Result};
 
-/// The emulated device: memory up to a limit, and streams with no work queued, so that every event
-/// is complete as soon as it is recorded.
+/// The emulated device: memory up to a limit, with virtual memory management (2 MiB pages), and
+/// streams with no work queued, so that every event is complete as soon as it is recorded.
 #[derive(Debug)]
 pub(crate) struct SimDevice {
     limit: usize,
     reserved: Cell<usize>,
     next: Cell<u64>,
+}
+
+/// The emulated page size.
+const PAGE: usize = 2 << 20;
+
+impl SimDevice {
+    /// Takes `bytes` of the emulated memory, keeping back what the driver needs for itself, as
+    /// the driver does.
+    fn take_memory(&self, bytes: usize) -> Result<(), SimOom> {
+        if (self.limit - self.reserved.get()).saturating_sub(DRIVER_SPARE) < bytes {
+            return Err(SimOom);
+        }
+        self.reserved.set(self.reserved.get() + bytes);
+        Ok(())
+    }
+
+    /// A new range of `bytes` addresses: never adjacent to another, and aligned as the driver's.
+    fn addresses(&self, bytes: usize) -> u64 {
+        let ptr = self.next.get();
+        self.next.set(ptr + round_up(bytes, PAGE).unwrap_or(bytes) as u64 + PAGE as u64);
+        ptr
+    }
 }
 
 /// Out of emulated memory.
@@ -34,20 +56,38 @@ impl Backend for SimDevice {
     type Error = SimOom;
 
     fn alloc_chunk(&self, bytes: usize) -> Result<u64, SimOom> {
-        // As the driver does, keep back what it needs for itself.
-        if (self.limit - self.reserved.get()).saturating_sub(DRIVER_SPARE) < bytes {
-            return Err(SimOom);
-        }
-        self.reserved.set(self.reserved.get() + bytes);
-        let ptr = self.next.get();
-        // Chunks are never adjacent, and aligned as the driver's are.
-        self.next.set(ptr + round_up(bytes, 1 << 21).unwrap_or(bytes) as u64 + (1 << 21));
-        Ok(ptr)
+        self.take_memory(bytes)?;
+        Ok(self.addresses(bytes))
     }
 
     fn free_chunk(&self, _ptr: u64, bytes: usize) -> Result<(), SimOom> {
         self.reserved.set(self.reserved.get() - bytes);
         Ok(())
+    }
+
+    fn segments(&self) -> Option<Segments> {
+        let reserve = match self.limit {
+            usize::MAX => 1 << 44,
+            limit => round_up(limit.saturating_mul(RANGE_PER_BYTE), PAGE).unwrap_or(1 << 44),
+        };
+        Some(Segments { granularity: PAGE, reserve })
+    }
+
+    fn reserve(&self, bytes: usize) -> Result<u64, SimOom> {
+        Ok(self.addresses(bytes))
+    }
+
+    fn free_reserve(&self, _va: u64, _bytes: usize) -> Result<(), SimOom> {
+        Ok(())
+    }
+
+    fn map(&self, _va: u64, bytes: usize) -> Result<u64, SimOom> {
+        self.take_memory(bytes)?;
+        Ok(0)
+    }
+
+    fn unmap(&self, _va: u64, bytes: usize, _handle: u64) -> Result<(), SimOom> {
+        self.free_chunk(0, bytes)
     }
 
     fn free_memory(&self) -> Option<usize> {
@@ -116,13 +156,18 @@ impl Host for SimHost {
 /// It answers what the real pool would reserve for a sequence of allocations and frees (for
 /// example a trace recorded from a framework), and whether it fits in a given amount of memory.
 ///
+/// The emulated device has virtual memory management, so with
+/// [`PoolConfig::expandable`] (the default) the pool grows in segments, as `StreamOrderedPool`
+/// does on such a device. With `expandable: false` it grows in chunks, as on a device without
+/// (Windows in TCC mode, as reported).
+///
 /// ```
 /// use cudrv::memory::{PoolConfig, SimulatedPool};
 /// let pool = SimulatedPool::new(PoolConfig::default(), Some(1 << 30));
 /// let a = pool.allocate(300 << 20, 0)?;
 /// let b = pool.allocate(300 << 20, 1)?;
 /// pool.deallocate(a, 300 << 20, 0)?;
-/// let c = pool.allocate(200 << 20, 1)?; // reuses a's chunk, after an (emulated) event wait
+/// let c = pool.allocate(200 << 20, 1)?; // reuses a's memory, after an (emulated) event wait
 /// let stats = pool.stats();
 /// assert_eq!(stats.in_use, 500 << 20);
 /// assert!(stats.reserved <= 600 << 20);
@@ -144,17 +189,11 @@ impl SimulatedPool {
     /// An empty pool with `config` on an emulated device with `memory_limit` bytes (`None`: no
     /// limit).
     pub fn new(config: PoolConfig, memory_limit: Option<usize>) -> SimulatedPool {
-        SimulatedPool {
-            host: SimHost {
-                device: SimDevice {
-                    limit: memory_limit.unwrap_or(usize::MAX),
-                    reserved: Cell::new(0),
-                    next: Cell::new(1 << 40),
-                },
-                arena: RefCell::new(Arena::new(config)),
-                caches: RefCell::new(HashMap::new()),
-            },
-        }
+        let device =
+            SimDevice { limit: memory_limit.unwrap_or(usize::MAX), reserved: Cell::new(0), next: Cell::new(1 << 40) };
+        let mut arena = Arena::new(config);
+        arena.use_segments(device.segments());
+        SimulatedPool { host: SimHost { device, arena: RefCell::new(arena), caches: RefCell::new(HashMap::new()) } }
     }
 
     /// Allocates `bytes` on stream `stream`.

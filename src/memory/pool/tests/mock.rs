@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::super::backend::Backend;
+use super::super::backend::{Backend, Segments};
 use super::IN_ARENA;
 
 /// A mock stream: an index into the mock's streams.
@@ -37,6 +37,8 @@ pub(super) enum Call {
     Wait,
     Sync,
     Query,
+    /// Reserving or freeing an address range.
+    Reserve,
 }
 
 /// A vector clock: entry `i` is how far stream `i`'s work is known to be ordered before.
@@ -87,6 +89,13 @@ pub(super) struct State {
     live: BTreeMap<u64, (usize, usize)>,
     /// Past frees: (ptr, bytes, stream, time on that stream).
     frees: Vec<(u64, usize, usize, u64)>,
+    /// Virtual memory management: `Some` (granularity, reservation size) makes `segments` offer it.
+    pub(super) vmm: Option<(usize, usize)>,
+    /// Reserved address ranges: start -> bytes.
+    reservations: BTreeMap<u64, usize>,
+    /// Mappings (also in `chunks`): start -> handle.
+    mappings: BTreeMap<u64, u64>,
+    next_handle: u64,
 }
 
 /// The mock device (a handle to its shared state).
@@ -133,7 +142,18 @@ impl Mock {
             check: true,
             live: BTreeMap::new(),
             frees: Vec::new(),
+            vmm: None,
+            reservations: BTreeMap::new(),
+            mappings: BTreeMap::new(),
+            next_handle: 1,
         })))
+    }
+
+    /// A mock with virtual memory management: 2 MiB pages, address ranges of `reserve` bytes.
+    pub(super) fn with_vmm(streams: usize, reserve: usize) -> Mock {
+        let m = Mock::new(streams);
+        m.st().vmm = Some((2 << 20, reserve));
+        m
     }
 
     pub(super) fn st(&self) -> MutexGuard<'_, State> {
@@ -160,8 +180,7 @@ impl Mock {
         st.tick(s);
         assert_eq!(p % 256, 0, "misaligned");
         let end = p + bytes.max(1) as u64;
-        let (&cp, &clen) = st.chunks.range(..=p).next_back().expect("in no chunk");
-        assert!(end <= cp + clen as u64, "allocation beyond its chunk");
+        assert!(st.covered(p, end), "allocation {p:#x}..{end:#x} beyond the memory of its chunk or mappings");
         if let Some((&q, &(n, _))) = st.live.range(..=p).next_back() {
             assert!(q + n.max(1) as u64 <= p, "overlaps a live allocation");
         }
@@ -233,10 +252,12 @@ impl Mock {
         self.st().live.iter().map(|(&p, &(n, s))| (p, n, s)).collect()
     }
 
-    /// (bytes reserved, chunks held, chunk allocations, chunk frees).
+    /// (bytes reserved, chunks and address ranges held, chunk allocations and mappings, chunk
+    /// frees and unmappings).
     pub(super) fn chunk_figures(&self) -> (usize, usize, u64, u64) {
         let st = self.st();
-        (st.reserved, st.chunks.len(), st.chunk_allocs, st.chunk_frees)
+        let chunks = st.chunks.len() - st.mappings.len() + st.reservations.len();
+        (st.reserved, chunks, st.chunk_allocs, st.chunk_frees)
     }
 
     pub(super) fn live_allocations(&self) -> Vec<(u64, usize)> {
@@ -247,6 +268,7 @@ impl Mock {
     pub(super) fn assert_clean(&self) {
         let st = self.st();
         assert!(st.chunks.is_empty(), "chunks left: {:?}", st.chunks);
+        assert!(st.reservations.is_empty(), "address ranges left: {:?}", st.reservations);
         assert_eq!(st.reserved, 0);
         assert_eq!(st.live_events, 0, "events left");
     }
@@ -263,6 +285,36 @@ impl Mock {
 }
 
 impl State {
+    /// Whether `[p, end)` is device memory: inside one chunk, or inside adjacent mappings.
+    fn covered(&self, p: u64, end: u64) -> bool {
+        let Some((&first, _)) = self.chunks.range(..=p).next_back() else { return false };
+        let mut at = first;
+        loop {
+            let Some(&len) = self.chunks.get(&at) else { return false };
+            let next = at + len as u64;
+            if end <= next {
+                return true;
+            }
+            if !self.mappings.contains_key(&at) || !self.mappings.contains_key(&next) {
+                return false;
+            }
+            at = next;
+        }
+    }
+
+    /// The checks of giving memory `[ptr, ptr + bytes)` back: no live allocation in it, and the
+    /// host has seen every free of it complete. Forgets those frees.
+    fn check_released(&mut self, ptr: u64, bytes: usize) {
+        let end = ptr + bytes as u64;
+        assert!(self.live.range(ptr..end).next().is_none(), "memory released with a live allocation");
+        for &(fp, _, fs, ft) in &self.frees {
+            if (ptr..end).contains(&fp) {
+                assert!(at(&self.host, fs) >= ft, "memory released before the host saw its frees");
+            }
+        }
+        self.frees.retain(|&(fp, ..)| !(ptr..end).contains(&fp));
+    }
+
     /// (records, waits, syncs, queries, chunk frees), to check that a call made none.
     pub(super) fn clone_counts(&self) -> (u64, u64, u64, u64, u64) {
         (self.records, self.waits, self.syncs, self.queries, self.chunk_frees)
@@ -313,15 +365,64 @@ impl Backend for Mock {
     fn free_chunk(&self, ptr: u64, bytes: usize) -> Result<(), MockErr> {
         assert_no_lock("free_chunk");
         let mut st = self.call(Call::Free)?;
+        assert!(!st.mappings.contains_key(&ptr), "a mapping freed as a chunk");
         assert_eq!(st.chunks.remove(&ptr), Some(bytes), "bad or double chunk free");
-        let end = ptr + bytes as u64;
-        assert!(st.live.range(ptr..end).next().is_none(), "chunk freed with a live allocation");
-        for &(fp, _, fs, ft) in &st.frees {
-            if (ptr..end).contains(&fp) {
-                assert!(at(&st.host, fs) >= ft, "chunk freed before the host saw its frees");
-            }
+        st.check_released(ptr, bytes);
+        st.reserved -= bytes;
+        st.chunk_frees += 1;
+        Ok(())
+    }
+
+    fn segments(&self) -> Option<Segments> {
+        self.st().vmm.map(|(granularity, reserve)| Segments { granularity, reserve })
+    }
+
+    fn reserve(&self, bytes: usize) -> Result<u64, MockErr> {
+        let mut st = self.call(Call::Reserve)?;
+        let (granularity, _) = st.vmm.expect("reserve on a mock without VMM");
+        assert!(bytes > 0 && bytes.is_multiple_of(granularity));
+        let p = st.next_ptr.next_multiple_of(granularity as u64);
+        st.next_ptr = p + bytes as u64 + (1 << 21);
+        st.reservations.insert(p, bytes);
+        Ok(p)
+    }
+
+    fn free_reserve(&self, va: u64, bytes: usize) -> Result<(), MockErr> {
+        let mut st = self.call(Call::Reserve)?;
+        assert_eq!(st.reservations.get(&va), Some(&bytes), "bad or double address range free");
+        assert!(st.chunks.range(va..va + bytes as u64).next().is_none(), "address range freed with mappings");
+        st.reservations.remove(&va);
+        Ok(())
+    }
+
+    fn map(&self, va: u64, bytes: usize) -> Result<u64, MockErr> {
+        let mut st = self.call(Call::Alloc)?;
+        let (granularity, _) = st.vmm.expect("map on a mock without VMM");
+        assert!(bytes > 0 && bytes.is_multiple_of(granularity) && va.is_multiple_of(granularity as u64));
+        let (&r, &rlen) = st.reservations.range(..=va).next_back().expect("a mapping outside any address range");
+        assert!(va + bytes as u64 <= r + rlen as u64, "a mapping beyond its address range");
+        assert!(
+            st.chunks.range(..va + bytes as u64).next_back().is_none_or(|(&p, &n)| p + n as u64 <= va),
+            "mapped twice"
+        );
+        if (st.capacity - st.reserved).saturating_sub(st.spare) < bytes {
+            return Err(MockErr::Oom);
         }
-        st.frees.retain(|&(fp, ..)| !(ptr..end).contains(&fp));
+        let handle = st.next_handle;
+        st.next_handle += 1;
+        st.chunks.insert(va, bytes);
+        st.mappings.insert(va, handle);
+        st.reserved += bytes;
+        st.chunk_allocs += 1;
+        Ok(handle)
+    }
+
+    fn unmap(&self, va: u64, bytes: usize, handle: u64) -> Result<(), MockErr> {
+        assert_no_lock("unmap");
+        let mut st = self.call(Call::Free)?;
+        assert_eq!(st.mappings.remove(&va), Some(handle), "bad or double unmap");
+        assert_eq!(st.chunks.remove(&va), Some(bytes), "an unmap of another size than the mapping");
+        st.check_released(va, bytes);
         st.reserved -= bytes;
         st.chunk_frees += 1;
         Ok(())

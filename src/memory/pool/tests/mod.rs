@@ -6,6 +6,7 @@ mod graph;
 mod mock;
 mod props;
 mod review2;
+mod segments;
 mod traces;
 mod unit;
 
@@ -60,11 +61,17 @@ impl Host for Harness {
     }
 
     fn arena<R>(&self, f: impl FnOnce(&mut Arena<Mock>) -> R) -> R {
-        let mut a = self.arena.lock().unwrap();
+        /// Clears the flag also when `f` panics, so that a failed property test can shrink.
+        struct Leave;
+        impl Drop for Leave {
+            fn drop(&mut self) {
+                IN_ARENA.with(|f| f.set(false));
+            }
+        }
+        let mut a = self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         assert!(!IN_ARENA.with(|f| f.replace(true)), "the arena lock taken twice");
-        let r = f(&mut a);
-        IN_ARENA.with(|f| f.set(false));
-        r
+        let _leave = Leave;
+        f(&mut a)
     }
 
     fn cache<R>(&self, stream: &S, f: impl FnOnce(&mut Cache) -> R) -> R {
@@ -94,7 +101,9 @@ impl Host for Harness {
 
 impl Harness {
     fn new(config: PoolConfig, mock: Mock) -> Self {
-        Harness { mock, concurrent: false, arena: Mutex::new(Arena::new(config)), caches: Mutex::new(HashMap::new()) }
+        let mut arena = Arena::new(config);
+        arena.use_segments(super::backend::Backend::segments(&mock));
+        Harness { mock, concurrent: false, arena: Mutex::new(arena), caches: Mutex::new(HashMap::new()) }
     }
 
     /// Allocates on stream `s` and checks the block against every earlier free of its memory.
@@ -186,7 +195,39 @@ impl Harness {
             }
             let (mut reserved, mut out_bytes, mut free_blocks, mut slack, mut free_tails) = (0, 0, 0, 0, 0);
             for (c, chunk) in a.chunks.iter() {
-                reserved += chunk.size;
+                // A segment's blocks span holes too: what it holds is what is mapped.
+                reserved += chunk.segment.as_ref().map_or(chunk.size, |seg| seg.mapped + seg.unmapping);
+                if let Some(seg) = &chunk.segment {
+                    // The mappings cover exactly the blocks that are not holes, within the range.
+                    assert_eq!(seg.maps.values().map(|m| m.0).sum::<usize>(), seg.mapped);
+                    assert!(chunk.size <= seg.reserved);
+                    assert_eq!(a.segment_of[seg.kind as usize], c, "a segment not its kind's");
+                    // Maps are disjoint and inside the span; so they cover exactly the blocks that
+                    // are not holes when those add up to the mapped bytes and no map meets a hole.
+                    let (mut cur, mut mapped_blocks) = (chunk.first, 0);
+                    while cur != NIL {
+                        let bl = &a.blocks[cur];
+                        assert_eq!(bl.kind, seg.kind, "a block of another kind in a segment");
+                        let end = bl.ptr + bl.size as u64;
+                        if bl.state == State::Hole {
+                            assert_ne!(bl.next, NIL, "a hole at the top of a segment");
+                            assert_ne!(a.blocks[bl.next].state, State::Hole, "adjacent holes");
+                            let meets =
+                                seg.maps.range(..end).next_back().is_some_and(|(&p, &(n, _))| p + n as u64 > bl.ptr);
+                            assert!(!meets, "a mapping in a hole");
+                        } else {
+                            mapped_blocks += bl.size;
+                        }
+                        cur = bl.next;
+                    }
+                    assert_eq!(mapped_blocks, seg.mapped, "blocks and mappings differ");
+                    let mut at = chunk.ptr;
+                    for (&p, &(n, _)) in &seg.maps {
+                        assert!(p >= at, "overlapping mappings");
+                        at = p + n as u64;
+                    }
+                    assert!(at <= chunk.ptr + chunk.size as u64, "a mapping beyond the blocks");
+                }
                 let (mut cur, mut prev, mut addr, mut out) = (chunk.first, NIL, chunk.ptr, 0);
                 while cur != NIL {
                     let bl = &a.blocks[cur];
@@ -197,6 +238,7 @@ impl Harness {
                     // A large block starts its chunk, and the rest of a large chunk is its tail.
                     let first_kind = a.blocks[chunk.first].kind;
                     match bl.kind {
+                        _ if chunk.segment.is_some() => {}
                         Kind::Large => assert_eq!(prev, NIL, "a large block inside a chunk"),
                         Kind::Tail => assert_eq!(first_kind, Kind::Large, "a tail outside a large chunk"),
                         k => assert_eq!(k, first_kind, "blocks of two kinds in a chunk"),
@@ -218,6 +260,7 @@ impl Harness {
                                 assert_ne!(s2, stream, "adjacent free blocks of one stream");
                             }
                         }
+                        State::Hole => assert!(chunk.segment.is_some(), "a hole outside a segment"),
                         State::Out => {
                             out += 1;
                             out_bytes += bl.size;

@@ -43,15 +43,30 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..4usize).prop_map(Op::Retire),
         1 => proptest::option::of(0..(96 * MIB)).prop_map(Op::Threshold),
         1 => proptest::option::of(0..4u64).prop_map(Op::QueryLag),
-        1 => (0..7u8).prop_map(Op::Fail),
+        1 => (0..8u8).prop_map(Op::Fail),
     ]
 }
 
-const CALLS: [Call; 7] = [Call::Alloc, Call::Free, Call::Create, Call::Record, Call::Wait, Call::Sync, Call::Query];
+const CALLS: [Call; 8] =
+    [Call::Alloc, Call::Free, Call::Create, Call::Record, Call::Wait, Call::Sync, Call::Query, Call::Reserve];
+
+/// A mock device: with virtual memory management (the pool grows in segments) or without (in
+/// chunks).
+pub(super) fn mock(streams: usize, vmm: bool, capacity: usize) -> Mock {
+    if vmm {
+        Mock::with_vmm(streams, capacity.saturating_mul(4).min(1 << 40).next_multiple_of(2 << 20))
+    } else {
+        Mock::new(streams)
+    }
+}
 
 fn run_ops(nstreams: usize, default_config: bool, capacity: usize, ops: Vec<Op>) {
+    run_ops_on(nstreams, default_config, false, capacity, ops);
+}
+
+fn run_ops_on(nstreams: usize, default_config: bool, vmm: bool, capacity: usize, ops: Vec<Op>) {
     let config = if default_config { PoolConfig::default() } else { plain() };
-    let h = Harness::new(config, Mock::new(nstreams));
+    let h = Harness::new(config, mock(nstreams, vmm, capacity));
     h.mock.st().capacity = capacity;
     // Stream slot -> current mock stream (a retired stream is replaced by a new one).
     let mut slots: Vec<usize> = (0..nstreams).collect();
@@ -113,8 +128,9 @@ fn run_ops(nstreams: usize, default_config: bool, capacity: usize, ops: Vec<Op>)
 /// Threads, each on its own stream, allocate and free; some allocations are handed to another
 /// thread and freed there (on its stream, after ordering it after the allocating stream, as a
 /// correct user does); some threads trim meanwhile. The mock checks every reuse.
-fn run_threads(threads: usize, rounds: usize, seed: u64) {
-    let h = Arc::new(Harness { concurrent: true, ..Harness::new(PoolConfig::default(), Mock::new(threads)) });
+fn run_threads(threads: usize, rounds: usize, seed: u64, vmm: bool) {
+    let h =
+        Arc::new(Harness { concurrent: true, ..Harness::new(PoolConfig::default(), mock(threads, vmm, 256 * MIB)) });
     h.mock.st().capacity = 256 * MIB;
     let (txs, rxs): (Vec<_>, Vec<_>) = (0..threads).map(|_| std::sync::mpsc::channel::<u64>()).unzip();
     let handles: Vec<_> = rxs
@@ -227,17 +243,18 @@ proptest! {
     fn random_workloads_are_safe_and_consistent(
         nstreams in 1..=4usize,
         default_config in any::<bool>(),
+        vmm in any::<bool>(),
         capacity in prop_oneof![Just(96 * MIB), Just(usize::MAX)],
         ops in proptest::collection::vec(op(), 0..if cfg!(miri) { 40 } else { 300 }),
     ) {
-        run_ops(nstreams, default_config, capacity, ops);
+        run_ops_on(nstreams, default_config, vmm, capacity, ops);
     }
 
     #[test]
-    fn synthetic_heavy_tailed_traces_replay_safely(seed in any::<u64>(), streams in 1..=3usize) {
+    fn synthetic_heavy_tailed_traces_replay_safely(seed in any::<u64>(), streams in 1..=3usize, vmm in any::<bool>()) {
         // The mock checks ordering: replay the synthetic trace on it.
         let trace = synthetic_trace(seed, if cfg!(miri) { 60 } else { 800 }, streams);
-        let h = Harness::new(PoolConfig::default(), Mock::new(streams));
+        let h = Harness::new(PoolConfig::default(), mock(streams, vmm, usize::MAX));
         let mut ptrs = std::collections::HashMap::new();
         for ev in trace.events() {
             match *ev {
@@ -258,20 +275,25 @@ fn threads_racing_allocations_frees_and_trims_are_safe() {
     // CUDRV_THREAD_SEEDS=N runs N seeds (interleavings differ from run to run anyway).
     let seeds: u64 = std::env::var("CUDRV_THREAD_SEEDS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
     for seed in 0..seeds {
-        run_threads(threads, rounds, seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1);
+        for vmm in [false, true] {
+            run_threads(threads, rounds, seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1, vmm);
+        }
     }
 }
 
 #[test]
 #[cfg_attr(miri, ignore)]
 fn synthetic_traces_stay_close_to_live_memory() {
-    for seed in 1..=8u64 {
-        let trace = synthetic_trace(seed * 7919, 20_000, 1 + seed as usize % 3);
-        let budget = trace.peak_live() / 100 * 110;
-        let r = trace.replay_simulated(PoolConfig::default(), Some(budget));
-        assert_eq!(r.out_of_memory_at, None, "seed {seed}: out of memory within 1.10x its peak");
-        let r = trace.replay_simulated(PoolConfig::default(), None);
-        assert!(r.ratio() <= 1.25, "seed {seed}: reserved/live {:.3}", r.ratio());
+    for expandable in [true, false] {
+        let config = PoolConfig { expandable, ..PoolConfig::default() };
+        for seed in 1..=8u64 {
+            let trace = synthetic_trace(seed * 7919, 20_000, 1 + seed as usize % 3);
+            let budget = trace.peak_live() / 100 * 110;
+            let r = trace.replay_simulated(config.clone(), Some(budget));
+            assert_eq!(r.out_of_memory_at, None, "seed {seed}, {config:?}: out of memory within 1.10x its peak");
+            let r = trace.replay_simulated(config.clone(), None);
+            assert!(r.ratio() <= 1.25, "seed {seed}, {config:?}: reserved/live {:.3}", r.ratio());
+        }
     }
 }
 
@@ -294,6 +316,155 @@ fn regression_retire_then_fail_create() {
             Op::Fail(2),
             Op::Free(0, 0),
             Op::Alloc(2097153, 0),
+        ],
+    );
+}
+
+/// Found by `random_workloads_are_safe_and_consistent`: a growth in segments whose placement and
+/// merge disagreed.
+#[test]
+fn regression_segment_growth_holds_its_request() {
+    run_ops_on(
+        2,
+        true,
+        true,
+        96 * MIB,
+        vec![
+            Op::Alloc(2097153, 1),
+            Op::Free(0, 2),
+            Op::Alloc(0, 0),
+            Op::Threshold(None),
+            Op::Free(0, 0),
+            Op::Alloc(0, 0),
+            Op::Alloc(1048577, 2),
+            Op::Alloc(0, 0),
+            Op::Alloc(13032961, 0),
+            Op::Alloc(0, 0),
+            Op::Free(12073827853573357, 0),
+            Op::Threshold(Some(50331648)),
+            Op::Alloc(26263553, 0),
+            Op::Alloc(4326401, 0),
+            Op::Alloc(0, 0),
+            Op::Free(3560532410284937374, 0),
+            Op::Alloc(1048577, 1),
+            Op::Free(17931026402304099913, 0),
+            Op::Free(14258349967903125156, 0),
+            Op::Alloc(2097152, 1),
+            Op::Free(9316744725266223543, 0),
+            Op::Alloc(1049089, 2),
+            Op::Free(38694822814701931, 0),
+            Op::Retire(0),
+            Op::Alloc(0, 0),
+            Op::Alloc(0, 0),
+            Op::Free(2054298433685813997, 0),
+            Op::Trim(25165824),
+            Op::Alloc(1049089, 0),
+            Op::Alloc(0, 0),
+            Op::Alloc(0, 0),
+            Op::Alloc(0, 0),
+            Op::Free(0, 0),
+            Op::Free(411543927707225203, 0),
+            Op::Free(1175101442754, 0),
+            Op::Free(2828528784281659481, 3),
+            Op::Free(17790546252549459409, 2),
+            Op::Trim(43798675),
+            Op::Free(961029812583288686, 0),
+            Op::Free(4807623340901889156, 3),
+            Op::Free(13987007259216354921, 0),
+            Op::Alloc(9425345, 3),
+            Op::Alloc(3863177, 1),
+            Op::QueryLag(None),
+            Op::Alloc(33747314, 3),
+        ],
+    );
+}
+
+/// Found by `random_workloads_are_safe_and_consistent`: one stream, growth into a hole.
+#[test]
+fn regression_segment_growth_into_a_hole() {
+    run_ops_on(
+        1,
+        false,
+        true,
+        usize::MAX,
+        vec![
+            Op::Alloc(0, 0),
+            Op::Alloc(0, 0),
+            Op::Alloc(0, 0),
+            Op::Free(0, 0),
+            Op::Alloc(0, 0),
+            Op::Alloc(1466369, 0),
+            Op::Alloc(2727425, 0),
+            Op::Free(7434259279283938884, 0),
+            Op::BadFree(0, 0),
+            Op::Alloc(1048577, 0),
+            Op::Alloc(26631169, 0),
+            Op::Alloc(14252033, 0),
+            Op::Alloc(1982977, 0),
+            Op::Alloc(1676801, 0),
+            Op::Free(12508414913043834894, 0),
+            Op::Free(14556111998126418152, 0),
+            Op::Alloc(0, 0),
+            Op::Free(5179435361968431496, 0),
+            Op::Alloc(1704449, 0),
+            Op::Free(3553769423076861595, 0),
+            Op::Alloc(0, 0),
+            Op::Alloc(19917825, 0),
+            Op::Alloc(0, 0),
+            Op::Alloc(4955137, 0),
+            Op::Alloc(0, 0),
+            Op::Free(7365382299550949388, 0),
+            Op::Free(8095071474729078394, 0),
+            Op::Alloc(0, 0),
+            Op::Alloc(1048577, 0),
+            Op::Free(13815071287031489388, 0),
+            Op::Alloc(0, 0),
+            Op::Free(3277165632041499828, 0),
+            Op::Free(17503585704537848791, 0),
+            Op::Alloc(7797762, 0),
+            Op::Free(12139252038291319698, 0),
+            Op::Alloc(3135, 2),
+            Op::Alloc(374515, 2),
+            Op::Free(16100589192978856839, 1),
+            Op::Alloc(6856363, 1),
+            Op::Alloc(41084281, 2),
+            Op::Free(7756061801415864819, 3),
+            Op::Alloc(1757901, 0),
+            Op::Alloc(3991, 2),
+            Op::Free(1391330793423301968, 3),
+            Op::Alloc(3314, 0),
+            Op::Free(17760769094206825404, 2),
+            Op::Alloc(1106, 2),
+            Op::Free(6815192232279485770, 0),
+            Op::Free(4530037255750604865, 1),
+            Op::Trim(66079015),
+            Op::Retire(3),
+            Op::Alloc(636567, 1),
+            Op::Alloc(12030527, 1),
+            Op::Threshold(Some(52708970)),
+            Op::Free(4932458774081294031, 2),
+            Op::Free(16277238331105551957, 1),
+            Op::Alloc(629, 1),
+            Op::QueryLag(Some(3)),
+            Op::Alloc(7991056, 0),
+            Op::Free(9515604946704263197, 3),
+            Op::Free(14339916693997604109, 3),
+            Op::Retire(2),
+            Op::Free(13313818361382114926, 1),
+            Op::Fail(0),
+            Op::Alloc(22233429, 3),
+            Op::Alloc(885429, 1),
+            Op::Alloc(10279373, 0),
+            Op::Alloc(48024, 3),
+            Op::Alloc(2663, 2),
+            Op::Alloc(397, 3),
+            Op::Alloc(791424, 0),
+            Op::Alloc(1578355, 1),
+            Op::Alloc(188, 3),
+            Op::Free(2067114478216503816, 2),
+            Op::Free(13825739697501514793, 2),
+            Op::Free(8270887160118684187, 0),
+            Op::Alloc(6802557, 3),
         ],
     );
 }

@@ -41,10 +41,16 @@ fn explain_oom() {
                 "medium_chunk" => config.medium_chunk = n(),
                 "small_chunk" => config.small_chunk = n(),
                 "headroom" => config.headroom_percent = v.parse().ok(),
+                "expandable" => config.expandable = v == "1",
                 _ => panic!("{k}"),
             }
         }
         let pool = SimulatedPool::new(config, Some(budget));
+        if std::env::var_os("CUDRV_WARM").is_some() {
+            // A warm replay: on the pool a whole (cold) replay left behind.
+            trace.replay_on(&pool);
+            eprintln!("{name}: after the cold replay {:?}\n{}", pool.stats(), pool.describe());
+        }
         let mut ptrs = std::collections::HashMap::new();
         let mut live = 0usize;
         for (i, ev) in trace.events().iter().enumerate() {

@@ -1,0 +1,570 @@
+//! Segments: growth by mapping memory into reserved address ranges, where the device has virtual
+//! memory management ([`Backend::segments`]).
+//!
+//! The arena then holds one segment per kind (small requests; all others), each one address range
+//! of the device's size, reserved once. Growing maps memory where it joins the most free memory a
+//! request can use: at the segment's top, above a free top block, or into a hole between free
+//! blocks. The new bytes merge with their free neighbours, so that mapping what a request lacks
+//! is enough. Blocks split and merge across mappings: a freed block serves any request that fits
+//! it, whatever mapping its bytes came from. This is what removes the chunked pool's waste on
+//! workloads whose sizes keep changing, where a freed chunk serves only requests that fit in it,
+//! and keeps driver calls few: a warm workload maps nothing.
+//!
+//! * *Growth* maps what the request lacks, rounded up to the granularity. At the top, while memory
+//!   is plentiful, it maps at least an eighth of the segment, so that a growing workload needs
+//!   few mappings (each costs an access change on the device: few large ones beat many small).
+//!   Past the headroom, near the device's capacity and under a release threshold it maps exactly
+//!   what is missing, after unmapping what it may.
+//! * *Release* unmaps whole mappings that lie inside free blocks whose frees the host has seen
+//!   complete, highest first. What they leave is a *hole* ([`State::Hole`]): addresses without
+//!   memory, which a later growth maps again when that joins free blocks. So memory freed between
+//!   long-lived blocks goes where it is needed, which no chunked pool can do: physical memory
+//!   is not tied to its addresses. Holes at the top shrink the segment.
+//! * A segment with nothing mapped gives its range back.
+//!
+//! Ordering across streams is the arena's: new memory is host-safe (nothing used it), and merges
+//! with a neighbour free on the growing stream or host-safe.
+
+use super::arena::{Arena, Detached, Grow};
+use super::backend::Backend;
+use super::blocks::{Block, Chunk, Kind, NIL, Segment, State};
+use super::error::PoolError;
+use super::release::Completion;
+use super::round_up;
+
+/// The handle size of growth that maps exactly what is missing: about 1/256 of the most memory
+/// live at once, at least the granularity and at most 64 MiB. A free block can be unmapped but
+/// for less than a handle at each end.
+fn fine_handle(peak_live: usize, granularity: usize) -> usize {
+    round_up((peak_live / 64).clamp(granularity, 64 << 20), granularity).unwrap_or(granularity)
+}
+
+/// Where to map for a request: the address, the bytes to map there, and whether it is the top.
+#[derive(Debug, Clone, Copy)]
+struct Placement {
+    at: u64,
+    bytes: usize,
+    top: bool,
+}
+
+impl<B: Backend> Arena<B> {
+    /// [`Arena::grow`] in segments: maps memory into `kind`'s segment for a request of `size`
+    /// rounded bytes on stream `s`, and hands out its block.
+    pub(crate) fn grow_segment(
+        &mut self,
+        b: &B,
+        s: u32,
+        kind: Kind,
+        size: usize,
+        headroom: bool,
+        may_release: bool,
+    ) -> Result<Grow, PoolError<B::Error>> {
+        let info = self.segments.expect("growing in segments");
+        let gran = info.granularity;
+        let c = self.segment_of[kind as usize];
+        if c != NIL && self.chunks[c].segment.as_ref().is_some_and(|seg| seg.unmapping > 0) {
+            return Ok(Grow::Busy);
+        }
+        if c != NIL
+            && let Some(handout) = self.merge_before_growing(b, c, s, kind, size)?
+        {
+            return Ok(Grow::Block(handout));
+        }
+        let place = match c {
+            NIL => round_up(size, gran).map(|bytes| Placement { at: 0, bytes, top: true }),
+            c => self.placement(c, s, size, gran),
+        };
+        // No room left in the range (it spans several times the device's memory, holes
+        // included), nor a hole that would do.
+        let Some(place) = place else { return Ok(Grow::OutOfMemory) };
+        let missing = place.bytes;
+        let mapped = if c == NIL { 0 } else { self.chunks[c].segment.as_ref().map_or(0, |seg| seg.mapped) };
+        let peak = self.note_live(size);
+        let mut step = if place.top { missing.max(round_up(mapped / 8, gran).unwrap_or(missing)) } else { missing };
+        let reported = b.free_memory();
+        let free = reported.map(|f| self.usable(f));
+        let after = self.stats.reserved.saturating_add(step);
+        let tight = free.is_some_and(|free| free < step.saturating_add(after / 10));
+        if tight {
+            step = missing;
+            self.stats.tight_growths += 1;
+        }
+        // Two bounds: the release threshold and, near capacity, the device's memory are hard
+        // (memory is unmapped anywhere to stay within them); the headroom is soft (only free
+        // memory at the segments' tops is unmapped for it, and the pool grows past it when there
+        // is none: unmapping between blocks would cut free space that later requests need, to
+        // map it again).
+        let reserved = self.stats.reserved;
+        let hard = self.growth_limit(peak, false, tight, free).min(match (headroom && tight, free) {
+            (true, Some(free)) => reserved.saturating_add(free),
+            _ => usize::MAX,
+        });
+        let soft = self.growth_limit(peak, headroom, tight, free).min(hard);
+        let exact = tight || reserved.saturating_add(step) > soft;
+        if exact {
+            step = missing;
+        }
+        // Once the pool holds half of what it may hold (the release threshold, the device's
+        // memory), it maps in small handles, so that the free blocks it makes can later be
+        // unmapped nearly whole (a mapping is unmapped only whole). Before, one handle per growth
+        // (each handle costs an access change on the device).
+        let may_hold = self.config.release_threshold.min(free.map_or(usize::MAX, |f| reserved.saturating_add(f)));
+        let pressed = exact || reserved.saturating_add(step) > may_hold / 2;
+        let handle = if pressed { fine_handle(peak, gran) } else { step };
+        for (bound, anywhere) in [(hard, true), (soft, false)] {
+            if may_release && reserved.saturating_add(missing) > bound {
+                let target = bound.saturating_sub(missing);
+                let mut detached = Vec::new();
+                let left = reserved - self.unmapping_bytes();
+                if let Err(e) = self.detach_segment_maps(b, left, target, Completion::Poll, anywhere, &mut detached) {
+                    let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
+                    self.finish_unmap(b, &undo);
+                    return Err(PoolError::Backend(e));
+                }
+                if !detached.is_empty() {
+                    return Ok(Grow::Release(detached));
+                }
+            }
+        }
+        let c = match c {
+            NIL => match b.reserve(info.reserve) {
+                Ok(va) => self.add_segment(kind, va, info.reserve),
+                Err(e) if b.is_out_of_memory(&e) => return Ok(Grow::OutOfMemory),
+                Err(e) => return Err(PoolError::Backend(e)),
+            },
+            c => c,
+        };
+        let span = self.chunks[c].size;
+        let room = self.chunks[c].segment.as_ref().map_or(0, |seg| seg.reserved - span);
+        let step = if place.top { step.min(room) } else { step };
+        let at = if place.top { self.chunks[c].ptr + span as u64 } else { place.at };
+        // Map `step` bytes (at least `missing`) from `at`, handle by handle; on out of memory,
+        // only `missing`. What is mapped before a failure stays, free.
+        let (mut done, mut goal) = (0, step);
+        while done < goal {
+            let bytes = handle.min(goal - done);
+            let hole = if place.top { NIL } else { self.block_at(c, at + done as u64) };
+            match b.map(at + done as u64, bytes) {
+                Ok(h) => {
+                    self.add_mapping(c, s, at + done as u64, bytes, h, hole);
+                    let stats = &mut self.stats;
+                    stats.driver_allocs += 1;
+                    stats.driver_alloc_bytes += bytes as u64;
+                    stats.reserved += bytes;
+                    stats.peak_reserved = stats.peak_reserved.max(stats.reserved);
+                    done += bytes;
+                }
+                Err(e) if b.is_out_of_memory(&e) => {
+                    if let Some(reported) = reported {
+                        self.learn_spare(reported, bytes);
+                    }
+                    if goal == missing {
+                        break;
+                    }
+                    goal = missing;
+                }
+                Err(e) => {
+                    self.free_empty_segment(b, c);
+                    return Err(PoolError::Backend(e));
+                }
+            }
+        }
+        if done < missing {
+            // What was mapped for the request goes back (untouched, it needs no wait), so that a
+            // refused request leaves the pool as it found it.
+            let undo = self.cut_mappings(c, at, done);
+            if undo.is_empty() {
+                self.free_empty_segment(b, c);
+                return Ok(Grow::OutOfMemory);
+            }
+            return Ok(Grow::Refused(undo));
+        }
+        // `placement` follows `file_free`'s merge rule, so the block holds the request. Were it
+        // not so, the memory would stay free in the arena for a later look.
+        let blk = self.free_block_at(c, at);
+        debug_assert!(self.blocks[blk].size >= size, "a segment grew by less than the request");
+        if self.blocks[blk].size < size {
+            return Ok(Grow::OutOfMemory);
+        }
+        self.unlist(blk);
+        Ok(Grow::Block(self.handout(blk, size)))
+    }
+
+    /// Before `kind`'s segment `c` grows for a request of `size` bytes on stream `s`: asks
+    /// (without blocking) whether the frees of the streams' free blocks there completed, merges
+    /// what may merge then, and looks again. Free blocks of different streams merge only once
+    /// both are host-safe, so a request larger than each may fit their union.
+    fn merge_before_growing(
+        &mut self,
+        b: &B,
+        c: u32,
+        s: u32,
+        kind: Kind,
+        size: usize,
+    ) -> Result<Option<super::Handout>, B::Error> {
+        let pending: Vec<(u32, u64)> = self
+            .streams
+            .iter()
+            .filter(|&(_, st)| !st.free[kind as usize].is_empty() && st.completed < st.seq)
+            .map(|(i, st)| (i, st.seq))
+            .collect();
+        if pending.is_empty() {
+            return Ok(None);
+        }
+        let mut any = false;
+        for (i, seq) in pending {
+            any |= self.poll_complete(b, i, seq)?;
+        }
+        if !any {
+            return Ok(None);
+        }
+        self.coalesce_chunk(c);
+        self.take(b, s, size)
+    }
+
+    /// The cheapest place in segment `c` to map memory for a request of `size` bytes on stream
+    /// `s`: the one that maps the fewest bytes, counting the free neighbours the new memory
+    /// merges with. A hole wins a tie with the top (it fills addresses already spanned). `None`
+    /// when neither the range's room above the top nor a hole will do.
+    fn placement(&self, c: u32, s: u32, size: usize, gran: usize) -> Option<Placement> {
+        let lacking = |have: usize| round_up(size.saturating_sub(have).max(1), gran);
+        let below_top = self.merged(self.top_block(c), NIL, s).0;
+        let room = self.chunks[c].segment.as_ref().map_or(0, |seg| seg.reserved - self.chunks[c].size);
+        let mut best =
+            lacking(below_top).filter(|&bytes| bytes <= room).map(|bytes| Placement { at: 0, bytes, top: true });
+        let mut cur = self.chunks[c].first;
+        while cur != NIL {
+            let block = &self.blocks[cur];
+            if block.state == State::Hole {
+                // Mapped from the hole's start, memory merges with the free blocks below; mapped
+                // whole, with those above too.
+                let (before, after) = self.merged(block.prev, block.next, s);
+                let bytes = match lacking(before)? {
+                    fits if fits <= block.size => Some(fits),
+                    _ if before + block.size + after >= size => Some(block.size),
+                    _ => None,
+                };
+                if let Some(bytes) = bytes.filter(|&n| best.is_none_or(|b| n <= b.bytes)) {
+                    best = Some(Placement { at: block.ptr, bytes, top: false });
+                }
+            }
+            cur = block.next;
+        }
+        best
+    }
+
+    /// The bytes that new memory of stream `s` between blocks `below` and `above` would merge
+    /// with, below it and above it, as [`Arena::file_free`] merges: down from `below` while
+    /// blocks may merge, then up from `above` (each merge may change the merged block's sequence
+    /// number, and so what may merge next).
+    fn merged(&self, below: u32, above: u32, s: u32) -> (usize, usize) {
+        let mut seq = 0;
+        let mut sums = [0; 2];
+        for (sum, start, down) in [(0, below, true), (1, above, false)] {
+            let mut cur = start;
+            while cur != NIL
+                && let Some(q) = self.merge_target(cur, s, seq)
+            {
+                sums[sum] += self.blocks[cur].size;
+                seq = q;
+                cur = if down { self.blocks[cur].prev } else { self.blocks[cur].next };
+            }
+        }
+        (sums[0], sums[1])
+    }
+
+    /// The last block of chunk `c` (`NIL` when it has none).
+    pub(crate) fn top_block(&self, c: u32) -> u32 {
+        let mut cur = self.chunks[c].first;
+        while cur != NIL && self.blocks[cur].next != NIL {
+            cur = self.blocks[cur].next;
+        }
+        cur
+    }
+
+    /// Records a new segment of `kind` over the reserved range `[va, va + reserved)`, with nothing
+    /// mapped yet.
+    fn add_segment(&mut self, kind: Kind, va: u64, reserved: usize) -> u32 {
+        let segment = Segment { reserved, kind, maps: Default::default(), mapped: 0, unmapping: 0 };
+        let chunk = Chunk { ptr: va, size: 0, first: NIL, out: 0, releasing: false, segment: Some(segment) };
+        let c = self.chunks.insert(chunk);
+        self.segment_of[kind as usize] = c;
+        self.stats.chunks += 1;
+        c
+    }
+
+    /// Puts mapping `(at, bytes, handle)` into segment `c`: at its top (`hole` is `NIL`), or at the
+    /// start of `hole`. The memory becomes a free, host-safe block of stream `s`, merged with its
+    /// neighbours where allowed. Returns the free block that holds it (listed). The caller counts
+    /// the bytes as reserved.
+    fn add_mapping(&mut self, c: u32, s: u32, at: u64, bytes: usize, handle: u64, hole: u32) -> u32 {
+        let seg = self.chunks[c].segment.as_mut().expect("a segment");
+        seg.maps.insert(at, (bytes, handle));
+        seg.mapped += bytes;
+        let kind = seg.kind;
+        let blk = match hole {
+            NIL => {
+                let top = self.top_block(c);
+                let chunk = &mut self.chunks[c];
+                debug_assert_eq!(chunk.ptr + chunk.size as u64, at, "a mapping at the top goes at its end");
+                chunk.size += bytes;
+                let blk = self.blocks.insert(Block {
+                    ptr: at,
+                    size: bytes,
+                    chunk: c,
+                    kind,
+                    prev: top,
+                    next: NIL,
+                    state: State::Free { stream: s, seq: 0 },
+                    slack: 0,
+                });
+                match top {
+                    NIL => self.chunks[c].first = blk,
+                    top => self.blocks[top].next = blk,
+                }
+                blk
+            }
+            hole => self.carve(hole, at, bytes),
+        };
+        self.file_free(blk, s, 0);
+        self.free_block_at(c, at)
+    }
+
+    /// Cuts `[at, at + len)` out of block `blk` (a hole, or a free block taken off its list) as a
+    /// block of its own, which is returned. The pieces before and after keep `blk`'s state, and go
+    /// back on their lists if free.
+    fn carve(&mut self, blk: u32, at: u64, len: usize) -> u32 {
+        let (ptr, size) = (self.blocks[blk].ptr, self.blocks[blk].size);
+        debug_assert!(ptr <= at && at + len as u64 <= ptr + size as u64, "carving outside the block");
+        let mut mid = blk;
+        if at > ptr {
+            mid = self.split_after(blk, (at - ptr) as usize);
+        }
+        let after = (at + (len as u64) < ptr + size as u64).then(|| self.split_after(mid, len));
+        for piece in [(mid != blk).then_some(blk), after].into_iter().flatten() {
+            if matches!(self.blocks[piece].state, State::Free { .. }) {
+                self.list(piece);
+            }
+        }
+        mid
+    }
+
+    /// Splits block `blk` (unlisted) after its first `keep` bytes; the upper piece, returned, has
+    /// the same state and kind, and is unlisted.
+    fn split_after(&mut self, blk: u32, keep: usize) -> u32 {
+        let block = &self.blocks[blk];
+        let upper = Block {
+            ptr: block.ptr + keep as u64,
+            size: block.size - keep,
+            chunk: block.chunk,
+            kind: block.kind,
+            prev: blk,
+            next: block.next,
+            state: block.state,
+            slack: 0,
+        };
+        let next = upper.next;
+        let up = self.blocks.insert(upper);
+        if next != NIL {
+            self.blocks[next].prev = up;
+        }
+        let block = &mut self.blocks[blk];
+        block.next = up;
+        block.size = keep;
+        up
+    }
+
+    /// Makes `blk` a hole and merges it with the holes beside it.
+    fn make_hole(&mut self, mut blk: u32) {
+        self.blocks[blk].state = State::Hole;
+        let prev = self.blocks[blk].prev;
+        if prev != NIL && self.blocks[prev].state == State::Hole {
+            self.absorb(prev, blk);
+            blk = prev;
+        }
+        let next = self.blocks[blk].next;
+        if next != NIL && self.blocks[next].state == State::Hole {
+            self.absorb(blk, next);
+        }
+    }
+
+    /// The bytes being unmapped.
+    pub(crate) fn unmapping_bytes(&self) -> usize {
+        self.segment_of
+            .iter()
+            .filter(|&&c| c != NIL)
+            .map(|&c| self.chunks[c].segment.as_ref().map_or(0, |seg| seg.unmapping))
+            .sum()
+    }
+
+    /// Cuts the mappings of `[at, at + len)` of segment `c` (all of them in one free block, never
+    /// used) out of it, leaving a hole; returns them to be unmapped.
+    fn cut_mappings(&mut self, c: u32, at: u64, len: usize) -> Vec<Detached> {
+        let seg = self.chunks[c].segment.as_ref().expect("a segment");
+        let maps: Vec<(u64, usize, u64)> =
+            seg.maps.range(at..at + len as u64).rev().map(|(&p, &(n, h))| (p, n, h)).collect();
+        maps.into_iter().map(|(p, n, handle)| self.unmap_in(self.block_at(c, p), p, n, handle).0).collect()
+    }
+
+    /// Makes mapping `(at, bytes, handle)`, which lies in free block `blk` (listed), a hole, and
+    /// returns it to be unmapped, with the block cut out of `blk` for it (`blk` itself when the
+    /// mapping starts it; what was below it stays `blk`, free).
+    fn unmap_in(&mut self, blk: u32, at: u64, bytes: usize, handle: u64) -> (Detached, u32) {
+        let c = self.blocks[blk].chunk;
+        self.unlist(blk);
+        let mid = self.carve(blk, at, bytes);
+        self.make_hole(mid);
+        let seg = self.chunks[c].segment.as_mut().expect("a segment");
+        seg.maps.remove(&at);
+        seg.mapped -= bytes;
+        seg.unmapping += bytes;
+        (Detached { chunk: c, ptr: at, size: bytes, handle: Some(handle) }, mid)
+    }
+
+    /// Unmaps free memory of the segments while more than `target` of `reserved` bytes would
+    /// stay: whole mappings inside free blocks whose frees completed (`how`), highest first, in
+    /// the large segment first; `anywhere` false takes only what lies in a segment's top block.
+    /// Each leaves a hole at once; the mappings are returned to be unmapped with no lock held,
+    /// then reported with [`Arena::finish_release`].
+    pub(crate) fn detach_segment_maps(
+        &mut self,
+        b: &B,
+        mut reserved: usize,
+        target: usize,
+        how: Completion,
+        anywhere: bool,
+        out: &mut Vec<Detached>,
+    ) -> Result<(), B::Error> {
+        for c in self.segment_of.into_iter().rev() {
+            if c == NIL || self.chunks[c].segment.as_ref().is_some_and(|seg| seg.unmapping > 0) {
+                continue;
+            }
+
+            let top = self.top_block(c);
+            let mut cur = top;
+            while cur != NIL && reserved > target && (anywhere || cur == top) {
+                let prev = self.blocks[cur].prev;
+                if let State::Free { stream, seq } = self.blocks[cur].state {
+                    let (ptr, end) = (self.blocks[cur].ptr, self.blocks[cur].ptr + self.blocks[cur].size as u64);
+                    let seg = self.chunks[c].segment.as_ref().expect("a segment");
+                    let inside: Vec<(u64, usize, u64)> = seg
+                        .maps
+                        .range(ptr..end)
+                        .rev()
+                        .filter(|&(&at, &(n, _))| at + n as u64 <= end)
+                        .map(|(&at, &(n, h))| (at, n, h))
+                        .collect();
+                    let done = !inside.is_empty()
+                        && match how {
+                            Completion::Known => self.host_safe(stream, seq),
+                            Completion::Poll => self.poll_complete(b, stream, seq)?,
+                        };
+                    if done {
+                        for (at, bytes, handle) in inside {
+                            if reserved <= target {
+                                break;
+                            }
+                            // A mapping at the block's start takes `cur` itself, and is the last
+                            // inside it.
+                            let (detached, mid) = self.unmap_in(cur, at, bytes, handle);
+                            out.push(detached);
+                            reserved -= bytes;
+                            if mid == cur {
+                                break;
+                            }
+                        }
+                        self.maybe_reap(stream);
+                    }
+                }
+                cur = prev;
+            }
+        }
+        Ok(())
+    }
+
+    /// Settles a segment's mappings after their unmapping: an unmapped one leaves the pool; one
+    /// whose unmapping failed is mapped memory again, free and host-safe. Holes at the top then
+    /// shrink the segment, and a segment left with nothing mapped gives its range back.
+    pub(crate) fn finish_unmap(&mut self, b: &B, done: &[(Detached, bool)]) {
+        let mut segments: Vec<u32> = Vec::new();
+        for &(d, unmapped) in done {
+            segments.push(d.chunk);
+            let seg = self.chunks[d.chunk].segment.as_mut().expect("a segment's mapping");
+            seg.unmapping -= d.size;
+            if unmapped {
+                self.stats.reserved -= d.size;
+                self.stats.driver_frees += 1;
+                continue;
+            }
+            // Counted as reserved all along.
+            seg.maps.insert(d.ptr, (d.size, d.handle.expect("a mapping")));
+            seg.mapped += d.size;
+            let hole = self.block_at(d.chunk, d.ptr);
+            let blk = self.carve(hole, d.ptr, d.size);
+            let s = self.host_slot();
+            self.file_free(blk, s, 0);
+        }
+        segments.sort_unstable();
+        segments.dedup();
+        for c in segments {
+            if self.chunks[c].segment.as_ref().is_some_and(|seg| seg.unmapping == 0) {
+                self.trim_top_holes(c);
+            }
+            self.free_empty_segment(b, c);
+        }
+    }
+
+    /// The block of chunk `c` that holds address `ptr`.
+    fn block_at(&self, c: u32, ptr: u64) -> u32 {
+        let mut cur = self.chunks[c].first;
+        while self.blocks[cur].ptr + self.blocks[cur].size as u64 <= ptr {
+            cur = self.blocks[cur].next;
+        }
+        cur
+    }
+
+    /// Drops a hole at the top of segment `c`: the segment ends at its last mapped block.
+    fn trim_top_holes(&mut self, c: u32) {
+        let top = self.top_block(c);
+        if top == NIL || self.blocks[top].state != State::Hole {
+            return;
+        }
+        let block = self.blocks.remove(top).expect("the top block exists");
+        self.chunks[c].size -= block.size;
+        match block.prev {
+            NIL => self.chunks[c].first = NIL,
+            prev => self.blocks[prev].next = NIL,
+        }
+    }
+
+    /// Gives back the ranges of segments left empty whose range could not be given back before.
+    pub(crate) fn free_empty_segments(&mut self, b: &B) {
+        for c in self.segment_of {
+            if c != NIL {
+                self.free_empty_segment(b, c);
+            }
+        }
+    }
+
+    /// Gives segment `c`'s range back if nothing is mapped or being unmapped in it (an error
+    /// keeps it, to be used again).
+    fn free_empty_segment(&mut self, b: &B, c: u32) {
+        let chunk = &self.chunks[c];
+        let Some(seg) = chunk.segment.as_ref() else { return };
+        if seg.mapped > 0 || seg.unmapping > 0 {
+            return;
+        }
+        // `cuMemAddressFree` does not wait for the device: allowed with the lock held.
+        if b.free_reserve(chunk.ptr, seg.reserved).is_err() {
+            return;
+        }
+        let kind = seg.kind;
+        let chunk = self.chunks.remove(c).expect("the segment exists");
+        let mut cur = chunk.first;
+        while cur != NIL {
+            cur = self.blocks.remove(cur).expect("a hole of the segment").next;
+        }
+        self.segment_of[kind as usize] = NIL;
+        self.stats.chunks -= 1;
+    }
+}

@@ -1,0 +1,188 @@
+//! Unit tests of growth in segments (virtual memory), on the mock device: where memory is mapped,
+//! what is unmapped, and that failures of the backend lose nothing.
+
+use super::mock::{Call, Mock, MockErr};
+use super::*;
+use crate::memory::pool::trim_to;
+
+/// The pool in segments on a mock with `capacity` bytes (address ranges of 1 GiB).
+fn segments(streams: usize, capacity: usize) -> Harness {
+    let mock = Mock::with_vmm(streams, 1 << 30);
+    mock.st().capacity = capacity;
+    Harness::new(plain(), mock)
+}
+
+/// (reserved, mappings made, unmappings made), checked against the mock.
+fn figures(h: &Harness) -> (usize, u64, u64) {
+    let st = h.stats();
+    let (reserved, _, maps, unmaps) = h.mock.chunk_figures();
+    assert_eq!((st.reserved, st.driver_allocs, st.driver_frees), (reserved, maps, unmaps));
+    (st.reserved, st.driver_allocs, st.driver_frees)
+}
+
+#[test]
+fn growth_maps_what_a_free_top_block_lacks() {
+    let h = segments(1, usize::MAX);
+    let a = h.alloc(10 * MIB, 0).unwrap();
+    assert_eq!(figures(&h), (10 * MIB, 1, 0));
+    h.free(a, 0);
+    // The freed block is at the top: 4 MiB more make 14, at the same address.
+    let b = h.alloc(14 * MIB, 0).unwrap();
+    assert_eq!(b, a);
+    assert_eq!(figures(&h), (14 * MIB, 2, 0));
+    // Small requests have a segment of their own.
+    let c = h.alloc(1000, 0).unwrap();
+    assert_eq!(h.stats().chunks, 2);
+    assert!(c.abs_diff(a) >= 1 << 30, "a small block inside the large segment's range");
+    h.free(b, 0);
+    h.free(c, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn freed_neighbours_of_any_mapping_serve_a_larger_request_without_growth() {
+    let h = segments(1, usize::MAX);
+    let blocks: Vec<u64> = (0..4).map(|_| h.alloc(8 * MIB, 0).unwrap()).collect();
+    let (reserved, maps, _) = figures(&h);
+    // Two neighbours, from different mappings, merge: 16 MiB with no new mapping.
+    h.free(blocks[1], 0);
+    h.free(blocks[2], 0);
+    let big = h.alloc(16 * MIB, 0).unwrap();
+    assert_eq!(big, blocks[1]);
+    assert_eq!(figures(&h), (reserved, maps, 0));
+    for p in [blocks[0], blocks[3], big] {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn trim_unmaps_free_memory_between_live_blocks_and_growth_maps_the_hole_again() {
+    let h = segments(1, usize::MAX);
+    let blocks: Vec<u64> = (0..4).map(|_| h.alloc(8 * MIB, 0).unwrap()).collect();
+    assert_eq!(figures(&h).0, 32 * MIB);
+    h.free(blocks[1], 0);
+    h.free(blocks[2], 0);
+    // The middle 16 MiB go back to the driver: a hole between two live blocks.
+    trim_to(&h, 16 * MIB).unwrap();
+    let (reserved, maps, unmaps) = figures(&h);
+    assert_eq!(reserved, 16 * MIB);
+    assert!(unmaps >= 1);
+    h.check();
+    assert!(h.arena(|a| a.describe()).contains('~'), "no hole: {}", h.arena(|a| a.describe()));
+    // A request of the hole's size maps it again rather than the top (a tie): same address.
+    let again = h.alloc(16 * MIB, 0).unwrap();
+    assert_eq!(again, blocks[1]);
+    let (reserved, maps_after, _) = figures(&h);
+    assert_eq!(reserved, 32 * MIB);
+    assert!(maps_after > maps);
+    for p in [blocks[0], blocks[3], again] {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn a_full_device_moves_free_memory_to_where_a_request_fits() {
+    // 40 MiB: four blocks of 8, two freed apart, then 16 MiB asked for. Only unmapping the gaps
+    // (the host waits for their frees) and mapping at the top can serve it.
+    let h = segments(1, 40 * MIB);
+    let blocks: Vec<u64> = (0..4).map(|_| h.alloc(8 * MIB, 0).unwrap()).collect();
+    h.free(blocks[0], 0);
+    h.free(blocks[2], 0);
+    h.mock.st().query_lag = None; // the GPU never says it is done: only a host wait tells
+    let big = h.alloc(16 * MIB, 0).unwrap();
+    let (reserved, _, unmaps) = figures(&h);
+    assert!(unmaps >= 1, "nothing unmapped");
+    assert!(reserved <= 40 * MIB);
+    assert!(big > blocks[3], "not at the top");
+    for p in [blocks[1], blocks[3], big] {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn a_failed_unmap_keeps_the_memory_mapped_free_and_counted() {
+    let h = segments(1, usize::MAX);
+    let a = h.alloc(8 * MIB, 0).unwrap();
+    let b = h.alloc(8 * MIB, 0).unwrap();
+    h.free(a, 0);
+    let before = figures(&h);
+    h.mock.st().fail = Some(Call::Free);
+    assert_eq!(trim_to(&h, 8 * MIB), Err(MockErr::Injected));
+    h.check();
+    assert_eq!(figures(&h), before);
+    // It is used again, and a later trim gives it back.
+    let c = h.alloc(8 * MIB, 0).unwrap();
+    assert_eq!(c, a);
+    h.free(c, 0);
+    trim_to(&h, 8 * MIB).unwrap();
+    assert_eq!(figures(&h).0, 8 * MIB);
+    h.free(b, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn failed_reserve_and_map_are_errors_that_lose_nothing() {
+    let h = segments(1, usize::MAX);
+    h.mock.st().fail = Some(Call::Reserve);
+    assert_eq!(h.alloc(8 * MIB, 0), Err(PoolError::Backend(MockErr::Injected)));
+    assert_eq!(figures(&h), (0, 0, 0));
+    let a = h.alloc(8 * MIB, 0).unwrap();
+    h.mock.st().fail = Some(Call::Alloc);
+    assert_eq!(h.alloc(8 * MIB, 0), Err(PoolError::Backend(MockErr::Injected)));
+    h.check();
+    assert_eq!(figures(&h).0, 8 * MIB);
+    let b = h.alloc(8 * MIB, 0).unwrap();
+    h.free(a, 0);
+    h.free(b, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn an_empty_segment_gives_its_range_back_even_after_a_failure() {
+    let h = segments(1, usize::MAX);
+    let a = h.alloc(8 * MIB, 0).unwrap();
+    h.free(a, 0);
+    // The unmapping succeeds; giving the range back fails: the empty segment stays, unused.
+    h.mock.st().fail = Some(Call::Reserve);
+    trim_to(&h, 0).unwrap();
+    assert_eq!((h.stats().reserved, h.stats().chunks), (0, 1));
+    h.check();
+    // The next trim gives it back.
+    trim_to(&h, 0).unwrap();
+    assert_eq!(h.stats().chunks, 0);
+    assert_eq!(h.mock.chunk_figures().1, 0);
+    // And growth starts a new one.
+    let b = h.alloc(8 * MIB, 0).unwrap();
+    h.free(b, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn memory_freed_on_another_stream_merges_once_its_free_completed() {
+    let h = segments(2, usize::MAX);
+    let a = h.alloc(8 * MIB, 0).unwrap();
+    let b = h.alloc(8 * MIB, 1).unwrap();
+    assert_eq!(b, a + 8 * MIB as u64, "stream 1 grew above stream 0's block");
+    h.free(a, 0);
+    h.free(b, 1);
+    // Free on different streams, the two blocks merge only once the GPU has done with both:
+    // before growing, the pool asks (the mock's events complete at once), merges, and serves
+    // 16 MiB from them after ordering the stream after the other's free.
+    let maps = figures(&h).1;
+    let c = h.alloc(16 * MIB, 0).unwrap();
+    assert_eq!(c, a);
+    assert_eq!(figures(&h).1, maps, "grew instead of merging");
+    h.free(c, 0);
+    h.check();
+    h.teardown();
+}
