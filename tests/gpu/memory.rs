@@ -222,3 +222,57 @@ fn driver_pool_works_whatever_context_is_current() {
     // SAFETY: our context, destroyed once; nothing of it is in use.
     assert_eq!(unsafe { d.cuCtxDestroy_v2(other) }, Ok(CUresult::CUDA_SUCCESS));
 }
+
+/// A pool in segments of virtual memory: memory freed between live buffers is unmapped (trim)
+/// and mapped again where new buffers go (the holes it left), while every buffer keeps its data.
+/// Through the TCC interposer this is the device's default pool.
+#[test]
+fn a_pool_in_segments_unmaps_gaps_and_maps_them_again() {
+    let dev = device();
+    if !dev.capabilities().unwrap().virtual_memory_management {
+        println!("note: no virtual memory management on device 0; skipped");
+        return;
+    }
+    let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+    assert!(pool.grows_in_segments());
+    let s = Stream::new(&dev).unwrap();
+    const WORDS: usize = 8 << 20; // 32 MiB
+    let mut bufs: Vec<Option<DeviceBuffer<u32>>> = (0..8u32)
+        .map(|i| {
+            let mut b = DeviceBuffer::<u32>::zeroed_in(WORDS, &s, pool.clone()).unwrap();
+            b.fill(i).unwrap();
+            Some(b)
+        })
+        .collect();
+    let mut gaps: Vec<u64> = bufs.iter().step_by(2).map(|b| b.as_ref().unwrap().as_raw()).collect();
+    for b in bufs.iter_mut().step_by(2) {
+        *b = None;
+    }
+    let before = pool.pool_stats();
+    assert_eq!(before.reserved, 256 << 20, "{before:?}");
+    pool.trim(128 << 20).unwrap();
+    let after = pool.pool_stats();
+    assert_eq!(after.reserved, 128 << 20, "{after:?}");
+    assert!(after.driver_frees >= before.driver_frees + 4, "{after:?}");
+    let again: Vec<DeviceBuffer<u32>> = (0..4u32)
+        .map(|i| {
+            let mut b = DeviceBuffer::<u32>::zeroed_in(WORDS, &s, pool.clone()).unwrap();
+            b.fill(100 + i).unwrap();
+            b
+        })
+        .collect();
+    let mut addrs: Vec<u64> = again.iter().map(|b| b.as_raw()).collect();
+    addrs.sort_unstable();
+    gaps.sort_unstable();
+    assert_eq!(addrs, gaps, "the new buffers did not go into the holes");
+    assert_eq!(pool.pool_stats().reserved, 256 << 20);
+    for (i, b) in bufs.iter().enumerate().filter_map(|(i, b)| Some((i, b.as_ref()?))) {
+        assert!(b.to_vec().unwrap().iter().all(|&x| x == i as u32), "buffer {i} lost its data");
+    }
+    for (i, b) in again.iter().enumerate() {
+        assert!(b.to_vec().unwrap().iter().all(|&x| x == 100 + i as u32), "new buffer {i} lost its data");
+    }
+    drop((bufs, again));
+    pool.trim(0).unwrap();
+    assert_eq!(pool.pool_stats().reserved, 0);
+}
