@@ -1,8 +1,8 @@
 //! The bookkeeping of cudrv's stream-ordered pool ([`StreamOrderedPool`](crate::memory::StreamOrderedPool)).
 //!
 //! Plain Rust: no FFI, no `unsafe`, no dependencies. The pool decides what to do with device
-//! memory; a [`Backend`] performs the few driver calls it asks for (`cuMemAlloc`, `cuMemFree`, and
-//! events). The simulator ([`SimulatedPool`](crate::memory::SimulatedPool)), property tests and Miri
+//! memory; a [`Backend`] performs the few driver calls it asks for (`cuMemAlloc`, `cuMemFree`, or
+//! the virtual memory calls of segments, and events). The simulator ([`SimulatedPool`](crate::memory::SimulatedPool)), property tests and Miri
 //! run it against emulated devices.
 //!
 //! # Two layers
@@ -20,9 +20,19 @@
 //! away. Locks are taken in one order only: a stream's cache, then the arena; a thread never takes
 //! a cache while holding the arena, and never holds a lock across a blocking driver call.
 //!
+//! # Segments or chunks
+//!
+//! Where the device has virtual memory management (and [`PoolConfig::expandable`](config::PoolConfig::expandable)
+//! is on, the default), the arena grows in *segments* ([`segment`]): one reserved address range
+//! per kind, into which memory is mapped where requests need it, and out of which free memory is
+//! unmapped, leaving holes that later growth maps again. Blocks then merge across growths, and
+//! physical memory goes where it is needed; the growth and release rules below for chunks do not
+//! apply to them. Without it (Windows TCC devices are reported to lack it), the arena grows in
+//! chunks, as follows.
+//!
 //! # Model
 //!
-//! Device memory is obtained from the backend in *chunks*. Each chunk is cut into contiguous
+//! Device memory is obtained from the backend in *chunks* (a segment is a chunk that grows). Each chunk is cut into contiguous
 //! *blocks*, linked in address order. A block is *out* (a live allocation, or cached by a stream)
 //! or *free* in the arena. A free block belongs to exactly one *stream state*: the stream on which
 //! it was freed (or to which it was moved later), with a sequence number `seq` that says when, in
