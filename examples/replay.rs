@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example replay -- [--simulate] [--resource driver-pool|pool|sync]
-//!     [--memory BYTES|FACTORx] [--device N] TRACE.csv...
+//!     [--memory BYTES|FACTORx] [--config name=value,...] [--device N] TRACE.csv...
 //! ```
 //!
 //! * `--simulate`: no GPU and no driver: the pool's bookkeeping on an emulated device
@@ -14,6 +14,12 @@
 //! * `--memory`: the memory the pool may use: bytes (`3G`, `512M`, `1048576`), or a factor of each
 //!   trace's peak of live bytes (`1.10x`). Simulated: the emulated device's size. On the GPU: the
 //!   rest of the device's free memory is taken first by one raw `cuMemAlloc`.
+//!
+//! * `--config name=value,...`: `PoolConfig` fields for `--simulate` and `--resource pool`: sizes
+//!   (`small_limit`, `small_chunk`, `medium_limit`, `medium_chunk`, `large_granule`,
+//!   `min_large_split`, `release_threshold`), `classes`, `large_fit`, `headroom` (a percentage or
+//!   `none`), and `expandable=false` to grow in chunks even where the device (or the emulated one)
+//!   has virtual memory management.
 //!
 //! With `--simulate` or `--resource pool`, a line `pool ...` gives the pool's driver frees,
 //! out-of-memory recoveries, event synchronisations and queries, and what it leaves of the

@@ -548,7 +548,8 @@ impl StreamOrderedPool {
     }
 
     /// Whether the pool grows in segments of virtual memory ([`PoolConfig::expandable`], where the
-    /// device has virtual memory management) rather than in `cuMemAlloc` chunks.
+    /// device has virtual memory management) rather than in `cuMemAlloc` chunks. (A driver that
+    /// refuses every address range at the first growth turns a pool to chunks for good.)
     ///
     /// ```no_run
     /// use cudrv::{Device, memory::{PoolConfig, StreamOrderedPool}};
@@ -560,7 +561,7 @@ impl StreamOrderedPool {
     /// # Ok::<(), cudrv::Error>(())
     /// ```
     pub fn grows_in_segments(&self) -> bool {
-        self.shared.backend.segments.is_some()
+        self.shared.arena(|a| a.segments.is_some())
     }
 
     /// The pool's counters: reserved and in-use bytes with their peaks, driver allocations, cache

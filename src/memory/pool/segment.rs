@@ -26,7 +26,7 @@
 //! with a neighbour free on the growing stream or host-safe.
 
 use super::arena::{Arena, Detached, Grow};
-use super::backend::Backend;
+use super::backend::{Backend, RANGE_PER_BYTE};
 use super::blocks::{Block, Chunk, Kind, NIL, Segment, State};
 use super::error::PoolError;
 use super::release::Completion;
@@ -127,11 +127,24 @@ impl<B: Backend> Arena<B> {
             }
         }
         let c = match c {
-            NIL => match b.reserve(info.reserve) {
-                Ok(va) => self.add_segment(kind, va, info.reserve),
-                Err(e) if b.is_out_of_memory(&e) => return Ok(Grow::OutOfMemory),
-                Err(e) => return Err(PoolError::Backend(e)),
-            },
+            NIL => {
+                // The range is several times the device's memory; a driver that refuses that much
+                // may give the device's memory, and one that gives none leaves chunks.
+                let one = round_up(info.reserve / RANGE_PER_BYTE, gran).unwrap_or(info.reserve);
+                let range = b
+                    .reserve(info.reserve)
+                    .map(|va| (va, info.reserve))
+                    .or_else(|_| b.reserve(one).map(|va| (va, one)));
+                match range {
+                    Ok((va, bytes)) => self.add_segment(kind, va, bytes),
+                    Err(_) if self.chunks.iter().next().is_none() => {
+                        self.segments = None;
+                        return self.grow(b, s, size, headroom, may_release);
+                    }
+                    Err(e) if b.is_out_of_memory(&e) => return Ok(Grow::OutOfMemory),
+                    Err(e) => return Err(PoolError::Backend(e)),
+                }
+            }
             c => c,
         };
         let span = self.chunks[c].size;

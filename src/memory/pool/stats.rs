@@ -10,7 +10,7 @@
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PoolStats {
-    /// Bytes held from the driver (the sum of the live chunks).
+    /// Bytes held from the driver (the sum of the live chunks, or of the segments' mappings).
     pub reserved: usize,
     /// Highest `reserved` so far.
     pub peak_reserved: usize,
@@ -24,17 +24,19 @@ pub struct PoolStats {
     pub live_allocations: usize,
     /// Bytes of free blocks cached per stream, for reuse on that stream with no synchronisation.
     pub cached: usize,
-    /// Number of live chunks.
+    /// Number of live chunks (in segments: of segments, each one reserved address range).
     pub chunks: usize,
     /// Number of streams the pool knows (including forgotten streams whose free blocks are still
     /// cached).
     pub streams: usize,
-    /// Successful chunk allocations (`cuMemAlloc`).
+    /// Successful chunk allocations (`cuMemAlloc`), or mappings in segments (`cuMemCreate` and
+    /// `cuMemMap`).
     pub driver_allocs: u64,
     /// Bytes of those allocations, summed (a measure of the time spent growing: `cuMemAlloc` and
     /// `cuMemFree` cost a fixed part and a part per byte).
     pub driver_alloc_bytes: u64,
-    /// Chunks given back to the driver (`cuMemFree`).
+    /// Chunks given back to the driver (`cuMemFree`), or mappings unmapped in segments
+    /// (`cuMemUnmap` and `cuMemRelease`).
     pub driver_frees: u64,
     /// Successful allocations.
     pub allocations: u64,
@@ -73,7 +75,7 @@ pub struct Leaked {
     pub allocations: usize,
     /// Their bytes, as requested.
     pub bytes: usize,
-    /// Chunks kept because they hold live allocations.
+    /// Chunks (or segments) kept because they hold live allocations.
     pub chunks: usize,
     /// Bytes of those chunks.
     pub chunk_bytes: usize,

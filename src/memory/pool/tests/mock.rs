@@ -91,6 +91,8 @@ pub(super) struct State {
     frees: Vec<(u64, usize, usize, u64)>,
     /// Virtual memory management: `Some` (granularity, reservation size) makes `segments` offer it.
     pub(super) vmm: Option<(usize, usize)>,
+    /// Whether every address reservation fails.
+    pub(super) refuse_reserve: bool,
     /// Reserved address ranges: start -> bytes.
     reservations: BTreeMap<u64, usize>,
     /// Mappings (also in `chunks`): start -> handle.
@@ -143,6 +145,7 @@ impl Mock {
             live: BTreeMap::new(),
             frees: Vec::new(),
             vmm: None,
+            refuse_reserve: false,
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
             next_handle: 1,
@@ -379,6 +382,9 @@ impl Backend for Mock {
 
     fn reserve(&self, bytes: usize) -> Result<u64, MockErr> {
         let mut st = self.call(Call::Reserve)?;
+        if st.refuse_reserve {
+            return Err(MockErr::Injected);
+        }
         let (granularity, _) = st.vmm.expect("reserve on a mock without VMM");
         assert!(bytes > 0 && bytes.is_multiple_of(granularity));
         let p = st.next_ptr.next_multiple_of(granularity as u64);

@@ -129,11 +129,30 @@ fn a_failed_unmap_keeps_the_memory_mapped_free_and_counted() {
 }
 
 #[test]
-fn failed_reserve_and_map_are_errors_that_lose_nothing() {
-    let h = segments(1, usize::MAX);
+fn a_refused_address_range_gives_a_smaller_one_then_chunks() {
+    // Once refused: a range of the device's memory (a quarter of 1 GiB here) instead.
+    let h = segments(1, 64 * MIB);
     h.mock.st().fail = Some(Call::Reserve);
-    assert_eq!(h.alloc(8 * MIB, 0), Err(PoolError::Backend(MockErr::Injected)));
-    assert_eq!(figures(&h), (0, 0, 0));
+    let a = h.alloc(8 * MIB, 0).unwrap();
+    let ranges = h.arena(|a| a.chunks.iter().map(|(_, c)| c.segment.as_ref().unwrap().reserved).sum::<usize>());
+    assert_eq!(ranges, 256 * MIB);
+    h.free(a, 0);
+    h.check();
+    h.teardown();
+    // Always refused: the pool grows in chunks, for good.
+    let h = segments(1, usize::MAX);
+    h.mock.st().refuse_reserve = true;
+    let a = h.alloc(3 * MIB, 0).unwrap();
+    assert!(h.arena(|a| a.segments.is_none()));
+    assert_eq!(figures(&h), (32 * MIB, 1, 0), "a medium chunk");
+    h.free(a, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn a_failed_map_is_an_error_that_loses_nothing() {
+    let h = segments(1, usize::MAX);
     let a = h.alloc(8 * MIB, 0).unwrap();
     h.mock.st().fail = Some(Call::Alloc);
     assert_eq!(h.alloc(8 * MIB, 0), Err(PoolError::Backend(MockErr::Injected)));
