@@ -434,7 +434,13 @@ impl Backend for CudaBackend {
         // (the pool maps above what it mapped before, and unmaps before it maps there again).
         unsafe { drv!(cuMemMap(va, bytes, 0, handle, 0)) }.map_err(undo_create)?;
         // SAFETY: the range just mapped; valid descriptors, as many as passed.
-        if let Err(e) = unsafe { drv!(cuMemSetAccess(va, bytes, self.access.as_ptr(), self.access.len())) } {
+        let mut granted = unsafe { drv!(cuMemSetAccess(va, bytes, self.access.as_ptr(), self.access.len())) };
+        if granted.is_err() && self.access.len() > 1 {
+            // A driver that refuses a peer still lets the device itself at its memory.
+            // SAFETY: as above, with the first descriptor (the device's own) only.
+            granted = unsafe { drv!(cuMemSetAccess(va, bytes, self.access.as_ptr(), 1)) };
+        }
+        if let Err(e) = granted {
             // SAFETY: the range just mapped, which nothing has used.
             let _ = unsafe { drv!(cuMemUnmap(va, bytes)) };
             return Err(undo_create(e));

@@ -66,7 +66,7 @@ pub(crate) struct Block {
 #[derive(Debug, Clone)]
 pub(crate) struct Chunk {
     pub(crate) ptr: u64,
-    /// The chunk's bytes; for a segment, the bytes mapped (its blocks cover exactly those).
+    /// The chunk's bytes; for a segment, the bytes its blocks span, holes included.
     pub(crate) size: usize,
     /// The block at the chunk's start; merges always keep the lower block, so it never changes.
     pub(crate) first: u32,

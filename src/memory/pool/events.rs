@@ -26,6 +26,10 @@ pub(crate) struct StreamState<B: Backend> {
     pub(crate) completed: u64,
     /// Free lists, indexed by `Kind`.
     pub(crate) free: [FreeList; KINDS],
+    /// Graphs' blocks freed on this stream (outside a capture) before their graph was released:
+    /// they come to this state, at the `seq` of their free, when it is. Until then the state is
+    /// kept, and a forgotten stream's last record covers them.
+    pub(crate) graph_frees: usize,
 }
 
 impl<B: Backend> StreamState<B> {
@@ -40,11 +44,13 @@ impl<B: Backend> StreamState<B> {
             recorded: 0,
             completed: 0,
             free: std::array::from_fn(|_| FreeList::new()),
+            graph_frees: 0,
         }
     }
 
+    /// Whether free blocks are filed on the stream, or will be (`graph_frees`).
     pub(crate) fn has_free_blocks(&self) -> bool {
-        self.free.iter().any(|l| !l.is_empty())
+        self.graph_frees > 0 || self.free.iter().any(|l| !l.is_empty())
     }
 }
 

@@ -4,10 +4,12 @@
 //! saw during the capture. So a block allocated during a capture is taken only from memory that
 //! is *host-safe* (every free in it has completed: ordered before anything issued from now on,
 //! on any stream) or from a new chunk, never from a stream's cache; it belongs to the graph, not
-//! to a stream. Its free during the capture only marks it: the graph still uses it at every
-//! launch. It goes back to the arena, host-safe, when the graph is released (its last launch
-//! complete), or at its free if that comes later. Nothing here waits or frees a chunk, which a
-//! capture would not allow.
+//! to a stream. Its free during a capture only marks it: the graph still uses it at every
+//! launch. It goes back to the arena when the graph is released (its last launch complete), or
+//! at its free if that comes later: host-safe when it was freed in a capture, and otherwise as a
+//! block freed on the freeing stream, at the point of its free in that stream's order (the user
+//! may have used it there until then). Nothing here waits or frees a chunk, which a capture
+//! would not allow.
 
 use super::arena::{Arena, Grow};
 use super::backend::Backend;
@@ -24,6 +26,9 @@ struct GraphBlock {
     graph: u64,
     /// Freed by its user (in the capture, or after).
     freed: bool,
+    /// Freed outside a capture, before the graph was released: the stream state (slot and epoch)
+    /// and the point in its order of the free.
+    freed_on: Option<(u32, u64, u64)>,
     /// The graph was released: the block goes back at its free.
     released: bool,
 }
@@ -97,19 +102,48 @@ impl<B: Backend> Arena<B> {
         self.file_free(blk, s, 0);
     }
 
-    /// Frees `ptr` if it is a graph's block: `None` if it is not one.
-    fn free_graph_block(&mut self, ptr: u64, bytes: usize) -> Option<Result<(), ()>> {
-        let g = self.graphs.blocks.get_mut(&ptr)?;
+    /// Frees `ptr` if it is a graph's block, on stream state `slot` (`capturing`: in a capture):
+    /// `None` if it is not one.
+    fn free_graph_block(&mut self, ptr: u64, bytes: usize, slot: u32, capturing: bool) -> Option<Result<(), ()>> {
+        let g = self.graphs.blocks.get(&ptr)?;
         if g.live.requested != bytes || g.freed {
             return Some(Err(()));
         }
-        g.freed = true;
-        if g.released {
-            let blk = g.live.blk;
-            self.graphs.blocks.remove(&ptr);
-            self.give_back_host_safe(blk);
+        let (released, blk) = (g.released, g.live.blk);
+        // Outside a capture, the free is a point in the stream's order, after the user's work
+        // there: the block may be reused only after it.
+        let on_stream = (!capturing).then(|| {
+            self.streams[slot].seq += 1;
+            (slot, self.streams[slot].epoch, self.streams[slot].seq)
+        });
+        match (released, on_stream) {
+            (true, None) => {
+                self.graphs.blocks.remove(&ptr);
+                self.give_back_host_safe(blk);
+            }
+            (true, Some((slot, _, seq))) => {
+                self.graphs.blocks.remove(&ptr);
+                self.give_back_at(blk, slot, seq);
+            }
+            (false, freed_on) => {
+                let g = self.graphs.blocks.get_mut(&ptr).expect("looked up above");
+                g.freed = true;
+                g.freed_on = freed_on;
+                if freed_on.is_some() {
+                    self.streams[slot].graph_frees += 1;
+                }
+            }
         }
         Some(Ok(()))
+    }
+
+    /// Files a block a graph no longer uses (out of the arena) as freed on stream state `slot` at
+    /// `seq`.
+    fn give_back_at(&mut self, blk: u32, slot: u32, seq: u64) {
+        let (size, chunk) = (self.blocks[blk].size, self.blocks[blk].chunk);
+        self.chunks[chunk].out -= 1;
+        self.stats.out_bytes -= size;
+        self.file_free(blk, slot, seq);
     }
 
     /// Whether `ptr` is a graph's block not freed yet.
@@ -159,7 +193,7 @@ pub(crate) fn allocate_for_graph<H: Host>(
             };
             let mut grown = grow()?;
             while let Grow::Busy = grown {
-                // Another thread unmaps the segment's top with no lock held: wait for it.
+                // Another thread unmaps memory of the segment with no lock held: wait for it.
                 std::thread::yield_now();
                 grown = grow()?;
             }
@@ -181,7 +215,7 @@ pub(crate) fn allocate_for_graph<H: Host>(
     };
     Ok(h.arena(|a| {
         let live = Live { blk: handout.blk, size: handout.size, requested: bytes, kept: false };
-        a.graphs.blocks.insert(handout.ptr, GraphBlock { live, graph, freed: false, released: false });
+        a.graphs.blocks.insert(handout.ptr, GraphBlock { live, graph, freed: false, freed_on: None, released: false });
         let n = a.graphs.per_graph.entry(graph).or_insert(0);
         *n += 1;
         (handout.ptr, *n == 1)
@@ -193,12 +227,20 @@ pub(crate) fn free_graph_block<H: Host>(
     h: &H,
     ptr: u64,
     bytes: usize,
+    stream: &super::StreamOf<H>,
 ) -> Option<Result<(), PoolError<<H::B as Backend>::Error>>> {
-    h.arena(|a| a.free_graph_block(ptr, bytes)).map(|r| r.map_err(|()| PoolError::InvalidFree { ptr, bytes }))
+    if !h.arena(|a| a.graphs.blocks.contains_key(&ptr)) {
+        return None;
+    }
+    let slot = h.cache(stream, |c| c.slot);
+    let capturing = h.backend().is_capturing(stream);
+    h.arena(|a| a.free_graph_block(ptr, bytes, slot, capturing))
+        .map(|r| r.map_err(|()| PoolError::InvalidFree { ptr, bytes }))
 }
 
 /// The graph of capture `graph` is gone and its last launch has completed: its freed blocks go
-/// back to the arena, host-safe; the others go back at their free.
+/// back to the arena (host-safe if freed in a capture, else on their freeing stream); the others
+/// go back at their free.
 pub(crate) fn release_graph<H: Host>(h: &H, graph: u64) {
     h.arena(|a| {
         a.graphs.per_graph.remove(&graph);
@@ -206,9 +248,18 @@ pub(crate) fn release_graph<H: Host>(h: &H, graph: u64) {
         for ptr in mine {
             let g = a.graphs.blocks.get_mut(&ptr).expect("listed above");
             if g.freed {
-                let blk = g.live.blk;
+                let (blk, freed_on) = (g.live.blk, g.freed_on);
                 a.graphs.blocks.remove(&ptr);
-                a.give_back_host_safe(blk);
+                match freed_on {
+                    // Freed on a stream: its state is kept until now (`graph_frees`).
+                    Some((slot, epoch, seq)) => {
+                        debug_assert_eq!(a.streams[slot].epoch, epoch, "a stream state with a graph's free was reaped");
+                        a.streams[slot].graph_frees -= 1;
+                        a.give_back_at(blk, slot, seq);
+                        a.maybe_reap(slot);
+                    }
+                    None => a.give_back_host_safe(blk),
+                }
             } else {
                 g.released = true;
             }

@@ -299,7 +299,7 @@ fn grow<H: Host>(h: &H, slot: u32, size: usize) -> Result<Option<Handout>, PoolE
                 free_chunks(h, &undo)?;
                 return Ok(None);
             }
-            // Another thread unmaps the top of the segment, with no lock held: wait for it.
+            // Another thread unmaps memory of the segment, with no lock held: wait for it.
             Grow::Busy => {
                 std::thread::yield_now();
                 continue;
@@ -363,7 +363,7 @@ fn deallocate_elsewhere<H: Host>(
     bytes: usize,
     stream: &StreamOf<H>,
 ) -> Result<(), PoolError<ErrorOf<H>>> {
-    if let Some(freed) = graph::free_graph_block(h, ptr, bytes) {
+    if let Some(freed) = graph::free_graph_block(h, ptr, bytes, stream) {
         return freed;
     }
     let invalid = PoolError::InvalidFree { ptr, bytes };

@@ -32,11 +32,11 @@ use super::error::PoolError;
 use super::release::Completion;
 use super::round_up;
 
-/// The handle size of growth that maps exactly what is missing: about 1/256 of the most memory
-/// live at once, at least the granularity and at most 64 MiB. A free block can be unmapped but
-/// for less than a handle at each end.
+/// The handle size once memory is pressed: 1/64 of the most memory live at once, at least the
+/// granularity and at most 64 MiB (or the granularity, if larger). A free block can be unmapped
+/// but for less than a handle at each end.
 fn fine_handle(peak_live: usize, granularity: usize) -> usize {
-    round_up((peak_live / 64).clamp(granularity, 64 << 20), granularity).unwrap_or(granularity)
+    round_up((peak_live / 64).clamp(granularity, (64 << 20).max(granularity)), granularity).unwrap_or(granularity)
 }
 
 /// Where to map for a request: the address, the bytes to map there, and whether it is the top.
@@ -65,7 +65,10 @@ impl<B: Backend> Arena<B> {
         if c != NIL && self.chunks[c].segment.as_ref().is_some_and(|seg| seg.unmapping > 0) {
             return Ok(Grow::Busy);
         }
+        // (Not for a graph's allocation, from the host-safe state of no stream: it may be made
+        // during a capture, where nothing may be recorded or queried.)
         if c != NIL
+            && self.streams[s].key.is_some()
             && let Some(handout) = self.merge_before_growing(b, c, s, kind, size)?
         {
             return Ok(Grow::Block(handout));
@@ -110,7 +113,9 @@ impl<B: Backend> Arena<B> {
         // (each handle costs an access change on the device).
         let may_hold = self.config.release_threshold.min(free.map_or(usize::MAX, |f| reserved.saturating_add(f)));
         let pressed = exact || reserved.saturating_add(step) > may_hold / 2;
-        let handle = if pressed { fine_handle(peak, gran) } else { step };
+        // Without release (a graph's allocation, during a capture), one handle: a refusal leaves
+        // nothing mapped to undo.
+        let handle = if pressed && may_release { fine_handle(peak, gran) } else { step };
         for (bound, anywhere) in [(hard, true), (soft, false)] {
             if may_release && reserved.saturating_add(missing) > bound {
                 let target = bound.saturating_sub(missing);
@@ -169,7 +174,8 @@ impl<B: Backend> Arena<B> {
                 }
                 Err(e) if b.is_out_of_memory(&e) => {
                     if let Some(reported) = reported {
-                        self.learn_spare(reported, bytes);
+                        // What was free before this growth, less what it has mapped since.
+                        self.learn_spare(reported.saturating_sub(done), bytes);
                     }
                     if goal == missing {
                         break;

@@ -1,7 +1,7 @@
 //! Unit tests of growth in segments (virtual memory), on the mock device: where memory is mapped,
 //! what is unmapped, and that failures of the backend lose nothing.
 
-use super::mock::{Call, Mock, MockErr};
+use super::mock::{Call, Mock, MockErr, S};
 use super::*;
 use crate::memory::pool::trim_to;
 
@@ -203,5 +203,93 @@ fn memory_freed_on_another_stream_merges_once_its_free_completed() {
     assert_eq!(figures(&h).1, maps, "grew instead of merging");
     h.free(c, 0);
     h.check();
+    h.teardown();
+}
+
+/// A graph's block freed outside a capture, after its graph was released, is ordered on the
+/// freeing stream (the user may have used it there until the free): near capacity it is unmapped
+/// only once the host saw that free complete (the mock checks), and another stream reuses it only
+/// after an event.
+#[test]
+fn a_graph_block_freed_on_a_stream_after_its_release_is_ordered_there() {
+    use crate::memory::pool::graph::{allocate_for_graph, release_graph};
+    for vmm in [true, false] {
+        let h = if vmm { segments(2, 64 * MIB) } else { Harness::new(plain(), Mock::new(2)) };
+        let (g, _) = allocate_for_graph(&h, 30 * MIB, 3).unwrap();
+        let top = h.alloc(10 * MIB, 0).unwrap();
+        release_graph(&h, 3);
+        h.mock.allocated(g, 30 * MIB, 0); // the user goes on using the buffer on stream 0
+        h.mock.st().query_lag = None; // the GPU is busy: only a host wait tells
+        h.free(g, 0);
+        // Another stream takes the memory: after an event (segments: or a host wait, near
+        // capacity); never unordered.
+        let b = h.alloc(30 * MIB, 1).unwrap();
+        h.free(b, 1);
+        let c = h.alloc(40 * MIB, 0);
+        if let Ok(c) = c {
+            h.free(c, 0);
+        }
+        h.free(top, 0);
+        h.mock.st().query_lag = Some(0);
+        h.check();
+        h.teardown();
+    }
+}
+
+/// The same, freed before the release: the block comes back to the freeing stream at release,
+/// at the point of its free, also when that stream was forgotten meanwhile.
+#[test]
+fn a_graph_block_freed_on_a_stream_before_its_release_is_ordered_there() {
+    use crate::memory::pool::graph::{allocate_for_graph, release_graph};
+    let h = segments(3, usize::MAX);
+    let (g, _) = allocate_for_graph(&h, 30 * MIB, 3).unwrap();
+    h.mock.allocated(g, 30 * MIB, 0);
+    h.mock.st().query_lag = None;
+    h.free(g, 0);
+    h.retire(0);
+    h.check();
+    release_graph(&h, 3);
+    h.check();
+    let b = h.alloc(30 * MIB, 1).unwrap();
+    h.free(b, 1);
+    h.mock.st().query_lag = Some(0);
+    h.check();
+    h.teardown();
+}
+
+/// A graph's allocation (possibly during a capture) records, waits, synchronises and queries
+/// nothing, and unmaps nothing, also when it finds other streams' free blocks or runs out.
+#[test]
+fn a_graph_allocation_in_segments_makes_no_event_call_and_unmaps_nothing() {
+    use crate::memory::pool::graph::{allocate_for_graph, release_graph};
+    let h = segments(1, 64 * MIB);
+    let a = h.alloc(8 * MIB, 0).unwrap();
+    let keep = h.alloc(8 * MIB, 0).unwrap();
+    h.free(a, 0);
+    let other = h.alloc(3 * MIB, 0).unwrap(); // gives the cache back: `a` is free in the arena
+    let before = h.mock.st().clone_counts();
+    let (p, _) = allocate_for_graph(&h, 12 * MIB, 5).unwrap();
+    h.mock.check_host_safe(p, 12 * MIB);
+    assert!(allocate_for_graph(&h, 60 * MIB, 5).is_err());
+    assert_eq!(h.mock.st().clone_counts(), before, "records, waits, syncs, queries, unmaps");
+    crate::memory::pool::deallocate(&h, p, 12 * MIB, &S(0)).unwrap();
+    release_graph(&h, 5);
+    h.free(keep, 0);
+    h.free(other, 0);
+    h.check();
+    h.teardown();
+}
+
+/// A growth the driver refuses part-way learns what the driver keeps from what was free at the
+/// refusal, not before the growth.
+#[test]
+fn a_growth_refused_part_way_learns_the_drivers_spare_right() {
+    let h = segments(1, 100 * MIB);
+    h.mock.st().spare = 6 * MIB;
+    let r = h.alloc(96 * MIB, 0);
+    assert!(r.is_err());
+    let st = h.stats();
+    assert!(st.driver_spare <= 8 * MIB, "learned a spare of {} MiB; the driver keeps 6", st.driver_spare / MIB);
+    assert_eq!(st.reserved, 0, "the refused request left memory mapped");
     h.teardown();
 }
