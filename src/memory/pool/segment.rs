@@ -2,24 +2,34 @@
 //! memory management ([`Backend::segments`]).
 //!
 //! The arena then holds one segment per kind (small requests; all others), each one address range
-//! of the device's size, reserved once. Growing maps memory where it joins the most free memory a
-//! request can use: at the segment's top, above a free top block, or into a hole between free
-//! blocks. The new bytes merge with their free neighbours, so that mapping what a request lacks
-//! is enough. Blocks split and merge across mappings: a freed block serves any request that fits
-//! it, whatever mapping its bytes came from. This is what removes the chunked pool's waste on
-//! workloads whose sizes keep changing, where a freed chunk serves only requests that fit in it,
-//! and keeps driver calls few: a warm workload maps nothing.
+//! of [`RANGE_PER_BYTE`] times the device's memory, reserved once (a driver that refuses it gets
+//! one of the device's size; one that refuses that too turns the pool to chunks). Growing maps
+//! memory where it joins the most free memory a request can use: at the segment's top, above a
+//! free top block, or into a hole between free blocks. The new bytes merge with their free
+//! neighbours, so that mapping what a request lacks is enough. Blocks split and merge across
+//! mappings: a freed block serves any request that fits it, whatever mapping its bytes came from.
+//! This is what removes the chunked pool's waste on workloads whose sizes keep changing, where a
+//! freed chunk serves only requests that fit in it, and keeps driver calls few: a warm workload
+//! maps nothing.
 //!
+//! * *Placement.* A miss first gives the stream's own cached blocks back to the arena (so that
+//!   best fit sees them merged with their neighbours), and before growing the arena asks whether
+//!   the frees of other free blocks completed, so that blocks of different streams merge.
 //! * *Growth* maps what the request lacks, rounded up to the granularity. At the top, while memory
-//!   is plentiful, it maps at least an eighth of the segment, so that a growing workload needs
-//!   few mappings (each costs an access change on the device: few large ones beat many small).
-//!   Past the headroom, near the device's capacity and under a release threshold it maps exactly
-//!   what is missing, after unmapping what it may.
+//!   is plentiful, it maps at least an eighth of the segment, in one handle, so that a growing
+//!   workload needs few mappings (each costs an access change on the device). Once the pool holds
+//!   half of what it may hold (the release threshold, the device's memory), it maps in handles
+//!   of 1/64 of the most memory live at once, so that free blocks can later be unmapped nearly
+//!   whole; past the headroom and near capacity it maps exactly what is missing. A growth the
+//!   driver refuses part-way unmaps what it mapped.
 //! * *Release* unmaps whole mappings that lie inside free blocks whose frees the host has seen
 //!   complete, highest first. What they leave is a *hole* ([`State::Hole`]): addresses without
 //!   memory, which a later growth maps again when that joins free blocks. So memory freed between
 //!   long-lived blocks goes where it is needed, which no chunked pool can do: physical memory
-//!   is not tied to its addresses. Holes at the top shrink the segment.
+//!   is not tied to its addresses. Holes at the top shrink the segment. To stay within the
+//!   headroom only what lies at the segments' tops is unmapped (unmapping between blocks would cut
+//!   free space that the next large request needs); the release threshold, the device's capacity
+//!   and out-of-memory unmap anywhere.
 //! * A segment with nothing mapped gives its range back.
 //!
 //! Ordering across streams is the arena's: new memory is host-safe (nothing used it), and merges
