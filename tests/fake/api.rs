@@ -11,8 +11,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use crate::{
-    assert_missing_on_oldest, assert_no_pools_on_oldest, invalid_argument, invalid_launch, ipc_refused_on_oldest,
-    oldest, pool_kind,
+    assert_missing_on_oldest, assert_no_leaks_but_streams, assert_no_pools_on_oldest, invalid_argument, invalid_launch,
+    ipc_refused_on_oldest, oldest, pool_kind,
 };
 use cudrv::ipc::{
     ImportedPool, IpcBuffer, IpcEvent, IpcEventHandle, IpcMemHandle, IpcMemKind, PoolShareableHandle,
@@ -712,13 +712,6 @@ fn pitched_buffers_on_other_streams_are_freed_after_them() {
         assert!(fake_report().violations.is_empty());
         assert_no_leaks_but_streams();
     });
-}
-
-/// No allocation is left (the test's streams, and the events cudrv keeps per context to order
-/// streams, may still live).
-fn assert_no_leaks_but_streams() {
-    let r = fake_report();
-    assert_eq!(r.live_allocations, 0, "{r}");
 }
 
 #[test]

@@ -38,6 +38,13 @@ pub fn invalid_launch(e: Error) -> String {
 }
 mod capture_review;
 
+/// No allocation is left (the test's streams, and the events cudrv keeps per context to order
+/// streams, may still live).
+pub fn assert_no_leaks_but_streams() {
+    let r = cudrv_test_support::fake_report();
+    assert_eq!(r.live_allocations, 0, "{r}");
+}
+
 /// Whether this test runs on the CUDA 11.1 fake (`CUDRV_TEST_DRIVER=legacy`), where a test of a
 /// feature that 11.1 lacks checks the error that says so instead. In a child, also checks that the
 /// driver cudrv loaded is the one the variable names: ask only in children of the default driver.

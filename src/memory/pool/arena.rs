@@ -277,11 +277,17 @@ impl<B: Backend> Arena<B> {
 
     /// The block of chunk `c` that holds address `ptr`, which must be in a free block.
     pub(crate) fn free_block_at(&self, c: u32, ptr: u64) -> u32 {
+        let cur = self.block_at(c, ptr);
+        debug_assert!(matches!(self.blocks[cur].state, State::Free { .. }), "the block at {ptr:#x} is not free");
+        cur
+    }
+
+    /// The block of chunk `c` that holds address `ptr`.
+    pub(crate) fn block_at(&self, c: u32, ptr: u64) -> u32 {
         let mut cur = self.chunks[c].first;
         while self.blocks[cur].ptr + self.blocks[cur].size as u64 <= ptr {
             cur = self.blocks[cur].next;
         }
-        debug_assert!(matches!(self.blocks[cur].state, State::Free { .. }), "the block at {ptr:#x} is not free");
         cur
     }
 
@@ -324,11 +330,16 @@ impl<B: Backend> Arena<B> {
         for &(ptr, blk) in blocks {
             let block = &self.blocks[blk];
             debug_assert!(block.ptr == ptr && block.state == State::Out, "giving back a block that is not out");
-            let (size, chunk) = (block.size, block.chunk);
-            self.chunks[chunk].out -= 1;
-            self.stats.out_bytes -= size;
-            self.file_free(blk, s, seq);
+            self.give_back_at(blk, s, seq);
         }
+    }
+
+    /// Files block `blk` (out of the arena) as freed on stream state `s` at `seq`.
+    pub(crate) fn give_back_at(&mut self, blk: u32, s: u32, seq: u64) {
+        let (size, chunk) = (self.blocks[blk].size, self.blocks[blk].chunk);
+        self.chunks[chunk].out -= 1;
+        self.stats.out_bytes -= size;
+        self.file_free(blk, s, seq);
     }
 
     /// The chunk to allocate for a request of `size` rounded bytes, and the smallest that would do.
@@ -369,13 +380,11 @@ impl<B: Backend> Arena<B> {
         let peak = self.note_live(size);
         // Memory runs short when the device would be left with less than a tenth of what the pool
         // then holds: grow by exactly the request, and release whatever free chunk can go first.
-        let after = self.stats.reserved.saturating_add(chunk);
         let reported = b.free_memory();
         let free = reported.map(|f| self.usable(f));
-        let tight = free.is_some_and(|free| free < chunk.saturating_add(after / 10));
+        let tight = self.runs_short(free, chunk);
         if tight {
             chunk = exact;
-            self.stats.tight_growths += 1;
         }
         // Rounding a large chunk up to a size class leaves its rest unused while its block is out:
         // keep what all out blocks leave so below 0.25% of the device's memory, so that a
@@ -383,7 +392,7 @@ impl<B: Backend> Arena<B> {
         if kind == Kind::Large && chunk - size > self.may_leave_unused(free) {
             chunk = exact;
         }
-        let limit = self.growth_limit(peak, headroom, tight, free);
+        let (_, limit) = self.growth_limits(peak, headroom, tight, free);
         if self.stats.reserved.saturating_add(chunk) > limit {
             chunk = exact;
         }
@@ -437,23 +446,42 @@ impl<B: Backend> Arena<B> {
         self.stats.peak_live
     }
 
-    /// The most the pool may hold after growing: the release threshold, and the headroom over
-    /// `peak` live bytes unless `headroom` is off or memory is `tight`. Near capacity the
-    /// device's `free` memory is the bound instead: the pool makes room by releasing free memory
-    /// (only what the request lacks, and none not known to be done with) before asking for more
-    /// than the device has.
-    pub(crate) fn growth_limit(&self, peak: usize, headroom: bool, tight: bool, free: Option<usize>) -> usize {
-        let mut limit = self.config.release_threshold;
-        if let Some(pct) = self.config.headroom_percent.filter(|_| headroom && !tight) {
-            limit = limit.min(peak.saturating_add(peak / 100 * pct as usize));
-        }
+    /// The most the pool may hold after growing, as (hard, soft) bounds. Hard: the release
+    /// threshold and, near capacity (memory `tight`), the device's `free` memory: the pool makes
+    /// room by releasing free memory (only what the request lacks, and none not known to be done
+    /// with) before asking for more than the device has. Soft: also the headroom over `peak` live
+    /// bytes, unless memory is tight. With `headroom` off (after rounds that could not release
+    /// enough), only the release threshold.
+    pub(crate) fn growth_limits(
+        &self,
+        peak: usize,
+        headroom: bool,
+        tight: bool,
+        free: Option<usize>,
+    ) -> (usize, usize) {
+        let mut hard = self.config.release_threshold;
         if tight
             && headroom
             && let Some(free) = free
         {
-            limit = limit.min(self.stats.reserved.saturating_add(free));
+            hard = hard.min(self.stats.reserved.saturating_add(free));
         }
-        limit
+        let mut soft = hard;
+        if let Some(pct) = self.config.headroom_percent.filter(|_| headroom && !tight) {
+            soft = soft.min(peak.saturating_add(peak / 100 * pct as usize));
+        }
+        (hard, soft)
+    }
+
+    /// Whether memory runs short for a growth of `bytes`: the device would be left with less
+    /// than a tenth of what the pool then holds (of `free` usable bytes). Counted.
+    pub(crate) fn runs_short(&mut self, free: Option<usize>, bytes: usize) -> bool {
+        let after = self.stats.reserved.saturating_add(bytes);
+        let tight = free.is_some_and(|free| free < bytes.saturating_add(after / 10));
+        if tight {
+            self.stats.tight_growths += 1;
+        }
+        tight
     }
 
     /// What may stay reserved so that the device has room for an exact chunk for `size` rounded

@@ -123,38 +123,21 @@ impl<B: Backend> Arena<B> {
     /// sequence number. Returns the block's pointer and size.
     pub(crate) fn hand_out(&mut self, blk: u32, size: usize) -> (u64, usize) {
         let block = &self.blocks[blk];
-        let State::Free { stream, seq } = block.state else { unreachable!("handing out a block that is not free") };
+        let State::Free { .. } = block.state else { unreachable!("handing out a block that is not free") };
         let rest = block.size - size;
         let min_split = match block.kind {
             Kind::Small | Kind::Tail => super::GRANULE,
             Kind::Medium | Kind::Large => self.config.min_large_split,
         };
         if rest >= min_split {
-            let rest_block = Block {
-                ptr: block.ptr + size as u64,
-                size: rest,
-                chunk: block.chunk,
-                // A large block's rest is the chunk's tail: no large request takes it apart from
-                // the block, so no large block ever pins another's chunk. (A segment has no
-                // chunks to pin: its rests stay of its kind.)
-                kind: if block.kind == Kind::Large && self.chunks[block.chunk].segment.is_none() {
-                    Kind::Tail
-                } else {
-                    block.kind
-                },
-                prev: blk,
-                next: block.next,
-                state: State::Free { stream, seq },
-                slack: 0,
-            };
-            let rest_blk = self.blocks.insert(rest_block);
-            let next = self.blocks[blk].next;
-            if next != NIL {
-                self.blocks[next].prev = rest_blk;
+            // A large block's rest is the chunk's tail: no large request takes it apart from the
+            // block, so no large block ever pins another's chunk. (A segment has no chunks to
+            // pin: its rests stay of its kind.)
+            let tail = block.kind == Kind::Large && self.chunks[block.chunk].segment.is_none();
+            let rest_blk = self.split_after(blk, size);
+            if tail {
+                self.blocks[rest_blk].kind = Kind::Tail;
             }
-            let block = &mut self.blocks[blk];
-            block.next = rest_blk;
-            block.size = size;
             // The rest keeps the neighbours the whole block had, so it needs no merge.
             self.list(rest_blk);
         }
@@ -167,6 +150,31 @@ impl<B: Backend> Arena<B> {
         self.stats.out_bytes += size;
         self.stats.peak_out = self.stats.peak_out.max(self.stats.out_bytes);
         (ptr, size)
+    }
+
+    /// Splits block `blk` (unlisted) after its first `keep` bytes; the upper piece, returned, has
+    /// the same state and kind, and is unlisted.
+    pub(crate) fn split_after(&mut self, blk: u32, keep: usize) -> u32 {
+        let block = &self.blocks[blk];
+        let upper = Block {
+            ptr: block.ptr + keep as u64,
+            size: block.size - keep,
+            chunk: block.chunk,
+            kind: block.kind,
+            prev: blk,
+            next: block.next,
+            state: block.state,
+            slack: 0,
+        };
+        let next = upper.next;
+        let up = self.blocks.insert(upper);
+        if next != NIL {
+            self.blocks[next].prev = up;
+        }
+        let block = &mut self.blocks[blk];
+        block.next = up;
+        block.size = keep;
+        up
     }
 
     /// Files `blk` (just given back or moved, unlisted) as free on stream `s` at `seq`, merging it

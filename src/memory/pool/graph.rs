@@ -95,11 +95,8 @@ impl<B: Backend> Arena<B> {
 
     /// Files a block a graph no longer uses (out of the arena) as free and host-safe.
     fn give_back_host_safe(&mut self, blk: u32) {
-        let (size, chunk) = (self.blocks[blk].size, self.blocks[blk].chunk);
-        self.chunks[chunk].out -= 1;
-        self.stats.out_bytes -= size;
         let s = self.host_slot();
-        self.file_free(blk, s, 0);
+        self.give_back_at(blk, s, 0);
     }
 
     /// Frees `ptr` if it is a graph's block, on stream state `slot` (`capturing`: in a capture):
@@ -135,15 +132,6 @@ impl<B: Backend> Arena<B> {
             }
         }
         Some(Ok(()))
-    }
-
-    /// Files a block a graph no longer uses (out of the arena) as freed on stream state `slot` at
-    /// `seq`.
-    fn give_back_at(&mut self, blk: u32, slot: u32, seq: u64) {
-        let (size, chunk) = (self.blocks[blk].size, self.blocks[blk].chunk);
-        self.chunks[chunk].out -= 1;
-        self.stats.out_bytes -= size;
-        self.file_free(blk, slot, seq);
     }
 
     /// Whether `ptr` is a graph's block not freed yet.

@@ -77,7 +77,7 @@ impl<B: Backend> Arena<B> {
     }
 
     /// Bytes of the chunks being freed, and of the mappings being unmapped.
-    fn releasing_bytes(&self) -> usize {
+    pub(crate) fn releasing_bytes(&self) -> usize {
         self.chunks
             .iter()
             .map(|(_, c)| match &c.segment {

@@ -96,11 +96,9 @@ impl<B: Backend> Arena<B> {
         let mut step = if place.top { missing.max(round_up(mapped / 8, gran).unwrap_or(missing)) } else { missing };
         let reported = b.free_memory();
         let free = reported.map(|f| self.usable(f));
-        let after = self.stats.reserved.saturating_add(step);
-        let tight = free.is_some_and(|free| free < step.saturating_add(after / 10));
+        let tight = self.runs_short(free, step);
         if tight {
             step = missing;
-            self.stats.tight_growths += 1;
         }
         // Two bounds: the release threshold and, near capacity, the device's memory are hard
         // (memory is unmapped anywhere to stay within them); the headroom is soft (only free
@@ -108,11 +106,7 @@ impl<B: Backend> Arena<B> {
         // is none: unmapping between blocks would cut free space that later requests need, to
         // map it again).
         let reserved = self.stats.reserved;
-        let hard = self.growth_limit(peak, false, tight, free).min(match (headroom && tight, free) {
-            (true, Some(free)) => reserved.saturating_add(free),
-            _ => usize::MAX,
-        });
-        let soft = self.growth_limit(peak, headroom, tight, free).min(hard);
+        let (hard, soft) = self.growth_limits(peak, headroom, tight, free);
         let exact = tight || reserved.saturating_add(step) > soft;
         if exact {
             step = missing;
@@ -130,7 +124,7 @@ impl<B: Backend> Arena<B> {
             if may_release && reserved.saturating_add(missing) > bound {
                 let target = bound.saturating_sub(missing);
                 let mut detached = Vec::new();
-                let left = reserved - self.unmapping_bytes();
+                let left = reserved - self.releasing_bytes();
                 if let Err(e) = self.detach_segment_maps(b, left, target, Completion::Poll, anywhere, &mut detached) {
                     let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
                     self.finish_unmap(b, &undo);
@@ -378,31 +372,6 @@ impl<B: Backend> Arena<B> {
         mid
     }
 
-    /// Splits block `blk` (unlisted) after its first `keep` bytes; the upper piece, returned, has
-    /// the same state and kind, and is unlisted.
-    fn split_after(&mut self, blk: u32, keep: usize) -> u32 {
-        let block = &self.blocks[blk];
-        let upper = Block {
-            ptr: block.ptr + keep as u64,
-            size: block.size - keep,
-            chunk: block.chunk,
-            kind: block.kind,
-            prev: blk,
-            next: block.next,
-            state: block.state,
-            slack: 0,
-        };
-        let next = upper.next;
-        let up = self.blocks.insert(upper);
-        if next != NIL {
-            self.blocks[next].prev = up;
-        }
-        let block = &mut self.blocks[blk];
-        block.next = up;
-        block.size = keep;
-        up
-    }
-
     /// Makes `blk` a hole and merges it with the holes beside it.
     fn make_hole(&mut self, mut blk: u32) {
         self.blocks[blk].state = State::Hole;
@@ -415,15 +384,6 @@ impl<B: Backend> Arena<B> {
         if next != NIL && self.blocks[next].state == State::Hole {
             self.absorb(blk, next);
         }
-    }
-
-    /// The bytes being unmapped.
-    pub(crate) fn unmapping_bytes(&self) -> usize {
-        self.segment_of
-            .iter()
-            .filter(|&&c| c != NIL)
-            .map(|&c| self.chunks[c].segment.as_ref().map_or(0, |seg| seg.unmapping))
-            .sum()
     }
 
     /// Cuts the mappings of `[at, at + len)` of segment `c` (all of them in one free block, never
@@ -468,7 +428,6 @@ impl<B: Backend> Arena<B> {
             if c == NIL || self.chunks[c].segment.as_ref().is_some_and(|seg| seg.unmapping > 0) {
                 continue;
             }
-
             let top = self.top_block(c);
             let mut cur = top;
             while cur != NIL && reserved > target && (anywhere || cur == top) {
@@ -541,15 +500,6 @@ impl<B: Backend> Arena<B> {
             }
             self.free_empty_segment(b, c);
         }
-    }
-
-    /// The block of chunk `c` that holds address `ptr`.
-    fn block_at(&self, c: u32, ptr: u64) -> u32 {
-        let mut cur = self.chunks[c].first;
-        while self.blocks[cur].ptr + self.blocks[cur].size as u64 <= ptr {
-            cur = self.blocks[cur].next;
-        }
-        cur
     }
 
     /// Drops a hole at the top of segment `c`: the segment ends at its last mapped block.
