@@ -7,14 +7,10 @@
 
 use super::backend::{Backend, DRIVER_SPARE, MAX_DRIVER_SPARE, Segments};
 use super::blocks::{Block, Chunk, KINDS, Kind, NIL, State, best_fit};
-use super::config::PoolConfig;
+use super::config::{DEFAULT_HEADROOM_PERCENT, PoolConfig};
 use super::events::StreamState;
 use super::slots::Slots;
 use super::{FastMap, GRANULE, Handout, Live, round_up};
-
-/// Past the headroom, a large request takes a free block it fills to this many percent, instead
-/// of releasing memory to make room for a chunk of its own.
-pub(crate) const REUSE_FIT_PERCENT: u32 = 50;
 
 /// The arena's counters (the per-stream ones live in the caches).
 #[derive(Debug, Clone, Copy, Default)]
@@ -48,8 +44,9 @@ pub(crate) struct ArenaStats {
     pub(crate) oom_recoveries: u64,
     /// Growths made exactly because the device's memory ran short.
     pub(crate) tight_growths: u64,
-    /// Large requests served by a free block they fill to less than `large_fit_percent` (but at
-    /// least [`REUSE_FIT_PERCENT`]), instead of releasing memory to grow.
+    /// Large requests served past the headroom by a free tail, or by a free block they fill to
+    /// less than `large_fit_percent`, instead of releasing memory to grow
+    /// ([`Arena::reuse_past_headroom`]).
     pub(crate) loose_fits: u64,
     /// Allocations and cache hits of streams that were forgotten (their caches are gone).
     pub(crate) retired_allocations: u64,
@@ -397,18 +394,11 @@ impl<B: Backend> Arena<B> {
             chunk = exact;
         }
         if self.stats.reserved.saturating_add(exact) > limit {
-            if kind == Kind::Large && !tight {
-                // Instead of releasing memory to make room for a new chunk, a free large block
-                // that the request fills to half serves it, while what such blocks leave stays
-                // within the bound on unused bytes. (Never near capacity: a large block pinned by
-                // a smaller one could then be what a later request needs.)
-                let largest = self
-                    .largest_fit(kind, size, REUSE_FIT_PERCENT)
-                    .min(size.saturating_add(self.may_leave_unused(free)));
-                if let Some(blk) = self.take_kind(b, s, kind, size, largest)? {
-                    self.stats.loose_fits += 1;
-                    return Ok(Grow::Block(self.handout(blk, size)));
-                }
+            if kind == Kind::Large
+                && !tight
+                && let Some(handout) = self.reuse_past_headroom(b, s, size, free)?
+            {
+                return Ok(Grow::Block(handout));
             }
             if may_release {
                 let target = limit.saturating_sub(exact);
@@ -436,6 +426,35 @@ impl<B: Backend> Arena<B> {
             }
         }
         Ok(Grow::OutOfMemory)
+    }
+
+    /// Past the headroom, where growing would mean giving memory back and allocating anew, a
+    /// large request takes cached memory it passes over otherwise: first the best-fitting free
+    /// tail that holds it (memory that its chunk's live block pins anyway), then the
+    /// best-fitting free large block, whose rest becomes its chunk's tail. What blocks leave
+    /// unused that way (their slack and the free tails) stays within the headroom's share of the
+    /// most memory live at once ([`PoolConfig::headroom_percent`], 20% where none is set), and
+    /// within 0.25% of the device's memory: past that, a pinned chunk could be what a later
+    /// request needs, and the pool would have to grow instead of releasing it. Never near
+    /// capacity (the caller checks), for the same reason.
+    fn reuse_past_headroom(
+        &mut self,
+        b: &B,
+        s: u32,
+        size: usize,
+        free: Option<usize>,
+    ) -> Result<Option<Handout>, B::Error> {
+        let share = self.config.headroom_percent.unwrap_or(DEFAULT_HEADROOM_PERCENT) as usize;
+        let unused = self.stats.slack.saturating_add(self.stats.free_tails);
+        let allowance = (self.stats.peak_live / 100).saturating_mul(share).saturating_sub(unused);
+        let largest = size.saturating_add(allowance.min(self.may_leave_unused(free)));
+        for (kind, largest) in [(Kind::Tail, usize::MAX), (Kind::Large, largest)] {
+            if let Some(blk) = self.take_kind(b, s, kind, size, largest)? {
+                self.stats.loose_fits += 1;
+                return Ok(Some(self.handout(blk, size)));
+            }
+        }
+        Ok(None)
     }
 
     /// Counts a request of `size` bytes about to be served by growth as live (what is out of the

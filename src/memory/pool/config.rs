@@ -4,6 +4,9 @@ use super::{GRANULE, MAX_REQUEST, round_up};
 
 const MIB: usize = 1 << 20;
 
+/// [`PoolConfig::headroom_percent`]'s default.
+pub(crate) const DEFAULT_HEADROOM_PERCENT: u32 = 20;
+
 /// Tuning of a stream-ordered pool ([`StreamOrderedPool`](crate::memory::StreamOrderedPool), or
 /// [`SimulatedPool`](crate::memory::SimulatedPool)). Sizes are rounded up to 512 bytes.
 ///
@@ -49,10 +52,11 @@ pub struct PoolConfig {
     /// percent of it; otherwise the request gets a chunk of its own, and the free block stays
     /// whole (to serve a request of its size, or to go back to the driver whole). Splitting a
     /// large block for a much smaller request would leave most of its chunk pinned by that block.
-    /// (What the request leaves becomes the chunk's tail, which only small and medium requests
-    /// take, and only when nothing else is left.) Past the headroom, where the alternative is to
-    /// give memory back and allocate anew, a request that fills a free block to half takes it,
-    /// while what blocks leave unused stays within 0.25% of the device's memory. Default 75.
+    /// (What the request leaves becomes the chunk's tail, which small and medium requests take
+    /// only when nothing else is left.) Past the headroom, where the alternative is to give
+    /// memory back and allocate anew, a request takes a free tail that holds it, or else any
+    /// free block that holds it, while what blocks leave unused stays within the headroom's share
+    /// of the most memory live at once and within 0.25% of the device's memory. Default 75.
     pub large_fit_percent: u32,
     /// A free block of a medium or large chunk is split only when what is left over would be at
     /// least this many bytes; otherwise the whole block is handed out. Default 512 bytes (always
@@ -94,7 +98,7 @@ impl Default for PoolConfig {
             min_large_split: GRANULE,
             large_fit_percent: 75,
             large_classes_per_octave: 8,
-            headroom_percent: Some(20),
+            headroom_percent: Some(DEFAULT_HEADROOM_PERCENT),
             expandable: true,
         }
     }

@@ -513,37 +513,57 @@ fn a_small_block_does_not_take_a_tail_while_the_device_has_room_for_its_chunk() 
 }
 
 #[test]
-fn past_the_headroom_a_large_request_takes_a_free_block_it_fills_to_half() {
-    // A freed 20 MiB chunk and a 12 MiB request (60%, below the 75% fit): growing would pass the
-    // headroom, so the pool would release the 20 MiB chunk to make a 12 MiB one. Instead it hands
-    // out the free block, as long as what such blocks leave unused (8 MiB here) stays within
-    // 0.25% of the device's memory: not on a 1 GiB device (2.56 MiB).
-    // Below half (9 MiB: 45%), it is not reused. (Chunks are whole 2 MiB pages.)
-    for (capacity, request, reused) in
-        [(usize::MAX, 12, true), (8 << 30, 12, true), (1 << 30, 12, false), (8 << 30, 9, false)]
+fn past_the_headroom_a_large_request_takes_a_free_block_then_a_tail_within_the_headrooms_share() {
+    // 40 and 60 MiB live (the headroom: 120 MiB), then the 40 MiB freed. A 24 MiB request fills
+    // the free block to 60%, below the 75% fit, and growing would pass the headroom: the pool
+    // would release the 40 MiB chunk to make a 24 MiB one. Instead it hands out the free block,
+    // as long as what blocks leave unused (16 MiB here) stays within the headroom's share of
+    // peak live (20 MiB) and within 0.25% of the device's memory (not on a 1 GiB device: 2.56
+    // MiB). With a headroom of 10%, a 16 MiB request passes it too, but would leave 24 MiB, past
+    // the share (10 MiB): it is not reused.
+    for (headroom, capacity, request, reused) in
+        [(20, usize::MAX, 24, true), (20, 1 << 30, 24, false), (10, usize::MAX, 16, false)]
     {
-        let config = PoolConfig { headroom_percent: Some(0), ..plain() };
+        let config = PoolConfig { headroom_percent: Some(headroom), ..plain() };
         let h = Harness::new(config, Mock::new(1));
         h.mock.st().capacity = capacity;
-        let a = h.alloc(20 * MIB, 0).unwrap();
+        let a = h.alloc(40 * MIB, 0).unwrap();
+        let b = h.alloc(60 * MIB, 0).unwrap();
         h.free(a, 0);
-        let b = h.alloc(request * MIB, 0).unwrap();
+        let c = h.alloc(request * MIB, 0).unwrap();
         h.check();
         let st = h.stats();
+        let mut more = Vec::new();
         if reused {
-            assert_eq!(b, a);
-            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (1, 0, 20 * MIB), "{capacity}");
-            assert_eq!(h.arena(|a| (a.stats.loose_fits, a.stats.free_tails)), (1, 8 * MIB));
+            assert_eq!(c, a);
+            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (2, 0, 100 * MIB), "{capacity}");
+            assert_eq!(h.arena(|a| (a.stats.loose_fits, a.stats.free_tails)), (1, 16 * MIB));
+            // An 18 MiB block grows the pool within the headroom (118 MiB), and is freed. Then a
+            // 10 MiB request (56% of that block) would pass the headroom: it takes the 16 MiB
+            // tail, which the first block pins anyway, before the free 18 MiB block.
+            let d = h.alloc(18 * MIB, 0).unwrap();
+            h.free(d, 0);
+            let e = h.alloc(10 * MIB, 0).unwrap();
+            h.check();
+            assert_eq!(e, a + 24 * MIB as u64);
+            let st = h.stats();
+            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (3, 0, 118 * MIB));
+            assert_eq!(h.arena(|a| (a.stats.loose_fits, a.stats.free_tails)), (2, 6 * MIB));
+            more.push(e);
         } else {
-            let exact = request.next_multiple_of(2) * MIB;
-            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (2, 1, exact), "{capacity}");
+            assert_ne!(c, a);
+            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (3, 1, (60 + request) * MIB), "{capacity}");
             assert_eq!(h.arena(|a| a.stats.loose_fits), 0);
         }
-        // Freed, the block merges with its tail: a 16 MiB request (80%) takes the whole chunk.
-        h.free(b, 0);
-        let c = h.alloc(16 * MIB, 0).unwrap();
-        assert_eq!(c == a, reused);
+        // Freed, the blocks merge with the tail: a 32 MiB request (80%) takes the whole chunk.
         h.free(c, 0);
+        for p in more {
+            h.free(p, 0);
+        }
+        let d = h.alloc(32 * MIB, 0).unwrap();
+        assert_eq!(d == a, reused);
+        h.free(d, 0);
+        h.free(b, 0);
         h.check();
         h.teardown();
     }
