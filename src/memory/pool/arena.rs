@@ -434,9 +434,9 @@ impl<B: Backend> Arena<B> {
     /// best-fitting free large block, whose rest becomes its chunk's tail. What blocks leave
     /// unused that way (their slack and the free tails) stays within the headroom's share of the
     /// most memory live at once ([`PoolConfig::headroom_percent`], 20% where none is set), and
-    /// within 0.25% of the device's memory: past that, a pinned chunk could be what a later
-    /// request needs, and the pool would have to grow instead of releasing it. Never near
-    /// capacity (the caller checks), for the same reason.
+    /// within 1% of the device's memory: past that, a pinned chunk could be what a later request needs, and the pool would
+    /// have to grow instead of releasing it. Never near capacity (the caller checks), for the same
+    /// reason.
     fn reuse_past_headroom(
         &mut self,
         b: &B,
@@ -447,7 +447,10 @@ impl<B: Backend> Arena<B> {
         let share = self.config.headroom_percent.unwrap_or(DEFAULT_HEADROOM_PERCENT) as usize;
         let unused = self.stats.slack.saturating_add(self.stats.free_tails);
         let allowance = (self.stats.peak_live / 100).saturating_mul(share).saturating_sub(unused);
-        let largest = size.saturating_add(allowance.min(self.may_leave_unused(free)));
+        // Within 1% of the device's memory too, so that what pinned blocks keep from the driver
+        // never decides whether a full device fits a request.
+        let device = free.map_or(usize::MAX, |f| (self.stats.reserved.saturating_add(f) / 100).saturating_sub(unused));
+        let largest = size.saturating_add(allowance.min(device));
         for (kind, largest) in [(Kind::Tail, usize::MAX), (Kind::Large, largest)] {
             if let Some(blk) = self.take_kind(b, s, kind, size, largest)? {
                 self.stats.loose_fits += 1;

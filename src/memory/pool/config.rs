@@ -56,7 +56,7 @@ pub struct PoolConfig {
     /// only when nothing else is left.) Past the headroom, where the alternative is to give
     /// memory back and allocate anew, a request takes a free tail that holds it, or else any
     /// free block that holds it, while what blocks leave unused stays within the headroom's share
-    /// of the most memory live at once and within 0.25% of the device's memory. Default 75.
+    /// of the most memory live at once and within 1% of the device's memory. Default 75.
     pub large_fit_percent: u32,
     /// A free block of a medium or large chunk is split only when what is left over would be at
     /// least this many bytes; otherwise the whole block is handed out. Default 512 bytes (always

@@ -67,7 +67,7 @@
 //!   memory live at once. Past it, a large request first takes cached memory it passes over
 //!   otherwise: a free tail that holds it, else any free large block that holds it, while what
 //!   blocks leave unused stays within the headroom's share of the most memory live at once and
-//!   within 0.25% of the device's memory (so a workload whose sizes change from step to step
+//!   within 1% of the device's memory (so a workload whose sizes change from step to step
 //!   reuses what the last step cached, instead of trading chunks with the driver: `mixed_images`
 //!   replays warm with 23 `cuMemAlloc` calls instead of 402). Otherwise the arena takes out whole free chunks whose
 //!   frees the GPU has completed (asked with `cuEventQuery`: the host does not wait), frees them,

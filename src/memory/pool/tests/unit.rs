@@ -518,7 +518,7 @@ fn past_the_headroom_a_large_request_takes_a_free_block_then_a_tail_within_the_h
     // the free block to 60%, below the 75% fit, and growing would pass the headroom: the pool
     // would release the 40 MiB chunk to make a 24 MiB one. Instead it hands out the free block,
     // as long as what blocks leave unused (16 MiB here) stays within the headroom's share of
-    // peak live (20 MiB) and within 0.25% of the device's memory (not on a 1 GiB device: 2.56
+    // peak live (20 MiB) and within 1% of the device's memory (not on a 1 GiB device: 10.24
     // MiB). With a headroom of 10%, a 16 MiB request passes it too, but would leave 24 MiB, past
     // the share (10 MiB): it is not reused.
     for (headroom, capacity, request, reused) in
