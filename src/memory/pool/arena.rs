@@ -11,6 +11,7 @@ use super::config::{DEFAULT_HEADROOM_PERCENT, PoolConfig};
 use super::events::StreamState;
 use super::slots::Slots;
 use super::{FastMap, GRANULE, Handout, Live, round_up};
+use std::time::{Duration, Instant};
 
 /// The arena's counters (the per-stream ones live in the caches).
 #[derive(Debug, Clone, Copy, Default)]
@@ -65,6 +66,18 @@ pub(crate) struct Detached {
     pub(crate) handle: Option<u64>,
 }
 
+/// How long a report of the device's free memory serves [`Arena::device_free`] (with the pool's
+/// own growth and release since counted) before the driver is asked again.
+const FREE_MEMORY_FRESH: Duration = Duration::from_millis(1);
+
+/// A report of the device's free memory: what it said, what the pool held then, and when.
+#[derive(Debug, Clone, Copy)]
+struct FreeSeen {
+    reported: usize,
+    reserved: usize,
+    at: Instant,
+}
+
 /// What [`Arena::grow`] did.
 pub(crate) enum Grow {
     /// A new chunk; its first block is handed out.
@@ -98,6 +111,10 @@ pub(crate) struct Arena<B: Backend> {
     /// What the pool leaves of the device's reported free memory for the driver: [`DRIVER_SPARE`]
     /// at first, raised by [`Arena::learn_spare`].
     pub(crate) driver_spare: usize,
+    /// The device's free memory as last reported, for [`Arena::device_free`].
+    free_seen: Option<FreeSeen>,
+    /// How long such a report serves ([`FREE_MEMORY_FRESH`]; tests change it).
+    pub(crate) free_fresh: Duration,
     /// Set where the pool grows in segments ([`super::segment`]) instead of chunks.
     pub(crate) segments: Option<Segments>,
     /// Each kind's segment (`NIL`: none yet).
@@ -117,6 +134,8 @@ impl<B: Backend> Arena<B> {
             graphs: super::graph::GraphBlocks::default(),
             stats: ArenaStats::default(),
             driver_spare: DRIVER_SPARE,
+            free_seen: None,
+            free_fresh: FREE_MEMORY_FRESH,
             segments: None,
             segment_of: [NIL; KINDS],
         }
@@ -377,8 +396,7 @@ impl<B: Backend> Arena<B> {
         let peak = self.note_live(size);
         // Memory runs short when the device would be left with less than a tenth of what the pool
         // then holds: grow by exactly the request, and release whatever free chunk can go first.
-        let reported = b.free_memory();
-        let free = reported.map(|f| self.usable(f));
+        let free = self.device_free(b).map(|f| self.usable(f));
         let tight = self.runs_short(free, chunk);
         if tight {
             chunk = exact;
@@ -415,7 +433,7 @@ impl<B: Backend> Arena<B> {
                     return Ok(Grow::Block(self.handout(blk, size)));
                 }
                 Err(e) if b.is_out_of_memory(&e) => {
-                    if let Some(reported) = reported {
+                    if let Some(reported) = self.fresh_device_free(b) {
                         self.learn_spare(reported, bytes);
                     }
                     if bytes == exact {
@@ -506,11 +524,34 @@ impl<B: Backend> Arena<B> {
         tight
     }
 
+    /// The device's free memory (`None` where the backend does not know it): the last report
+    /// while it is fresh (the pool's own growth and release since counted, as the driver counts
+    /// them), else a new one. A report costs a driver call (`cuMemGetInfo`: 7 µs on the H200),
+    /// more than a growth that reuses cached memory costs in all; within
+    /// [`FREE_MEMORY_FRESH`], only other allocators' changes go unseen, and a driver that then
+    /// refuses memory is asked afresh ([`Arena::fresh_device_free`]).
+    pub(crate) fn device_free(&mut self, b: &B) -> Option<usize> {
+        if let Some(seen) = self.free_seen
+            && seen.at.elapsed() < self.free_fresh
+        {
+            return Some((seen.reported.saturating_add(seen.reserved)).saturating_sub(self.stats.reserved));
+        }
+        self.fresh_device_free(b)
+    }
+
+    /// The device's free memory as the backend reports it now, kept for [`Arena::device_free`].
+    pub(crate) fn fresh_device_free(&mut self, b: &B) -> Option<usize> {
+        let reported = b.free_memory();
+        self.free_seen =
+            reported.map(|reported| FreeSeen { reported, reserved: self.stats.reserved, at: Instant::now() });
+        reported
+    }
+
     /// What may stay reserved so that the device has room for an exact chunk for `size` rounded
     /// bytes, as far as the backend knows its free memory (0 when it does not).
-    pub(crate) fn reserved_after_making_room(&self, b: &B, size: usize) -> usize {
+    pub(crate) fn reserved_after_making_room(&mut self, b: &B, size: usize) -> usize {
         let Some((_, exact)) = self.chunk_sizes(self.kind_for(size), size) else { return 0 };
-        match b.free_memory() {
+        match self.fresh_device_free(b) {
             Some(free) => self.stats.reserved.saturating_sub(exact.saturating_sub(self.usable(free))),
             None => 0,
         }

@@ -94,8 +94,7 @@ impl<B: Backend> Arena<B> {
         let mapped = if c == NIL { 0 } else { self.chunks[c].segment.as_ref().map_or(0, |seg| seg.mapped) };
         let peak = self.note_live(size);
         let mut step = if place.top { missing.max(round_up(mapped / 8, gran).unwrap_or(missing)) } else { missing };
-        let reported = b.free_memory();
-        let free = reported.map(|f| self.usable(f));
+        let free = self.device_free(b).map(|f| self.usable(f));
         let tight = self.runs_short(free, step);
         if tight {
             step = missing;
@@ -177,9 +176,8 @@ impl<B: Backend> Arena<B> {
                     done += bytes;
                 }
                 Err(e) if b.is_out_of_memory(&e) => {
-                    if let Some(reported) = reported {
-                        // What was free before this growth, less what it has mapped since.
-                        self.learn_spare(reported.saturating_sub(done), bytes);
+                    if let Some(reported) = self.fresh_device_free(b) {
+                        self.learn_spare(reported, bytes);
                     }
                     if goal == missing {
                         break;

@@ -82,6 +82,8 @@ pub(super) struct State {
     pub(super) waits: u64,
     pub(super) syncs: u64,
     pub(super) queries: u64,
+    /// Reports of free memory given.
+    pub(super) free_memory_reports: u64,
     pub(super) fail: Option<Call>,
     /// Whether to keep and check free records (off for trace replays, for speed).
     pub(super) check: bool,
@@ -140,6 +142,7 @@ impl Mock {
             waits: 0,
             syncs: 0,
             queries: 0,
+            free_memory_reports: 0,
             fail: None,
             check: true,
             live: BTreeMap::new(),
@@ -438,7 +441,8 @@ impl Backend for Mock {
     }
 
     fn free_memory(&self) -> Option<usize> {
-        let st = self.st();
+        let mut st = self.st();
+        st.free_memory_reports += 1;
         (st.capacity != usize::MAX).then(|| st.capacity - st.reserved)
     }
 

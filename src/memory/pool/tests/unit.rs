@@ -586,3 +586,38 @@ fn a_borrowed_large_block_that_merges_with_its_tail_is_handed_out() {
     h.free(p, 0);
     h.teardown();
 }
+
+#[test]
+fn the_devices_free_memory_is_asked_again_only_once_stale_or_when_the_driver_refuses() {
+    // A report of free memory costs a driver call (`cuMemGetInfo`, 7 µs on the H200): within its
+    // freshness the pool counts its own growth instead of asking again.
+    let h = Harness::new(PoolConfig { headroom_percent: None, ..plain() }, Mock::new(1));
+    h.mock.st().capacity = 200 * MIB;
+    h.arena(|a| a.free_fresh = std::time::Duration::from_secs(3600));
+    let reports = || h.mock.st().free_memory_reports;
+    let a = h.alloc(20 * MIB, 0).unwrap();
+    let b = h.alloc(20 * MIB, 0).unwrap();
+    let c = h.alloc(20 * MIB, 0).unwrap();
+    assert_eq!((h.stats().driver_allocs, reports()), (3, 1));
+    // Another allocator takes 100 of the 140 MiB left, unseen: the pool believes 140 MiB free, so
+    // a 60 MiB request is no growth near capacity to it. The driver refuses it; the pool asks
+    // afresh, releases nothing it could (all is live), and reports out of memory without losing
+    // anything.
+    h.mock.st().capacity -= 100 * MIB;
+    let err = h.alloc(60 * MIB, 0).unwrap_err();
+    assert!(matches!(err, PoolError::OutOfMemory { .. }), "{err:?}");
+    assert!(reports() >= 2, "asked afresh after the refusal");
+    // Now it knows: a 30 MiB request near capacity grows exactly, and fits.
+    let d = h.alloc(30 * MIB, 0).unwrap();
+    assert_eq!(h.stats().reserved, 90 * MIB);
+    // With no freshness, every growth asks.
+    h.arena(|a| a.free_fresh = std::time::Duration::ZERO);
+    let before = reports();
+    let e = h.alloc(4 * MIB, 0).unwrap();
+    assert_eq!(reports(), before + 1);
+    h.check();
+    for p in [a, b, c, d, e] {
+        h.free(p, 0);
+    }
+    h.teardown();
+}
