@@ -4,7 +4,7 @@
 //! performs the driver calls it asks for.
 
 use std::cell::RefCell;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 
 use cudrv_sys::{CUevent, CUresult};
 
@@ -80,6 +80,8 @@ struct Shared {
     me: Weak<Shared>,
     backend: CudaBackend,
     arena: Mutex<Arena<CudaBackend>>,
+    /// Notified when releases made with no lock held are settled ([`Host::released`]).
+    settled: Condvar,
     /// The `StreamOrderedPool` was dropped; graphs may still hold blocks of it (and this).
     dropped: std::sync::atomic::AtomicBool,
 }
@@ -190,7 +192,23 @@ impl Host for Shared {
     fn existing_cache<R>(&self, stream: &StreamKey, f: impl FnOnce(&mut Cache) -> R) -> Option<R> {
         stream.with_existing_attachment(self.id, |sc: &mut StreamCache| f(&mut sc.cache))
     }
+
+    fn wait_for_release(&self) {
+        let arena = self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if arena.releasing_bytes() > 0 {
+            // Bounded, in case the releasing thread never settles (it panicked in the driver).
+            drop(self.settled.wait_timeout(arena, RELEASE_WAIT).unwrap_or_else(std::sync::PoisonError::into_inner));
+        }
+    }
+
+    fn released(&self) {
+        self.settled.notify_all();
+    }
 }
+
+/// The longest a growth waits at once for another thread's release ([`Host::wait_for_release`])
+/// before it looks again.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl Shared {
     fn new_cache(&self, stream: &StreamKey) -> StreamCache {
@@ -274,6 +292,14 @@ impl Host for Op<'_> {
         })?;
         self.let_go(pin);
         Some(r)
+    }
+
+    fn wait_for_release(&self) {
+        self.shared.wait_for_release();
+    }
+
+    fn released(&self) {
+        self.shared.released();
     }
 }
 
@@ -547,6 +573,7 @@ impl StreamOrderedPool {
             id: attachment_owner_id(),
             me: me.clone(),
             arena: Mutex::new(arena),
+            settled: Condvar::new(),
             backend,
             dropped: std::sync::atomic::AtomicBool::new(false),
         });

@@ -678,6 +678,40 @@ fn a_pool_in_segments_unmaps_gaps_to_serve_a_larger_buffer() {
     });
 }
 
+/// A growth that meets an unmap in flight waits for it, then maps the memory it needs. Another
+/// thread trims the pool while the driver's unmap takes 300 ms; a buffer allocated meanwhile finds
+/// its segment's memory being unmapped (off the pool's free lists), waits without a lock held,
+/// and maps anew once the unmap is done: it keeps its data, the trim ends, and nothing leaks.
+#[test]
+fn a_growth_waits_for_an_unmap_in_flight() {
+    run_with_fake(&[("CUDRV_FAKE_UNMAP_US", "300000")], || {
+        let dev = Device::get(0).unwrap();
+        let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        assert!(pool.grows_in_segments());
+        let s = Stream::new(&dev).unwrap();
+        drop(DeviceBuffer::<u8>::zeroed_in(32 << 20, &s, pool.clone()).unwrap());
+        s.synchronize().unwrap();
+        let trimmer = {
+            let pool = pool.clone();
+            std::thread::spawn(move || pool.trim(0))
+        };
+        // Let the trim take the mapping off the free lists and start unmapping it.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let mut buf = DeviceBuffer::<u32>::zeroed_in(4 << 20, &s, pool.clone()).unwrap();
+        buf.fill(9).unwrap();
+        trimmer.join().unwrap().unwrap();
+        assert!(buf.to_vec().unwrap().iter().all(|&x| x == 9));
+        let st = pool.pool_stats();
+        assert_eq!((st.driver_allocs, st.driver_frees), (2, 1), "mapped, unmapped, mapped again: {st:?}");
+        assert_eq!(st.reserved, 16 << 20, "{st:?}");
+        drop(buf);
+        drop(pool);
+        let report = fake_report();
+        assert!(report.violations.is_empty(), "{report}");
+        assert_no_leaks_but_streams();
+    });
+}
+
 /// Where the device has no virtual memory management, the pool grows in chunks of `cuMemAlloc`.
 #[test]
 fn a_pool_without_virtual_memory_grows_in_chunks() {

@@ -182,7 +182,7 @@ pub(crate) fn allocate_for_graph<H: Host>(
             let mut grown = grow()?;
             while let Grow::Busy = grown {
                 // Another thread unmaps memory of the segment with no lock held: wait for it.
-                std::thread::yield_now();
+                h.wait_for_release();
                 grown = grow()?;
             }
             if let Grow::Refused(undo) = &grown {

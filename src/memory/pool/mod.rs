@@ -207,6 +207,16 @@ pub(crate) trait Host {
 
     /// Runs `f` with `stream`'s cache locked, if it has one.
     fn existing_cache<R>(&self, stream: &StreamOf<Self>, f: impl FnOnce(&mut Cache) -> R) -> Option<R>;
+
+    /// Waits (with no lock held on return) until a release in flight, which another thread makes
+    /// with no lock held, is settled, or a short while has passed: the way out of
+    /// [`Grow::Busy`]. A host with one thread has none in flight.
+    fn wait_for_release(&self) {
+        std::thread::yield_now();
+    }
+
+    /// Wakes the threads in [`Host::wait_for_release`]: releases were settled.
+    fn released(&self) {}
 }
 
 pub(crate) type StreamOf<H> = <<H as Host>::B as Backend>::Stream;
@@ -304,7 +314,7 @@ fn grow<H: Host>(h: &H, slot: u32, size: usize) -> Result<Option<Handout>, PoolE
             }
             // Another thread unmaps memory of the segment, with no lock held: wait for it.
             Grow::Busy => {
-                std::thread::yield_now();
+                h.wait_for_release();
                 continue;
             }
         }
@@ -336,6 +346,7 @@ pub(crate) fn free_chunks<H: Host>(h: &H, chunks: &[Detached]) -> Result<(), Err
         }
     }
     h.arena(|a| a.finish_release(b, &done));
+    h.released();
     first
 }
 

@@ -28,6 +28,8 @@
  *                                      lazily (at the first access), so huge sizes are cheap.
  *  CUDRV_FAKE_DELAY_US=<us>            each stream worker sleeps this long before every operation
  *                                      (an integer, as for MEMORY).
+ *  CUDRV_FAKE_UNMAP_US=<us>            cuMemUnmap sleeps this long (holding no lock) before it
+ *                                      unmaps, as a real unmap of much memory takes a while.
  *  CUDRV_FAKE_DRIVER_VERSION=<v>       cuDriverGetVersion (default 13000; 11010 for the legacy build):
  *                                      a decimal integer 1000 * major + 10 * minor, 1000 to 999999.
  *                                      cuGetProcAddress serves no function introduced after it.
@@ -864,6 +866,7 @@ static struct {
     int ndev;
     fk_device dev[FK_MAX_DEVICES];
     uint64_t delay_us;
+    uint64_t unmap_us;
     int driver_version;
     int report_on_exit;
     fk_fault faults[32];
@@ -973,7 +976,7 @@ static int known_function_name(const char *name);
 /* Every CUDRV_FAKE_* variable that may be set. */
 static const char *const KNOWN_VARS[] = {
     "CUDRV_FAKE_MODE", "CUDRV_FAKE_DEVICES", "CUDRV_FAKE_VMM", "CUDRV_FAKE_MEMORY", "CUDRV_FAKE_DELAY_US",
-    "CUDRV_FAKE_DRIVER_VERSION", "CUDRV_FAKE_FAIL", "CUDRV_FAKE_REPORT_ON_EXIT",
+    "CUDRV_FAKE_UNMAP_US", "CUDRV_FAKE_DRIVER_VERSION", "CUDRV_FAKE_FAIL", "CUDRV_FAKE_REPORT_ON_EXIT",
     /* not read here: cudrv-test-support sets the first in its child processes, and its build
        script reads the second */
     "CUDRV_FAKE_CHILD", "CUDRV_FAKE_CFLAGS",
@@ -1086,7 +1089,7 @@ static void check_var_name(const char *entry) {
     fprintf(stderr,
             "cudrv fake driver: unknown variable %.*s=\"%s\": the fake driver reads CUDRV_FAKE_MODE, "
             "CUDRV_FAKE_DEVICES, CUDRV_FAKE_VMM, CUDRV_FAKE_MEMORY, CUDRV_FAKE_DELAY_US, "
-            "CUDRV_FAKE_DRIVER_VERSION, CUDRV_FAKE_FAIL and CUDRV_FAKE_REPORT_ON_EXIT "
+            "CUDRV_FAKE_UNMAP_US, CUDRV_FAKE_DRIVER_VERSION, CUDRV_FAKE_FAIL and CUDRV_FAKE_REPORT_ON_EXIT "
             "(cuInit returns CUDA_ERROR_INVALID_VALUE)\n",
             (int)len, entry, entry[len] ? entry + len + 1 : "");
     G.config_error = 1;
@@ -1138,6 +1141,10 @@ static void read_env_locked(void) {
     if ((s = env_value("CUDRV_FAKE_DELAY_US"))) {
         if (parse_u64(s, &v)) G.delay_us = v;
         else config_error("CUDRV_FAKE_DELAY_US", s, "a number of microseconds (decimal, 0x-hex or 0-octal integer)");
+    }
+    if ((s = env_value("CUDRV_FAKE_UNMAP_US"))) {
+        if (parse_u64(s, &v)) G.unmap_us = v;
+        else config_error("CUDRV_FAKE_UNMAP_US", s, "a number of microseconds (decimal, 0x-hex or 0-octal integer)");
     }
     if ((s = env_value("CUDRV_FAKE_DRIVER_VERSION"))) {
         char *end;
@@ -3680,6 +3687,7 @@ API_OLD cuMemUnmap(CUdeviceptr ptr, size_t size) {
     long first, count, i;
     CUresult r;
     ENTER_VMM("cuMemUnmap");
+    fk_sleep_us(G.unmap_us);
     fk_lock(&G.lock);
     r = whole_mappings(ptr, size, &first, &count);
     for (i = 0; !r && i < count; i++) {
