@@ -452,9 +452,9 @@ impl<B: Backend> Arena<B> {
     /// best-fitting free large block, whose rest becomes its chunk's tail. What blocks leave
     /// unused that way (their slack and the free tails) stays within the headroom's share of the
     /// most memory live at once ([`PoolConfig::headroom_percent`], 20% where none is set), and
-    /// within 1% of the device's memory: past that, a pinned chunk could be what a later request needs, and the pool would
-    /// have to grow instead of releasing it. Never near capacity (the caller checks), for the same
-    /// reason.
+    /// within 1% of the device's memory: past that, a pinned chunk could be what a later request
+    /// needs, and the pool would have to grow instead of releasing it. Never near capacity (the
+    /// caller checks), for the same reason.
     fn reuse_past_headroom(
         &mut self,
         b: &B,

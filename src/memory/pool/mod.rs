@@ -68,10 +68,10 @@
 //!   otherwise: a free tail that holds it, else any free large block that holds it, while what
 //!   blocks leave unused stays within the headroom's share of the most memory live at once and
 //!   within 1% of the device's memory (so a workload whose sizes change from step to step
-//!   reuses what the last step cached, instead of trading chunks with the driver: `mixed_images`
-//!   replays warm with 23 `cuMemAlloc` calls instead of 402). Otherwise the arena takes out whole free chunks whose
-//!   frees the GPU has completed (asked with `cuEventQuery`: the host does not wait), frees them,
-//!   and grows by exactly the request.
+//!   reuses what the last step cached, instead of trading chunks with the driver: on the H200,
+//!   `mixed_images` replays warm with 24 `cuMemAlloc` calls instead of 402). Otherwise the arena
+//!   takes out whole free chunks whose frees the GPU has completed (asked with `cuEventQuery`:
+//!   the host does not wait), frees them, and grows by exactly the request.
 //! * *Near capacity* (`cuMemGetInfo` says the device would be left with less than a tenth of what
 //!   the pool holds), growth is exact, and the device's memory takes the headroom's place as the
 //!   bound: before asking for more than the device has free (less what `cuMemAlloc` keeps back:
