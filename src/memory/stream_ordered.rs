@@ -196,7 +196,7 @@ impl Host for Shared {
     fn wait_for_release(&self) {
         let arena = self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if arena.releasing_bytes() > 0 {
-            // Bounded, in case the releasing thread never settles (it panicked in the driver).
+            // Bounded: the waiter looks again at least every millisecond.
             drop(self.settled.wait_timeout(arena, RELEASE_WAIT).unwrap_or_else(std::sync::PoisonError::into_inner));
         }
     }

@@ -396,7 +396,8 @@ impl<B: Backend> Arena<B> {
         let peak = self.note_live(size);
         // Memory runs short when the device would be left with less than a tenth of what the pool
         // then holds: grow by exactly the request, and release whatever free chunk can go first.
-        let free = self.device_free(b).map(|f| self.usable(f));
+        let before = self.device_free(b);
+        let free = before.map(|f| self.usable(f));
         let tight = self.runs_short(free, chunk);
         if tight {
             chunk = exact;
@@ -433,9 +434,7 @@ impl<B: Backend> Arena<B> {
                     return Ok(Grow::Block(self.handout(blk, size)));
                 }
                 Err(e) if b.is_out_of_memory(&e) => {
-                    if let Some(reported) = self.fresh_device_free(b) {
-                        self.learn_spare(reported, bytes);
-                    }
+                    self.learn_spare_after_refusal(b, before, bytes);
                     if bytes == exact {
                         break;
                     }
@@ -450,7 +449,9 @@ impl<B: Backend> Arena<B> {
     /// large request takes cached memory it passes over otherwise: first the best-fitting free
     /// tail that holds it (memory that its chunk's live block pins anyway), then the
     /// best-fitting free large block, whose rest becomes its chunk's tail. What blocks leave
-    /// unused that way (their slack and the free tails) stays within the headroom's share of the
+    /// unused beside them (their slack and the free tails; not a large block freed in a chunk that
+    /// a block in its tail keeps, which later requests still reuse) stays within the headroom's
+    /// share of the
     /// most memory live at once ([`PoolConfig::headroom_percent`], 20% where none is set), and
     /// within 1% of the device's memory: past that, a pinned chunk could be what a later request
     /// needs, and the pool would have to grow instead of releasing it. Never near capacity (the
@@ -539,6 +540,11 @@ impl<B: Backend> Arena<B> {
         self.fresh_device_free(b)
     }
 
+    /// Makes the next [`Arena::device_free`] ask the driver.
+    pub(crate) fn forget_free_report(&mut self) {
+        self.free_seen = None;
+    }
+
     /// The device's free memory as the backend reports it now, kept for [`Arena::device_free`].
     pub(crate) fn fresh_device_free(&mut self, b: &B) -> Option<usize> {
         let reported = b.free_memory();
@@ -570,6 +576,17 @@ impl<B: Backend> Arena<B> {
     /// What new chunks may take of `reported` free bytes: all but what the driver keeps back.
     pub(crate) fn usable(&self, reported: usize) -> usize {
         reported.saturating_sub(self.driver_spare)
+    }
+
+    /// The driver refused `bytes`: learns the spare ([`Arena::learn_spare`]) from the smaller of
+    /// the free memory known `before` the call and a report asked now (another thread's release
+    /// that completed in between would make the later one too large, and the spare never goes
+    /// down).
+    pub(crate) fn learn_spare_after_refusal(&mut self, b: &B, before: Option<usize>, bytes: usize) {
+        let now = self.fresh_device_free(b);
+        if let Some(reported) = before.into_iter().chain(now).min() {
+            self.learn_spare(reported, bytes);
+        }
     }
 
     /// The driver refused a chunk of `bytes` with `reported` bytes free: if that left more than

@@ -126,6 +126,9 @@ impl<B: Backend> Arena<B> {
     /// free failed goes back on the free lists, to be released later. (A segment's mappings:
     /// [`Arena::finish_unmap`].)
     pub(crate) fn finish_release(&mut self, b: &B, done: &[(Detached, bool)]) {
+        // The driver has counted these as free since they were given back, and the pool counts
+        // them from now on: a report of free memory taken in between would count them twice.
+        self.forget_free_report();
         if self.segments.is_some() {
             self.finish_unmap(b, done);
             return;

@@ -94,7 +94,8 @@ impl<B: Backend> Arena<B> {
         let mapped = if c == NIL { 0 } else { self.chunks[c].segment.as_ref().map_or(0, |seg| seg.mapped) };
         let peak = self.note_live(size);
         let mut step = if place.top { missing.max(round_up(mapped / 8, gran).unwrap_or(missing)) } else { missing };
-        let free = self.device_free(b).map(|f| self.usable(f));
+        let before = self.device_free(b);
+        let free = before.map(|f| self.usable(f));
         let tight = self.runs_short(free, step);
         if tight {
             step = missing;
@@ -176,9 +177,8 @@ impl<B: Backend> Arena<B> {
                     done += bytes;
                 }
                 Err(e) if b.is_out_of_memory(&e) => {
-                    if let Some(reported) = self.fresh_device_free(b) {
-                        self.learn_spare(reported, bytes);
-                    }
+                    // What was free before this growth, less what it has mapped since.
+                    self.learn_spare_after_refusal(b, before.map(|f| f.saturating_sub(done)), bytes);
                     if goal == missing {
                         break;
                     }
