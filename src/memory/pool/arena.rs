@@ -451,11 +451,10 @@ impl<B: Backend> Arena<B> {
     /// best-fitting free large block, whose rest becomes its chunk's tail. What blocks leave
     /// unused beside them (their slack and the free tails; not a large block freed in a chunk that
     /// a block in its tail keeps, which later requests still reuse) stays within the headroom's
-    /// share of the
-    /// most memory live at once ([`PoolConfig::headroom_percent`], 20% where none is set), and
-    /// within 1% of the device's memory: past that, a pinned chunk could be what a later request
-    /// needs, and the pool would have to grow instead of releasing it. Never near capacity (the
-    /// caller checks), for the same reason.
+    /// share of the most memory live at once ([`PoolConfig::headroom_percent`], 20% where none is
+    /// set), and within 1% of the device's memory: past that, a pinned chunk could be what a later
+    /// request needs, and the pool would have to grow instead of releasing it. Never near capacity
+    /// (the caller checks), for the same reason.
     fn reuse_past_headroom(
         &mut self,
         b: &B,
@@ -464,12 +463,10 @@ impl<B: Backend> Arena<B> {
         free: Option<usize>,
     ) -> Result<Option<Handout>, B::Error> {
         let share = self.config.headroom_percent.unwrap_or(DEFAULT_HEADROOM_PERCENT) as usize;
-        let unused = self.stats.slack.saturating_add(self.stats.free_tails);
-        let allowance = (self.stats.peak_live / 100).saturating_mul(share).saturating_sub(unused);
+        let allowance = (self.stats.peak_live / 100).saturating_mul(share).saturating_sub(self.unused());
         // Within 1% of the device's memory too, so that what pinned blocks keep from the driver
         // never decides whether a full device fits a request.
-        let device = free.map_or(usize::MAX, |f| (self.stats.reserved.saturating_add(f) / 100).saturating_sub(unused));
-        let largest = size.saturating_add(allowance.min(device));
+        let largest = size.saturating_add(allowance.min(self.unused_within(free, 100)));
         for (kind, largest) in [(Kind::Tail, usize::MAX), (Kind::Large, largest)] {
             if let Some(blk) = self.take_kind(b, s, kind, size, largest)? {
                 self.stats.loose_fits += 1;
@@ -568,9 +565,21 @@ impl<B: Backend> Arena<B> {
     /// with live buffers is filled as tightly as the driver's own pool fills it. Unbounded when
     /// the backend does not know its free memory.
     fn may_leave_unused(&self, free: Option<usize>) -> usize {
+        self.unused_within(free, 400)
+    }
+
+    /// How many more bytes blocks may leave unused (their slack and the free tails) for all of it
+    /// to stay within `1 / divisor` of the device's memory (the pool's, and `free` beyond it).
+    /// Unbounded when the backend does not know its free memory.
+    fn unused_within(&self, free: Option<usize>, divisor: usize) -> usize {
         let Some(free) = free else { return usize::MAX };
-        let unused = self.stats.slack.saturating_add(self.stats.free_tails);
-        (self.stats.reserved.saturating_add(free) / 400).saturating_sub(unused)
+        (self.stats.reserved.saturating_add(free) / divisor).saturating_sub(self.unused())
+    }
+
+    /// Bytes that blocks leave unused: what out blocks hold beyond their requests, and the free
+    /// tails of large chunks.
+    fn unused(&self) -> usize {
+        self.stats.slack.saturating_add(self.stats.free_tails)
     }
 
     /// What new chunks may take of `reported` free bytes: all but what the driver keeps back.
