@@ -4279,10 +4279,15 @@ static unsigned long fk_pid(void) { return (unsigned long)GetCurrentProcessId();
 static int shm_map(fk_shm *s, int create) {
     char name[80];
     snprintf(name, sizeof name, "Local\\%s", s->name);
-    if (create)
+    if (create) {
         s->h = CreateFileMappingA(INVALID_HANDLE_VALUE, NULL, PAGE_READWRITE, (DWORD)(s->size >> 32), (DWORD)s->size,
                                   name);
-    else s->h = OpenFileMappingA(FILE_MAP_ALL_ACCESS, FALSE, name);
+        if (s->h && GetLastError() == ERROR_ALREADY_EXISTS) { /* another's: not ours to share */
+            CloseHandle(s->h);
+            SetLastError(ERROR_ALREADY_EXISTS);
+            return 0;
+        }
+    } else s->h = OpenFileMappingA(FILE_MAP_ALL_ACCESS, FALSE, name);
     if (!s->h) return 0;
     s->p = MapViewOfFile(s->h, FILE_MAP_ALL_ACCESS, 0, 0, (SIZE_T)s->size);
     if (!s->p) {
@@ -4296,6 +4301,8 @@ static void shm_release(fk_shm *s) {
     CloseHandle(s->h);
     free(s);
 }
+/* After a failed shm_map(s, 1): whether the name was another mapping's. */
+static int shm_name_taken(void) { return GetLastError() == ERROR_ALREADY_EXISTS; }
 #else
 static unsigned long fk_pid(void) { return (unsigned long)getpid(); }
 static void shm_path(const fk_shm *s, char *path, size_t len) {
@@ -4310,16 +4317,18 @@ static int shm_map(fk_shm *s, int create) {
     int fd;
     shm_path(s, path, sizeof path);
     fd = open(path, create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
-    if (fd < 0) return 0;
+    if (fd < 0) return 0; /* errno EEXIST: the name is taken (see shm_name_taken) */
     if ((create && ftruncate(fd, (off_t)s->size) != 0) || fstat(fd, &st) != 0 || (uint64_t)st.st_size < s->size) {
         close(fd);
         if (create) unlink(path);
+        errno = 0;
         return 0;
     }
     p = mmap(NULL, (size_t)s->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (p == MAP_FAILED) {
         if (create) unlink(path);
+        errno = 0;
         return 0;
     }
     s->p = p;
@@ -4334,20 +4343,31 @@ static void shm_release(fk_shm *s) {
     }
     free(s);
 }
+/* After a failed shm_map(s, 1): whether the name was another mapping's. */
+static int shm_name_taken(void) { return errno == EEXIST; }
 #endif
 
-/* A new zeroed mapping of `size` bytes, named after this process, `kind` and a serial (lock held). */
+/* A new zeroed mapping of `size` bytes, named after this process, `kind` and a serial (lock held).
+   The pid alone does not make a name unique: a process that died without releasing its mappings
+   (killed, or ended with exports alive) leaves its files in the temporary directory, and a later
+   process may get its pid. So the name also carries the time this process first made one, and a
+   name that is taken all the same moves on to the next serial. */
 static fk_shm *shm_new(char kind, uint64_t size) {
+    static uint32_t nonce;
     fk_shm *s = (fk_shm *)calloc(1, sizeof *s);
+    int tries;
     if (!s) return NULL;
-    snprintf(s->name, sizeof s->name, "cudrv-%c%lu-%" PRIu64, kind, fk_pid(), ++GX.shm_serial);
+    if (!nonce) nonce = (uint32_t)(fk_now_ms() * 1000.0) | 1u;
     s->size = size;
     s->owner = 1;
-    if (!shm_map(s, 1)) {
-        free(s);
-        return NULL;
+    for (tries = 0; tries < 64; tries++) {
+        snprintf(s->name, sizeof s->name, "cudrv-%c%lu-%08x-%" PRIu64, kind, fk_pid(), (unsigned)nonce,
+                 ++GX.shm_serial);
+        if (shm_map(s, 1)) return s;
+        if (!shm_name_taken()) break;
     }
-    return s;
+    free(s);
+    return NULL;
 }
 
 /* Opens another process's mapping (NULL when it is gone). */

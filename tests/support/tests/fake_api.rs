@@ -533,3 +533,48 @@ fn ipc_calls_check_what_they_are_given() {
         assert_eq!(unsafe { get_mem(&mut h, p) }, NOT_SUPPORTED);
     });
 }
+
+/// The name of the shared memory that an IPC memory handle names (the fake's wire format: magic,
+/// pid, device, size, then the name).
+fn shared_memory_name(handle: &[u8; 64]) -> String {
+    CStr::from_bytes_until_nul(&handle[24..]).unwrap().to_str().unwrap().to_string()
+}
+
+/// A process that dies with exports alive leaves its shared-memory files behind, and a later
+/// process may get its pid: an export must not fail on a name that such a file takes (CI once
+/// failed `pool_ipc_between_two_processes` so), nor touch the file.
+#[cfg(unix)]
+#[test]
+fn exports_skip_shared_memory_names_left_behind() {
+    run_with_fake(&[], || {
+        setup();
+        let get_mem = f!("cuIpcGetMemHandle": unsafe extern "system" fn(*mut [u8; 64], Ptr) -> R);
+        let mem_free = f!("cuMemFree_v2": unsafe extern "system" fn(Ptr) -> R);
+        let (first, second) = (alloc(4096), alloc(4096));
+        let (mut h1, mut h2) = ([0u8; 64], [0u8; 64]);
+        // SAFETY: see `setup`.
+        unsafe { ok(get_mem(&mut h1, first)) };
+        let name = shared_memory_name(&h1);
+        let dir = std::env::temp_dir();
+        assert!(dir.join(&name).exists(), "{name} is a file of the temporary directory");
+        assert!(name.contains(&format!("-m{}-", std::process::id())), "{name} names this process");
+        // The name the next export would take, taken by a file that no live process owns.
+        let (stem, serial) = name.rsplit_once('-').unwrap();
+        let stale = dir.join(format!("{stem}-{}", serial.parse::<u64>().unwrap() + 1));
+        std::fs::write(&stale, b"left by a dead process").unwrap();
+        write(second, &[7; 64]);
+        // SAFETY: see `setup`; each allocation is freed once.
+        unsafe {
+            ok(get_mem(&mut h2, second));
+            let taken = shared_memory_name(&h2);
+            assert_ne!(dir.join(&taken), stale, "the export moved on to a free name");
+            assert!(dir.join(&taken).exists());
+            assert_eq!(read(second, 64), [7; 64], "the export kept the contents");
+            ok(mem_free(first));
+            ok(mem_free(second));
+            assert!(!dir.join(&taken).exists() && !dir.join(&name).exists(), "freeing removes the files");
+        }
+        assert_eq!(std::fs::read(&stale).unwrap(), b"left by a dead process", "the stale file is not touched");
+        std::fs::remove_file(&stale).unwrap();
+    });
+}
