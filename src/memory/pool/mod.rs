@@ -332,22 +332,46 @@ pub(crate) fn free_chunks<H: Host>(h: &H, chunks: &[Detached]) -> Result<(), Err
     }
     let b = h.backend();
     let mut first = Ok(());
-    let mut done = Vec::with_capacity(chunks.len());
+    let mut settle = Settle { h, chunks, done: Vec::with_capacity(chunks.len()) };
     for &c in chunks {
         let r = match c.handle {
             None => b.free_chunk(c.ptr, c.size),
             Some(handle) => b.unmap(c.ptr, c.size, handle),
         };
-        done.push((c, r.is_ok()));
+        settle.done.push((c, r.is_ok()));
         if let Err(e) = r
             && first.is_ok()
         {
             first = Err(e);
         }
     }
-    h.arena(|a| a.finish_release(b, &done));
-    h.released();
+    drop(settle);
     first
+}
+
+/// Reports the outcome of [`free_chunks`] to the arena and wakes the threads waiting for it, also
+/// when a backend call unwinds. Without it, chunks taken off the free lists would stay in
+/// flight for good, and a growth into their segment would wait for them forever
+/// ([`Grow::Busy`]). On unwinding, the call that unwound counts as done: its memory may be lost
+/// to the pool, but is never freed twice, nor handed out unmapped. The calls not made yet go
+/// back to the arena, as failed ones do.
+struct Settle<'a, H: Host> {
+    h: &'a H,
+    chunks: &'a [Detached],
+    done: Vec<(Detached, bool)>,
+}
+
+impl<H: Host> Drop for Settle<'_, H> {
+    fn drop(&mut self) {
+        let mut rest = self.chunks[self.done.len()..].iter();
+        if let Some(&in_flight) = rest.next() {
+            self.done.push((in_flight, true));
+            self.done.extend(rest.map(|&c| (c, false)));
+        }
+        let (h, done) = (self.h, &self.done);
+        h.arena(|a| a.finish_release(h.backend(), done));
+        h.released();
+    }
 }
 
 /// Returns an allocation to the pool, in stream order: the memory becomes reusable by work queued

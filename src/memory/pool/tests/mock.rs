@@ -85,6 +85,9 @@ pub(super) struct State {
     /// Reports of free memory given.
     pub(super) free_memory_reports: u64,
     pub(super) fail: Option<Call>,
+    /// Which backend call to unwind out of once, after it did its work (a free or unmap that
+    /// panics once the driver gave the memory back).
+    pub(super) unwind_after: Option<Call>,
     /// Whether to keep and check free records (off for trace replays, for speed).
     pub(super) check: bool,
     /// Live allocations: ptr -> (bytes, stream).
@@ -144,6 +147,7 @@ impl Mock {
             queries: 0,
             free_memory_reports: 0,
             fail: None,
+            unwind_after: None,
             check: true,
             live: BTreeMap::new(),
             frees: Vec::new(),
@@ -279,6 +283,15 @@ impl Mock {
         assert_eq!(st.live_events, 0, "events left");
     }
 
+    /// Panics (with the state unlocked) if `which` is the call to unwind out of.
+    fn unwind_if(mut st: MutexGuard<'_, State>, which: Call) {
+        if st.unwind_after == Some(which) {
+            st.unwind_after = None;
+            drop(st);
+            panic!("the mock unwinds out of {which:?}, as injected");
+        }
+    }
+
     fn call(&self, which: Call) -> Result<MutexGuard<'_, State>, MockErr> {
         let mut st = self.st();
         st.calls += 1;
@@ -379,6 +392,7 @@ impl Backend for Mock {
         st.check_released(ptr, bytes);
         st.reserved -= bytes;
         st.chunk_frees += 1;
+        Self::unwind_if(st, Call::Free);
         Ok(())
     }
 
@@ -437,6 +451,7 @@ impl Backend for Mock {
         st.check_released(va, bytes);
         st.reserved -= bytes;
         st.chunk_frees += 1;
+        Self::unwind_if(st, Call::Free);
         Ok(())
     }
 

@@ -128,6 +128,29 @@ fn a_failed_unmap_keeps_the_memory_mapped_free_and_counted() {
     h.teardown();
 }
 
+/// An unmap that unwinds (a backend that panics after the driver unmapped) leaves nothing in
+/// flight: a growth into its range would otherwise wait for it forever (`Grow::Busy`). The
+/// mapping that unwound counts as unmapped, the one not reached stays mapped, and a request of
+/// the hole's size maps it again.
+#[test]
+fn an_unmap_that_unwinds_is_settled_and_its_range_is_mapped_again() {
+    let h = segments(1, usize::MAX);
+    let blocks: Vec<u64> = (0..4).map(|_| h.alloc(8 * MIB, 0).unwrap()).collect();
+    h.free(blocks[1], 0);
+    h.free(blocks[2], 0);
+    h.mock.st().unwind_after = Some(Call::Free);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| trim_to(&h, 16 * MIB)));
+    assert!(r.is_err(), "the unmap unwound");
+    assert_eq!(h.arena(|a| a.releasing_bytes()), 0, "a mapping left in flight");
+    h.check();
+    let (reserved, maps, unmaps) = figures(&h);
+    assert_eq!((reserved, unmaps), (24 * MIB, 1));
+    let again = h.alloc(16 * MIB, 0).unwrap();
+    assert_eq!(again, blocks[1]);
+    assert_eq!(figures(&h), (32 * MIB, maps + 1, 1));
+    h.teardown();
+}
+
 #[test]
 fn a_refused_address_range_gives_a_smaller_one_then_chunks() {
     // Once refused: a range of the device's memory (a quarter of 1 GiB here) instead.

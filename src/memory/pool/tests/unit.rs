@@ -346,6 +346,29 @@ fn too_large_requests_are_refused() {
     h.teardown();
 }
 
+/// A free that unwinds (a backend that panics after the driver gave the memory back) leaves no
+/// chunk in flight: that chunk counts as freed, those not reached yet stay cached, and the pool
+/// goes on with its accounting matching the driver's.
+#[test]
+fn a_free_that_unwinds_is_settled_and_the_chunks_it_did_not_reach_stay_cached() {
+    let h = harness(1);
+    let blocks: Vec<u64> = [30, 20, 10].map(|mib| h.alloc(mib * MIB, 0).unwrap()).to_vec();
+    for &p in &blocks[..2] {
+        h.free(p, 0);
+    }
+    h.mock.st().unwind_after = Some(Call::Free);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| trim_to(&h, 10 * MIB)));
+    assert!(r.is_err(), "the free unwound");
+    assert_eq!(h.arena(|a| a.releasing_bytes()), 0, "a chunk left in flight");
+    h.check();
+    // The largest went first (30 MiB) and unwound after the driver freed it; the 20 MiB chunk,
+    // not reached, is cached still and serves a request.
+    let (st, (reserved, _, _, frees)) = (h.stats(), h.mock.chunk_figures());
+    assert_eq!((st.reserved, reserved, st.driver_frees, frees), (30 * MIB, 30 * MIB, 1, 1));
+    assert_eq!(h.alloc(20 * MIB, 0).unwrap(), blocks[1]);
+    h.teardown();
+}
+
 #[test]
 fn trim_releases_whole_free_chunks_waiting_with_no_lock_held() {
     let h = harness(2);
