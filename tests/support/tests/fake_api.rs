@@ -30,6 +30,11 @@ macro_rules! f {
     }};
 }
 
+/// The NUL-terminated UTF-8 text at the start of `bytes` (a log or a name the fake wrote).
+fn c_text(bytes: &[u8]) -> String {
+    CStr::from_bytes_until_nul(bytes).unwrap().to_str().unwrap().to_string()
+}
+
 #[track_caller]
 fn ok(r: R) {
     assert_eq!(r, 0, "driver call failed with {r}");
@@ -327,7 +332,6 @@ fn the_linker_keeps_its_logs_and_makes_loadable_images() {
         let mut vals: [H; 6] =
             [err.as_mut_ptr().cast(), 256 as H, info.as_mut_ptr().cast(), 256 as H, null_mut(), 3 as H];
         let mut state = null_mut();
-        let text = |b: &[u8]| CStr::from_bytes_until_nul(b).unwrap().to_str().unwrap().to_string();
         // SAFETY: see `setup`; the arrays outlive the link state.
         unsafe {
             let mut bad_opts: [c_int; 1] = [7];
@@ -337,7 +341,7 @@ fn the_linker_keeps_its_logs_and_makes_loadable_images() {
             let name = CString::new("a.ptx").unwrap();
             let mut ptx = b".entry fill_u32\n\0".to_vec();
             ok(add(state, 1, ptx.as_mut_ptr().cast(), ptx.len(), name.as_ptr(), 0, null_mut(), null_mut()));
-            assert_eq!(text(&info), "fake nvlink: added a.ptx (1 entry)");
+            assert_eq!(c_text(&info), "fake nvlink: added a.ptx (1 entry)");
             assert_eq!(vals[3] as usize, 35, "the used size of the info log");
             // No terminating NUL within the size: refused.
             let mut unterminated = b".entry empty\n".to_vec();
@@ -352,15 +356,15 @@ fn the_linker_keeps_its_logs_and_makes_loadable_images() {
                 add(state, 1, broken.as_mut_ptr().cast(), broken.len(), name2.as_ptr(), 0, null_mut(), null_mut()),
                 INVALID_PTX
             );
-            assert!(text(&err).starts_with("b.ptx: fake ptxas: line 1: unknown entry 'nope'"), "{}", text(&err));
+            assert!(c_text(&err).starts_with("b.ptx: fake ptxas: line 1: unknown entry 'nope'"), "{}", c_text(&err));
             // The log sizes were cut to the used sizes; the next log is whole anyway.
             let mut more = b".entry empty\n.entry add_f32\n\0".to_vec();
             let name3 = CString::new("c.ptx with a long name").unwrap();
             ok(add(state, 1, more.as_mut_ptr().cast(), more.len(), name3.as_ptr(), 0, null_mut(), null_mut()));
-            assert_eq!(text(&info), "fake nvlink: added c.ptx with a long name (2 entries)");
+            assert_eq!(c_text(&info), "fake nvlink: added c.ptx with a long name (2 entries)");
             let (mut image, mut size) = (null_mut(), 0);
             ok(complete(state, &mut image, &mut size));
-            assert_eq!(text(&info), "fake nvlink: linked 2 inputs into 3 entries");
+            assert_eq!(c_text(&info), "fake nvlink: linked 2 inputs into 3 entries");
             assert_eq!(f32::from_ne_bytes((vals[4] as usize as u32).to_ne_bytes()), 0.25, "the wall time");
             let bytes = std::slice::from_raw_parts(image.cast::<u8>(), size);
             assert_eq!(&bytes[..4], b"\x7fELF");
@@ -537,7 +541,7 @@ fn ipc_calls_check_what_they_are_given() {
 /// The name of the shared memory that an IPC memory handle names (the fake's wire format: magic,
 /// pid, device, size, then the name).
 fn shared_memory_name(handle: &[u8; 64]) -> String {
-    CStr::from_bytes_until_nul(&handle[24..]).unwrap().to_str().unwrap().to_string()
+    c_text(&handle[24..])
 }
 
 /// A process that dies with exports alive leaves its shared-memory files behind, and a later
