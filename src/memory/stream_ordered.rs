@@ -468,7 +468,11 @@ impl Backend for CudaBackend {
         }
         if let Err(e) = granted {
             // SAFETY: the range just mapped, which nothing has used.
-            let _ = unsafe { drv!(cuMemUnmap(va, bytes)) };
+            if let Err(unmapped) = unsafe { drv!(cuMemUnmap(va, bytes)) } {
+                // The range stays mapped (the memory is freed when the context goes), and a
+                // later growth into it fails with the driver's error: reported, never hidden.
+                report_drop_error(Some(&self.ctx), unmapped);
+            }
             return Err(undo_create(e));
         }
         Ok(handle)

@@ -357,6 +357,25 @@ fn many_threads_and_streams() {
 }
 
 #[test]
+fn a_mapping_refused_access_and_then_its_undo_is_an_error_reported_twice() {
+    // The pool grows in segments (the fake's tcc mode has virtual memory management): access to a
+    // new mapping refused with and without the peers, and the unmap that undoes it refused too.
+    let fail = "cuMemSetAccess:1:999,cuMemUnmap:1:400";
+    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_FAIL", fail)], || {
+        let dev = Device::get(0).unwrap();
+        let ctx = dev.primary_context().unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let err = DeviceBuffer::<u8>::zeroed(1 << 20, &s).unwrap_err();
+        assert_eq!(err.code(), Some(CUresult::CUDA_ERROR_UNKNOWN), "{err}");
+        let Err(Error::Deferred(unmap)) = ctx.take_deferred() else { panic!("the failed undo was not reported") };
+        assert_eq!(unmap.code(), Some(CUresult::CUDA_ERROR_INVALID_HANDLE), "{unmap}");
+        // The driver kept the range mapped: a growth into it is refused, with the driver's error.
+        let again = DeviceBuffer::<u8>::zeroed(1 << 20, &s).unwrap_err();
+        assert!(matches!(again, Error::Driver { call: "cuMemMap", .. }), "{again}");
+    });
+}
+
+#[test]
 fn out_of_memory_releases_the_cache_and_retries() {
     let mib = 1usize << 20;
     run_with_fake(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_MEMORY", "67108864")], || {

@@ -65,7 +65,8 @@ pub(crate) trait Backend {
     fn free_reserve(&self, va: u64, bytes: usize) -> Result<(), Self::Error>;
     /// Backs `[va, va + bytes)` of a reserved range with new device memory, readable and writable
     /// by the device (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`); returns the handle of the
-    /// memory. On error nothing stays mapped or allocated.
+    /// memory. On error nothing stays mapped or allocated (unless the driver also refuses to undo
+    /// the mapping, which the backend reports as it reports errors in `Drop`).
     fn map(&self, va: u64, bytes: usize) -> Result<u64, Self::Error>;
     /// Unmaps a range from [`map`](Self::map) and frees its memory (`cuMemUnmap`, `cuMemRelease`;
     /// the unmap may wait for the device). As [`free_chunk`](Self::free_chunk): called only once
