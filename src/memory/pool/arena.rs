@@ -380,6 +380,11 @@ impl<B: Backend> Arena<B> {
     /// With `headroom` false the check is skipped (after rounds that could not take enough out);
     /// with `may_release` false nothing is taken out at all (during a stream capture, where
     /// `cuMemFree` is not allowed).
+    ///
+    /// The request counts towards the most live at once ([`ArenaStats::peak_live`]) only if it is
+    /// handed out: one the driver refuses (or that first waits for a release) leaves the peak as
+    /// it was, or a single refused request too large for the device would lift the headroom bound
+    /// for good.
     pub(crate) fn grow(
         &mut self,
         b: &B,
@@ -388,10 +393,29 @@ impl<B: Backend> Arena<B> {
         headroom: bool,
         may_release: bool,
     ) -> Result<Grow, super::PoolError<B::Error>> {
-        let kind = self.kind_for(size);
-        if self.segments.is_some() {
-            return self.grow_segment(b, s, kind, size, headroom, may_release);
+        let peak = self.stats.peak_live;
+        let grown = if self.segments.is_some() {
+            let kind = self.kind_for(size);
+            self.grow_segment(b, s, kind, size, headroom, may_release)
+        } else {
+            self.grow_chunk(b, s, size, headroom, may_release)
+        };
+        if !matches!(grown, Ok(Grow::Block(_))) {
+            self.stats.peak_live = peak;
         }
+        grown
+    }
+
+    /// [`Arena::grow`] in chunks.
+    fn grow_chunk(
+        &mut self,
+        b: &B,
+        s: u32,
+        size: usize,
+        headroom: bool,
+        may_release: bool,
+    ) -> Result<Grow, super::PoolError<B::Error>> {
+        let kind = self.kind_for(size);
         let (mut chunk, exact) = self.chunk_sizes(kind, size).ok_or(super::PoolError::TooLarge { requested: size })?;
         let peak = self.note_live(size);
         // Memory runs short when the device would be left with less than a tenth of what the pool
@@ -478,6 +502,7 @@ impl<B: Backend> Arena<B> {
 
     /// Counts a request of `size` bytes about to be served by growth as live (what is out of the
     /// arena is live then: the caches were given back). Returns the most live at once.
+    /// [`Arena::grow`] takes the count back if the request is not handed out.
     pub(crate) fn note_live(&mut self, size: usize) -> usize {
         let live = self.stats.out_bytes.saturating_add(size);
         self.stats.peak_live = self.stats.peak_live.max(live);
@@ -506,7 +531,7 @@ impl<B: Backend> Arena<B> {
         }
         let mut soft = hard;
         if let Some(pct) = self.config.headroom_percent.filter(|_| headroom && !tight) {
-            soft = soft.min(peak.saturating_add(peak / 100 * pct as usize));
+            soft = soft.min(peak.saturating_add((peak / 100).saturating_mul(pct as usize)));
         }
         (hard, soft)
     }

@@ -507,12 +507,20 @@ pub(crate) fn orphan_live<H: Host>(h: &H, cache: &mut Cache) {
 /// Forgets `stream`, whose last user let go of it; `cache` is its cache, already taken off the
 /// stream. Its free blocks go to the arena with a last event recorded on the stream, and its live
 /// allocations become orphans that any stream may free.
+///
+/// The blocks go back under the stream's state as the arena knows it now (a fresh one if it has
+/// none), not the cache's slot: the retirement may run late (a capture defers it), after a
+/// teardown dropped the stream's state ([`Arena::forget_idle_streams`]; the cached blocks were out
+/// of the arena, so it held none), and the slot may hold another stream's state since.
 pub(crate) fn retire<H: Host>(h: &H, stream: &StreamOf<H>, mut cache: Cache) -> Result<(), ErrorOf<H>> {
     orphan_live(h, &mut cache);
     let blocks = cache.take_free();
     let stats = cache.stats;
     h.arena(|a| {
-        a.give_back(cache.slot, &blocks);
+        if !blocks.is_empty() {
+            let slot = a.register(stream);
+            a.give_back(slot, &blocks);
+        }
         a.stats.retired_allocations += stats.allocations;
         a.stats.retired_hits += stats.hits;
         a.forget_stream(h.backend(), stream)

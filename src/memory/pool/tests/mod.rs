@@ -6,6 +6,7 @@ mod graph;
 mod mock;
 mod props;
 mod review2;
+mod review4;
 mod segments;
 mod traces;
 mod unit;
