@@ -42,6 +42,12 @@ pub(crate) fn unregister(id: u64) -> bool {
     removed
 }
 
+/// Whether capture `id` is tracked. Unlike [`session`], takes no reference to the session: the
+/// caller may hold a lock that dropping the last one would take (a memory pool's).
+pub(crate) fn is_tracked(id: u64) -> bool {
+    id != 0 && any_active() && sessions().contains_key(&id)
+}
+
 /// The session of capture `id`, if it is tracked.
 pub(crate) fn session(id: u64) -> Option<Arc<dyn Any + Send + Sync>> {
     if id == 0 || !any_active() {

@@ -714,7 +714,7 @@ impl GraphExec {
     #[inline]
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         self.check_stream("GraphExec::launch", stream)?;
-        stream.refuse_in_capture("GraphExec::launch")?;
+        let _gate = stream.refuse_in_capture("GraphExec::launch")?;
         if !self.started.load(Ordering::Acquire) {
             self.first_launch(stream)?;
         }

@@ -787,8 +787,8 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     pub fn record_use(&self, stream: &Stream) -> Result<()> {
         // A graph could not keep the mapping alive: refused in a capture (see crate::graph), on
         // the use's stream and on the buffer's (ordering the one after the other would join it).
-        stream.refuse_in_capture(CAPTURE)?;
-        self.stream.refuse_in_capture(CAPTURE)?;
+        let _gate = stream.refuse_in_capture(CAPTURE)?;
+        let _own_gate = self.stream.refuse_in_capture(CAPTURE)?;
         if stream.id() == self.stream.id() {
             return Ok(());
         }
@@ -803,7 +803,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len("the IpcBuffer", self.len, src.len())?;
         // Captured, the copy would touch `src` at every launch, long after this call.
-        self.stream.refuse_in_capture("IpcBuffer::copy_from_host during a capture")?;
+        let _gate = self.stream.refuse_in_capture("IpcBuffer::copy_from_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }
@@ -825,7 +825,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         check_len("the IpcBuffer", self.len, dst.len())?;
         // Captured, the copy would touch `dst` at every launch, long after this call.
-        self.stream.refuse_in_capture("IpcBuffer::copy_to_host during a capture")?;
+        let _gate = self.stream.refuse_in_capture("IpcBuffer::copy_to_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }

@@ -201,11 +201,55 @@ impl StreamKey {
         self.0.capture.store(id, Ordering::Release);
     }
 
-    /// Marks the stream as beginning a capture, if it takes part in none: until
-    /// [`StreamKey::set_capture_id`], other threads' cudrv work on it waits (see
+    /// Marks the stream as beginning a capture, if it takes part in none, once no cudrv work on it
+    /// is between its look at the stream's capture and the queueing of its work (a [`Gate`]):
+    /// until [`StreamKey::set_capture_id`], other threads' cudrv work on it waits (see
     /// [`StreamKey::capture_id`]). `false` when it takes part in one already.
+    ///
+    /// The caller must not hold a [`Gate`] of the stream (it would wait for itself).
     pub(crate) fn mark_capture_starting(&self) -> bool {
-        self.0.capture.compare_exchange(0, CAPTURE_STARTING, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        loop {
+            // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
+            if self.0.capture.compare_exchange(0, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_err() {
+                return false;
+            }
+            if self.0.gated.load(Ordering::SeqCst) == 0 {
+                return true;
+            }
+            // Work is under way: take the mark back (the work may look again meanwhile, and waits
+            // only this long), let it finish, and try again.
+            self.0.capture.store(0, Ordering::SeqCst);
+            // Spin first: work queued in a loop leaves the gate empty only between two calls.
+            let mut spins = 0u32;
+            while self.0.gated.load(Ordering::Acquire) != 0 {
+                spins += 1;
+                if spins < 4096 { std::hint::spin_loop() } else { std::thread::yield_now() }
+            }
+        }
+    }
+
+    /// Whether the stream takes part in a capture cudrv tracks (without taking a reference to its
+    /// session: see [`capture::is_tracked`]).
+    #[inline]
+    pub(crate) fn is_capturing(&self) -> bool {
+        capture::is_tracked(self.capture_id())
+    }
+
+    /// Enters the stream's gate: until the [`Gate`] is dropped, no capture begins on the stream
+    /// and no wait makes it join one, so that what the caller sees of the stream's capture (with
+    /// [`StreamKey::capture_id`]) stays true while it queues work there. Held from the look to
+    /// the queueing (and for host copies, to the wait for them): never across a user's code.
+    #[inline]
+    pub(crate) fn enter(&self) -> Gate<'_> {
+        loop {
+            self.0.gated.fetch_add(1, Ordering::SeqCst);
+            if self.0.capture.load(Ordering::SeqCst) != CAPTURE_STARTING {
+                return Gate(&self.0);
+            }
+            // A capture is being begun: let it (it waits for this gate to empty).
+            self.0.gated.fetch_sub(1, Ordering::SeqCst);
+            self.settled_capture_id();
+        }
     }
 
     /// Runs `f` on the attachment of `owner`, made with `make` if the stream has none. The
@@ -257,6 +301,24 @@ impl StreamKey {
         let mut list = self.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let i = list.iter().position(|(o, _)| *o == owner)?;
         Some(list.swap_remove(i).1)
+    }
+}
+
+/// A stream's gate, entered with [`StreamKey::enter`]: while it is held, the stream's capture
+/// does not change.
+#[must_use = "the gate holds off captures only while it lives"]
+pub(crate) struct Gate<'a>(&'a Inner);
+
+impl Drop for Gate<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        self.0.gated.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl fmt::Debug for Gate<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Gate({})", self.0.id)
     }
 }
 
@@ -346,6 +408,8 @@ struct Inner {
     /// The driver's id of the capture this stream takes part in (see
     /// [`CaptureSession`](crate::session::CaptureSession)); 0 when none is known to cudrv.
     capture: AtomicU64,
+    /// How many [`Gate`]s of the stream are held.
+    gated: AtomicUsize,
     /// What other layers keep on the stream (see [`Attachment`]), on cache lines of their own:
     /// threads that allocate on different streams must not share one.
     attachments: CachePadded<Mutex<Attachments>>,
@@ -455,6 +519,7 @@ impl Stream {
             id,
             per_thread_owner,
             capture: AtomicU64::new(0),
+            gated: AtomicUsize::new(0),
             attachments: CachePadded(Mutex::new(Vec::new())),
         });
         Stream { handle: Arc::new(Handle { key: StreamKey(inner), users: AtomicUsize::new(1) }) }
@@ -527,13 +592,15 @@ impl Stream {
     }
 
     /// Refuses `what` on a stream that takes part in a capture cudrv started (see
-    /// [`crate::graph`]).
+    /// [`crate::graph`]); otherwise the stream's [`Gate`], to hold until `what` is queued (and
+    /// waited for), so that no capture begins on the stream in between.
     #[inline]
-    pub(crate) fn refuse_in_capture(&self, what: &'static str) -> Result<()> {
-        if self.key().capture_id() != 0 && capture::session(self.key().capture_id()).is_some() {
+    pub(crate) fn refuse_in_capture(&self, what: &'static str) -> Result<Gate<'_>> {
+        let gate = self.key().enter();
+        if self.key().is_capturing() {
             return Err(Error::Capturing { what });
         }
-        Ok(())
+        Ok(gate)
     }
 
     /// The raw `CUstream` that means this stream on the calling thread: the stream's handle,
@@ -575,7 +642,7 @@ impl Stream {
     /// [`Error::Deferred`]; [`Error::Capturing`] while the stream captures a graph.
     pub fn synchronize(&self) -> Result<()> {
         // The driver would refuse it too, and invalidate the capture.
-        self.refuse_in_capture("Stream::synchronize")?;
+        let _gate = self.refuse_in_capture("Stream::synchronize")?;
         {
             let _b = self.inner().ctx.bind()?;
             // SAFETY: the stream is valid while `self` lives; its context is current.
@@ -591,7 +658,7 @@ impl Stream {
     pub(crate) fn wait_for_memory(&self) -> Result<()> {
         // A capturing stream cannot be waited for (the driver would refuse, and invalidate the
         // capture): the caller keeps the memory (leaks it), which is sound.
-        self.refuse_in_capture("waiting for a capturing stream")?;
+        let _gate = self.refuse_in_capture("waiting for a capturing stream")?;
         let synced = self.inner().ctx.bind().and_then(|_b| {
             // SAFETY: the stream is valid while `self` lives; its context is current.
             unsafe { drv!(cuStreamSynchronize(self.as_raw())) }
@@ -686,7 +753,7 @@ impl Stream {
                 eprintln!("cudrv: a host function queued with Stream::launch_host_fn panicked");
             }
         }
-        self.refuse_in_capture("Stream::launch_host_fn (in a graph, use Graph::add_host_node)")?;
+        let _gate = self.refuse_in_capture("Stream::launch_host_fn (in a graph, use Graph::add_host_node)")?;
         let _b = self.inner().ctx.bind()?;
         let data = Box::into_raw(Box::new(Box::new(f) as Boxed));
         let rc = driver().and_then(|d| {

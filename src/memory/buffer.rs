@@ -14,7 +14,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::result::drv;
 use crate::session::{CaptureSession, GraphOwned, GraphUse};
-use crate::stream::{Stream, StreamPin};
+use crate::stream::{Gate, Stream, StreamPin};
 
 /// Plain-old-data types that may live in device memory and be copied byte-wise to and from it.
 ///
@@ -420,7 +420,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if stream.id() != self.stream.id() {
             check_stream("DeviceBuffer::record_use", self.device(), stream)?;
         }
-        self.use_on(stream)
+        self.use_on(stream).map(drop)
     }
 
     /// A view of the elements in `range`.
@@ -442,7 +442,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// The driver's error.
     pub fn memset(&mut self, byte: u8) -> Result<()> {
-        self.use_on(&self.stream)?;
+        let _use = self.use_on(&self.stream)?;
         memset_range(self.ptr, self.byte_len(), byte, &self.stream)
     }
 
@@ -456,7 +456,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             return Ok(());
         }
         let bits = element_bits(&value)?;
-        self.use_on(&self.stream)?;
+        let _use = self.use_on(&self.stream)?;
         memset_async_range(self.ptr, self.len, bits, size_of::<T>(), &self.stream)
     }
 
@@ -478,7 +478,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// The driver's error.
     pub fn memset_sync(&mut self, byte: u8) -> Result<()> {
-        self.host_access("DeviceBuffer::memset_sync")?;
+        let _access = self.host_access("DeviceBuffer::memset_sync")?;
         memset_sync_range(self.ptr, self.byte_len(), u32::from(byte), 1, &self.stream)
     }
 
@@ -489,7 +489,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// [`Error::InvalidArgument`] for other sizes; the driver's error.
     pub fn fill_sync(&mut self, value: T) -> Result<()> {
         let bits = element_bits(&value)?;
-        self.host_access("DeviceBuffer::fill_sync")?;
+        let _access = self.host_access("DeviceBuffer::fill_sync")?;
         memset_sync_range(self.ptr, self.len, bits, size_of::<T>(), &self.stream)
     }
 
@@ -567,7 +567,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 dst_offset + n
             )));
         }
-        self.use_on(&self.stream)?;
+        let _use = self.use_on(&self.stream)?;
         let t = size_of::<T>() as u64;
         let _b = self.stream.context().bind()?;
         // SAFETY: both ranges lie in this buffer and do not overlap; ordered on its stream.
@@ -615,7 +615,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.host_access("DeviceBuffer::copy_from_pinned_async")?;
+        let _access = self.host_access("DeviceBuffer::copy_from_pinned_async")?;
         let copy = src.prepare(&self.stream)?;
         {
             let _b = self.stream.context().bind()?;
@@ -640,7 +640,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.host_access("DeviceBuffer::copy_to_pinned_async")?;
+        let _access = self.host_access("DeviceBuffer::copy_to_pinned_async")?;
         let copy = dst.prepare(&self.stream)?;
         {
             let _b = self.stream.context().bind()?;
@@ -676,8 +676,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.use_on(&self.stream)?;
-        src.use_on(&self.stream)?;
+        let _dst_use = self.use_on(&self.stream)?;
+        let _src_use = src.use_on(&self.stream)?;
         let _b = self.stream.context().bind()?;
         // SAFETY: both ranges are live device memory of `byte_len` bytes, ordered on the stream.
         unsafe { drv!(cuMemcpyDtoDAsync_v2(self.ptr, src.ptr, self.byte_len(), self.stream.as_raw())) }
@@ -704,8 +704,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         }
         // Record on the buffer of the stream's device directly; the other buffer's free waits on
         // an event, which works across devices.
-        self.use_on(stream)?;
-        dst.use_on(stream)?;
+        let _src_use = self.use_on(stream)?;
+        let _dst_use = dst.use_on(stream)?;
         let _b = stream.context().bind()?;
         let (dctx, sctx) = (dst.stream.context().as_raw(), self.stream.context().as_raw());
         // SAFETY: both ranges are live memory of their contexts, ordered on `stream`.
@@ -715,14 +715,21 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Notes that work queued on `stream` (of any device: events order streams across devices
     /// too) uses the buffer, as [`DeviceBuffer::record_use`] describes; and, during a capture,
     /// what the graph needs (see [`crate::graph`]).
+    ///
+    /// Returns the gates of `stream` and of the buffer's stream (see [`StreamKey::enter`]): the
+    /// caller holds them until its work is queued, so that no capture begins on either stream
+    /// between this look at their captures and that work.
     #[inline]
-    fn use_on(&self, stream: &Stream) -> Result<()> {
+    fn use_on<'s>(&'s self, stream: &'s Stream) -> Result<Gates<'s>> {
+        let gates = (stream.key().enter(), (stream.id() != self.stream.id()).then(|| self.stream.key().enter()));
         let capture = stream.key().capture_id();
         let owner = if stream.id() == self.stream.id() { capture } else { self.stream.key().capture_id() };
         if capture | owner | self.capture != 0 {
-            return self.use_in_capture(stream, capture);
+            self.use_in_capture(stream, capture)?;
+        } else {
+            self.order_use(stream)?;
         }
-        self.order_use(stream)
+        Ok(gates)
     }
 
     /// The cross-stream part of [`DeviceBuffer::use_on`]: the first use on another stream orders
@@ -794,14 +801,20 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 
     /// Refuses `what` (host access: synchronous or pinned copies) on a buffer of a capture, or
     /// while its stream is capturing.
+    /// Returns the gate of the buffer's stream, to hold until the access is done (see
+    /// [`Stream::refuse_in_capture`]).
     #[inline]
-    fn host_access(&self, what: &'static str) -> Result<()> {
+    fn host_access(&self, what: &'static str) -> Result<Gate<'_>> {
         if self.capture != 0 {
             return Err(Error::Capturing { what });
         }
         self.stream.refuse_in_capture(what)
     }
 }
+
+/// The gates a use of a buffer holds (see [`DeviceBuffer::use_on`]): of the stream of the use,
+/// and of the buffer's own stream when it is another.
+type Gates<'s> = (Gate<'s>, Option<Gate<'s>>);
 
 impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     #[inline]
@@ -977,7 +990,7 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.buffer.host_access("copying a DeviceBuffer to the host")?;
+        let _access = self.buffer.host_access("copying a DeviceBuffer to the host")?;
         let stream = &self.buffer.stream;
         let _b = stream.context().bind()?;
         // SAFETY: the source is live device memory; `dst` is valid for writes of that many bytes
@@ -1011,7 +1024,7 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.buffer.host_access("copying host memory into a DeviceBuffer")?;
+        let _access = self.buffer.host_access("copying host memory into a DeviceBuffer")?;
         let stream = &self.buffer.stream;
         let _b = stream.context().bind()?;
         // SAFETY: the destination is live device memory the caller holds mutably (through the

@@ -93,8 +93,8 @@ impl Pitched {
     fn record_use(&self, stream: &Stream) -> Result<()> {
         // A graph could not keep this memory alive: refused in a capture (see crate::graph), on
         // the use's stream and on the buffer's (ordering the one after the other would join it).
-        stream.refuse_in_capture(CAPTURE)?;
-        self.stream.refuse_in_capture(CAPTURE)?;
+        let _gate = stream.refuse_in_capture(CAPTURE)?;
+        let _own_gate = self.stream.refuse_in_capture(CAPTURE)?;
         if stream.id() == self.stream.id() {
             return Ok(());
         }
@@ -112,7 +112,7 @@ impl Pitched {
         if count == 0 || rows == 0 {
             return Ok(());
         }
-        self.stream.refuse_in_capture(CAPTURE)?;
+        let _gate = self.stream.refuse_in_capture(CAPTURE)?;
         let (ptr, pitch, s) = (self.at(0, first), self.pitch, self.stream.as_raw());
         let _b = self.ctx.bind()?;
         // SAFETY (all three): the rows lie in this allocation, which the caller holds mutably;
@@ -190,7 +190,7 @@ unsafe fn copy_region(
     if row_bytes == 0 || rows == 0 || depth == 0 {
         return Ok(());
     }
-    stream.refuse_in_capture(CAPTURE)?;
+    let _gate = stream.refuse_in_capture(CAPTURE)?;
     let _b = stream.context().bind()?;
     if depth == 1 {
         let mut c = CUDA_MEMCPY2D { WidthInBytes: row_bytes, Height: rows, ..Default::default() };

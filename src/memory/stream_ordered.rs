@@ -395,6 +395,17 @@ impl Drop for PoolEvent {
     }
 }
 
+/// The gate of `stream` (see [`StreamKey::enter`]), for a record or wait of the pool's on it,
+/// which must not be captured; [`Error::Capturing`] if the stream began a capture after the
+/// pool last asked (a race with another thread: the pool's call fails instead).
+fn not_capturing(stream: &StreamKey) -> Result<crate::stream::Gate<'_>> {
+    let gate = stream.enter();
+    if stream.is_capturing() {
+        return Err(Error::Capturing { what: "the pool's ordering of a stream that began a capture meanwhile" });
+    }
+    Ok(gate)
+}
+
 impl Backend for CudaBackend {
     type Stream = StreamKey;
     type Event = Arc<PoolEvent>;
@@ -517,12 +528,18 @@ impl Backend for CudaBackend {
     }
 
     fn record(&self, event: &Arc<PoolEvent>, stream: &StreamKey) -> Result<()> {
+        // The pool asked `is_capturing` before; another thread may have begun a capture on the
+        // stream since. Under the stream's gate the answer holds until the record is queued:
+        // captured, the record would order nothing (and make waiters join the capture).
+        let _gate = not_capturing(stream)?;
         let _b = self.ctx.bind()?;
         // SAFETY: valid event and stream (the pool holds a clone of the stream).
         unsafe { drv!(cuEventRecord(event.raw, stream.as_raw())) }
     }
 
     fn wait(&self, waiter: &StreamKey, event: &Arc<PoolEvent>) -> Result<()> {
+        // As in `record`: a captured wait would not order the waiter's later work.
+        let _gate = not_capturing(waiter)?;
         let _b = self.ctx.bind()?;
         // SAFETY: valid stream and event.
         unsafe { drv!(cuStreamWaitEvent(waiter.as_raw(), event.raw, 0)) }
@@ -538,8 +555,9 @@ impl Backend for CudaBackend {
 
     fn is_capturing(&self, stream: &StreamKey) -> bool {
         // The captures cudrv tracks. Raw-driver captures of a cudrv stream are the caller's to
-        // keep apart from the pool's work (they go through `unsafe` code).
-        stream.capture().is_some()
+        // keep apart from the pool's work (they go through `unsafe` code). Asked with the arena
+        // locked: no reference to the session is taken (dropping the last would lock it again).
+        stream.is_capturing()
     }
 
     fn query(&self, event: &Arc<PoolEvent>) -> Result<bool> {

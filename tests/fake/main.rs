@@ -36,6 +36,7 @@ pub fn invalid_launch(e: Error) -> String {
         other => panic!("expected InvalidLaunch, got {other:?}"),
     }
 }
+mod capture_race;
 mod capture_review;
 
 /// No allocation is left (the test's streams, and the events cudrv keeps per context to order

@@ -1,0 +1,144 @@
+//! Captures begun on a stream while another thread queues cudrv work on it: the work is either
+//! queued before the capture (and runs), or sees the capture (and is refused, or tracked by the
+//! graph), never captured unseen.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use cudrv::graph::CaptureMode;
+use cudrv::memory::{DeviceBuffer, MemoryResource, PinnedBuffer, SyncResource};
+use cudrv::{Device, Error, Graph, Stream};
+use cudrv_test_support::{fake_report, run_with_fake};
+
+/// A thread that begins and ends captures on `s` until `stop`, counting them in `captures` and
+/// keeping the graphs that got nodes.
+fn capturer(s: Stream, stop: Arc<AtomicBool>, captures: Arc<AtomicUsize>) -> std::thread::JoinHandle<Vec<Graph>> {
+    std::thread::spawn(move || {
+        let mut graphs = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            if s.begin_capture(CaptureMode::Relaxed).is_ok() {
+                std::thread::yield_now();
+                let g = s.end_capture().unwrap();
+                captures.fetch_add(1, Ordering::Relaxed);
+                if !g.nodes().unwrap().is_empty() {
+                    graphs.push(g);
+                }
+            }
+        }
+        graphs
+    })
+}
+
+/// Runs `op` while captures come and go on `s` (for at least 100 ms and 20 captures, at most 10
+/// s); returns the captures made and the graphs that got nodes.
+fn race(s: &Stream, mut op: impl FnMut()) -> (usize, Vec<Graph>) {
+    let (stop, captures) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+    let t = capturer(s.clone(), stop.clone(), captures.clone());
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10)
+        && (start.elapsed() < Duration::from_millis(100) || captures.load(Ordering::Relaxed) < 20)
+    {
+        op();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let graphs = t.join().unwrap();
+    (captures.load(Ordering::Relaxed), graphs)
+}
+
+#[test]
+fn host_copies_racing_captures_are_done_or_refused_never_captured() {
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let buf = DeviceBuffer::from_slice(&[7u32; 256], &s).unwrap();
+        let (mut done, mut refused) = (0, 0);
+        let (captures, graphs) = race(&s, || {
+            let mut dst = vec![0u32; 256];
+            match buf.copy_to_host(&mut dst) {
+                Ok(()) => {
+                    assert!(dst.iter().all(|&v| v == 7), "a copy that returned Ok did not run");
+                    done += 1;
+                }
+                Err(Error::Capturing { .. }) => refused += 1,
+                Err(e) => panic!("{e}"),
+            }
+            let mut pinned = PinnedBuffer::<u32>::new(&dev, 256).unwrap();
+            match buf.copy_to_pinned_async(&mut pinned) {
+                Ok(()) => assert!(pinned.as_slice().unwrap().iter().all(|&v| v == 7), "a pinned copy did not run"),
+                Err(Error::Capturing { .. }) => refused += 1,
+                Err(e) => panic!("{e}"),
+            }
+        });
+        // Host copies are refused in a capture: a graph with a node captured one unseen.
+        assert!(graphs.is_empty(), "{} graphs captured a host copy", graphs.len());
+        assert!(done > 0 && captures > 0, "no race: {done} copies, {refused} refused, {captures} captures");
+    });
+}
+
+#[test]
+fn device_work_racing_captures_is_kept_alive_by_the_graphs_that_captured_it() {
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        // Freed synchronously on drop (when no graph keeps it), so that a use after free shows.
+        let sync: Arc<dyn MemoryResource> = Arc::new(SyncResource::new(&dev).unwrap());
+        let mut captured = 0;
+        for _ in 0..200 {
+            let mut buf = DeviceBuffer::<u32>::zeroed_in(1024, &s, sync.clone()).unwrap();
+            s.synchronize().unwrap();
+            let s2 = s.clone();
+            let capture = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_micros(50));
+                s2.begin_capture(CaptureMode::Relaxed).unwrap();
+                // Memsets queued meanwhile see the capture: the graph keeps the buffer.
+                std::thread::sleep(Duration::from_micros(200));
+                s2.end_capture().unwrap()
+            });
+            while !capture.is_finished() {
+                match buf.memset(1) {
+                    Ok(()) | Err(Error::Capturing { .. }) => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            let graph = capture.join().unwrap();
+            drop(buf); // kept by a graph that captured a memset of it, else freed now
+            if !graph.nodes().unwrap().is_empty() {
+                captured += 1;
+                graph.instantiate().unwrap().launch(&s).unwrap();
+                s.synchronize().unwrap();
+            }
+        }
+        let report = fake_report();
+        assert!(report.violations.is_empty(), "graphs wrote freed memory: {:?}", report.violations);
+        assert!(captured > 0, "no graph captured a memset");
+    });
+}
+
+#[test]
+fn a_capture_waits_for_a_host_copy_under_way_on_its_stream() {
+    // Each operation of the emulated GPU takes 100 ms: the copy below is under way when the other
+    // thread begins its capture.
+    run_with_fake(&[("CUDRV_FAKE_DELAY_US", "100000")], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let buf = DeviceBuffer::from_slice(&[3u32; 64], &s).unwrap();
+        s.synchronize().unwrap();
+        let copied = Arc::new(AtomicBool::new(false));
+        let (s2, copied2) = (s.clone(), copied.clone());
+        let start = Instant::now();
+        let capture = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            s2.begin_capture(CaptureMode::Relaxed).unwrap();
+            let waited = copied2.load(Ordering::SeqCst);
+            let graph = s2.end_capture().unwrap();
+            (waited, graph.nodes().unwrap().len())
+        });
+        assert_eq!(buf.to_vec().unwrap(), vec![3; 64]);
+        copied.store(true, Ordering::SeqCst);
+        let (waited, nodes) = capture.join().unwrap();
+        assert!(start.elapsed() >= Duration::from_millis(100), "the copy did not take the emulated time");
+        assert!(waited, "the capture began while the copy was under way");
+        assert_eq!(nodes, 0);
+    });
+}
