@@ -138,6 +138,22 @@ impl std::ops::Deref for ResourceRef {
     }
 }
 
+/// The bytes of `len` elements of `T` for a buffer of kind `what` whose memory comes from a memory
+/// resource or the driver: [`Error::InvalidArgument`] when `T` needs more alignment than they
+/// guarantee ([`MAX_ALIGN`]: host slices and kernels would see misaligned elements), or on
+/// overflow.
+#[inline]
+pub(crate) fn aligned_bytes<T>(what: &str, len: usize) -> Result<usize> {
+    if align_of::<T>() > MAX_ALIGN {
+        return Err(Error::InvalidArgument(format!(
+            "{what} needs align_of::<T>() <= {MAX_ALIGN} (what memory resources guarantee); {} has {}",
+            std::any::type_name::<T>(),
+            align_of::<T>()
+        )));
+    }
+    byte_len::<T>(len)
+}
+
 /// Checks that `resource` kept its contract to align `ptr` to [`MAX_ALIGN`] bytes; a resource
 /// outside cudrv that broke it gets the memory back unused, and the caller an error.
 ///
@@ -214,14 +230,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// resources give.
     #[inline]
     fn buffer_bytes(len: usize) -> Result<usize> {
-        if align_of::<T>() > MAX_ALIGN {
-            return Err(Error::InvalidArgument(format!(
-                "DeviceBuffer needs align_of::<T>() <= {MAX_ALIGN} (what memory resources guarantee); {} has {}",
-                std::any::type_name::<T>(),
-                align_of::<T>()
-            )));
-        }
-        byte_len::<T>(len)
+        aligned_bytes::<T>("DeviceBuffer", len)
     }
 
     /// The usual case of [`DeviceBuffer::uninit`]: from the device's `StreamOrderedPool`, on a

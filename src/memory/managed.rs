@@ -18,7 +18,7 @@ use std::marker::PhantomData;
 use std::mem::size_of;
 use std::sync::Arc;
 
-use super::buffer::{DeviceRepr, byte_len, element_bits};
+use super::buffer::{DeviceRepr, aligned_bytes, element_bits};
 use super::{DevicePtr, MemoryResource, ResourceKind, StreamUses, check_len, check_stream};
 use crate::context::Context;
 use crate::device::Device;
@@ -217,12 +217,15 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     /// As [`super::DeviceBuffer::uninit`].
     ///
     /// # Errors
-    /// [`Error::Unsupported`] without managed memory; [`Error::InvalidArgument`] on overflow; the
-    /// driver's error.
+    /// [`Error::InvalidArgument`] when `T` needs more than 256-byte alignment (as
+    /// [`super::DeviceBuffer`]: the most the driver's allocations guarantee) or on overflow;
+    /// [`Error::Unsupported`] without managed memory; the driver's error.
     pub unsafe fn uninit(len: usize, stream: &Stream) -> Result<ManagedBuffer<T>> {
         let device = stream.device();
         require_managed(&device)?;
-        let bytes = byte_len::<T>(len)?;
+        // The host slices (`as_slice`) need `T`'s alignment, which allocations guarantee up to
+        // MAX_ALIGN only.
+        let bytes = aligned_bytes::<T>("ManagedBuffer", len)?;
         let ptr = alloc_managed(stream.context(), bytes)?;
         Ok(ManagedBuffer { ptr, len, stream: stream.clone(), used_on: StreamUses::default(), _t: PhantomData })
     }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use cudrv_sys::{CUDA_MEMCPY2D, CUDA_MEMCPY3D, CUmemorytype};
 
-use super::buffer::{DeviceBuffer, DeviceRepr, element_bits};
+use super::buffer::{DeviceBuffer, DeviceRepr, byte_len, element_bits};
 use super::host::PinnedBuffer;
 use super::{DevicePtr, StreamUses, check_len, check_stream, free_after_waiting};
 use crate::context::Context;
@@ -241,9 +241,10 @@ unsafe fn copy_region(
     }
 }
 
-/// Checks that a host slice of `len` elements holds `rows` rows of `width` elements, `stride`
-/// elements apart.
-fn check_host(what: &str, len: usize, width: usize, rows: usize, stride: usize) -> Result<()> {
+/// Checks that a host slice of `len` elements of `T` holds `rows` rows of `width` elements, `stride`
+/// elements apart, and returns the stride in bytes (the host pitch). With one row the slice does
+/// not bound the stride, so its bytes are checked apart.
+fn check_host<T>(what: &str, len: usize, width: usize, rows: usize, stride: usize) -> Result<usize> {
     if stride < width {
         return Err(Error::InvalidArgument(format!(
             "{what}: a row stride of {stride} elements is less than the width {width}"
@@ -255,7 +256,21 @@ fn check_host(what: &str, len: usize, width: usize, rows: usize, stride: usize) 
             "{what}: {rows} rows of {width} elements, {stride} apart, need {need} elements; the slice has {len}"
         )));
     }
-    Ok(())
+    byte_len::<T>(stride).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "{what}: a row stride of {stride} elements of {} bytes overflows (more than isize::MAX bytes)",
+            size_of::<T>()
+        ))
+    })
+}
+
+/// Checks that `width * height * depth` elements can be counted (`len()`): with zero-sized
+/// elements, or with no rows, the allocation's own size check does not bound them.
+fn check_count(width: usize, height: usize, depth: usize) -> Result<()> {
+    match width.checked_mul(height).and_then(|n| n.checked_mul(depth)) {
+        Some(_) => Ok(()),
+        None => Err(Error::InvalidArgument(format!("{width}x{height}x{depth} elements overflow"))),
+    }
 }
 
 /// A 2D array of `T` in pitched device memory (`cuMemAllocPitch`): `height` rows of `width`
@@ -305,6 +320,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     /// [`Error::OutOfMemory`]; [`Error::InvalidArgument`] on overflow; the driver's error (a row
     /// wider than `CU_DEVICE_ATTRIBUTE_MAX_PITCH`).
     pub unsafe fn uninit(width: usize, height: usize, stream: &Stream) -> Result<DeviceBuffer2D<T>> {
+        check_count(width, height, 1)?;
         let row_bytes = width
             .checked_mul(size_of::<T>())
             .ok_or_else(|| Error::InvalidArgument(format!("{width} elements of {} bytes overflow", size_of::<T>())))?;
@@ -478,8 +494,9 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     /// [`Error::InvalidArgument`] when `src` is too short or the stride less than the width; the
     /// driver's error.
     pub fn copy_from_host_strided(&mut self, src: &[T], src_stride: usize) -> Result<()> {
-        check_host("DeviceBuffer2D::copy_from_host_strided", src.len(), self.width, self.height, src_stride)?;
-        let host = Side::Host { ptr: src.as_ptr().cast(), pitch: src_stride * size_of::<T>(), height: self.height };
+        let pitch =
+            check_host::<T>("DeviceBuffer2D::copy_from_host_strided", src.len(), self.width, self.height, src_stride)?;
+        let host = Side::Host { ptr: src.as_ptr().cast(), pitch, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: the device side is this buffer, held mutably; `src` covers the region (checked)
         // and stays borrowed until the stream is synchronised below.
@@ -725,12 +742,9 @@ impl<T: DeviceRepr> DeviceView2D<'_, T> {
     /// [`Error::InvalidArgument`] when `dst` is too short or the stride less than the width; the
     /// driver's error.
     pub fn copy_to_host_strided(&self, dst: &mut [T], dst_stride: usize) -> Result<()> {
-        check_host("DeviceView2D::copy_to_host_strided", dst.len(), self.width, self.height, dst_stride)?;
-        let host = Side::Host {
-            ptr: dst.as_mut_ptr().cast_const().cast(),
-            pitch: dst_stride * size_of::<T>(),
-            height: self.height,
-        };
+        let pitch =
+            check_host::<T>("DeviceView2D::copy_to_host_strided", dst.len(), self.width, self.height, dst_stride)?;
+        let host = Side::Host { ptr: dst.as_mut_ptr().cast_const().cast(), pitch, height: self.height };
         let dev = Side::Device { ptr: self.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: `dst` covers the region (checked) and stays borrowed until the stream is
         // synchronised below; the source is live device memory.
@@ -801,6 +815,7 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// As [`DeviceBuffer2D::uninit`].
     pub unsafe fn uninit(extent: (usize, usize, usize), stream: &Stream) -> Result<DeviceBuffer3D<T>> {
         let (width, height, depth) = extent;
+        check_count(width, height, depth)?;
         let overflow = || {
             Error::InvalidArgument(format!("a {width}x{height}x{depth} volume of {} bytes overflows", size_of::<T>()))
         };
@@ -999,6 +1014,11 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
             )));
         }
         same_device("DeviceBuffer3D::copy_box_from", self.device(), src.device())?;
+        if extent.0 == 0 || extent.1 == 0 || extent.2 == 0 {
+            // Nothing to copy (as in copy_region); the corner may then lie one past the last row
+            // of the last slice, whose row index (`z * height + y`) could overflow.
+            return Ok(());
+        }
         src.mem.record_use(&self.mem.stream)?;
         let t = size_of::<T>();
         let dst = Side::Device {

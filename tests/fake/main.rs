@@ -11,6 +11,7 @@ mod interposer;
 mod launch;
 mod memory;
 mod review2;
+mod review_fixes_a;
 mod soundness;
 mod stream_life;
 
