@@ -76,7 +76,7 @@
 
 use std::ffi::c_void;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudrv_sys::{CUdeviceptr, CUgraph, CUgraphExec, CUgraphNode, CUresult};
@@ -188,18 +188,23 @@ impl Stream {
         let Some(session) = session else {
             // A capture cudrv did not start (raw driver calls): nothing of it is tracked.
             ended?;
-            return Ok(Graph { raw, ctx: self.context().clone(), res: GraphResources::new() });
+            return Ok(Graph { raw, id: next_graph_id(), ctx: self.context().clone(), res: GraphResources::new() });
         };
         session.finish();
         // On error, what the capture reserved is released with the session (nothing ran).
         ended?;
-        Ok(Graph { raw, ctx: self.context().clone(), res: session.res.clone() })
+        Ok(Graph { raw, id: next_graph_id(), ctx: self.context().clone(), res: session.res.clone() })
     }
 }
 
-/// A node of a [`Graph`], to name as a dependency of later nodes.
+/// A node of a [`Graph`], to name as a dependency of later nodes of the same graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct GraphNode(CUgraphNode);
+pub struct GraphNode {
+    raw: CUgraphNode,
+    /// The [`Graph::id`] of its graph: a node of another graph (maybe destroyed: its handle would
+    /// dangle) is refused as a dependency.
+    graph: u64,
+}
 
 // SAFETY: a node handle is plain data to Rust; the driver calls that use it take the graph too.
 unsafe impl Send for GraphNode {}
@@ -209,7 +214,7 @@ unsafe impl Sync for GraphNode {}
 impl GraphNode {
     /// The raw `CUgraphNode`.
     pub fn as_raw(&self) -> CUgraphNode {
-        self.0
+        self.raw
     }
 }
 
@@ -237,6 +242,8 @@ impl GraphNode {
 /// ```
 pub struct Graph {
     raw: CUgraph,
+    /// A number no other graph of the process has (the driver's handles may be reused).
+    id: u64,
     ctx: Arc<Context>,
     /// What the graph's launches use that Rust owns.
     res: Arc<GraphResources>,
@@ -251,6 +258,12 @@ unsafe impl Send for Graph {}
 /// The context and closure of a host node.
 type HostFn = Box<dyn Fn() + Send + Sync + 'static>;
 
+/// A new [`Graph::id`].
+fn next_graph_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 impl Graph {
     /// An empty graph on `device`.
     ///
@@ -264,7 +277,7 @@ impl Graph {
             // SAFETY: a valid out-pointer; flags must be 0; the context is current.
             unsafe { drv!(cuGraphCreate(&mut raw, 0)) }?;
         }
-        Ok(Graph { raw, ctx, res: GraphResources::new() })
+        Ok(Graph { raw, id: next_graph_id(), ctx, res: GraphResources::new() })
     }
 
     /// The raw `CUgraph`.
@@ -290,11 +303,17 @@ impl Graph {
         // SAFETY: the array has room for `n` nodes, which is passed.
         unsafe { drv!(cuGraphGetNodes(self.raw, nodes.as_mut_ptr(), &mut n)) }?;
         nodes.truncate(n);
-        Ok(nodes.into_iter().map(GraphNode).collect())
+        Ok(nodes.into_iter().map(|raw| GraphNode { raw, graph: self.id }).collect())
     }
 
-    fn deps(deps: &[GraphNode]) -> (*const CUgraphNode, usize) {
-        if deps.is_empty() { (std::ptr::null(), 0) } else { (deps.as_ptr().cast(), deps.len()) }
+    /// The raw handles of `deps`, which must be nodes of this graph.
+    fn deps(&self, deps: &[GraphNode]) -> Result<Vec<CUgraphNode>> {
+        deps.iter()
+            .map(|node| match node.graph == self.id {
+                true => Ok(node.raw),
+                false => Err(Error::InvalidArgument("a dependency is a node of another graph".into())),
+            })
+            .collect()
     }
 
     /// Adds a node that does nothing (to join or fork dependencies).
@@ -303,11 +322,12 @@ impl Graph {
     /// The driver's error.
     pub fn add_empty_node(&mut self, deps: &[GraphNode]) -> Result<GraphNode> {
         let _b = self.ctx.bind()?;
-        let (d, n) = Self::deps(deps);
+        let deps = self.deps(deps)?;
+        let (d, n) = (if deps.is_empty() { std::ptr::null() } else { deps.as_ptr() }, deps.len());
         let mut node = std::ptr::null_mut();
         // SAFETY: a valid graph, `n` valid nodes of it, a valid out-pointer.
         unsafe { drv!(cuGraphAddEmptyNode(&mut node, self.raw, d, n)) }?;
-        Ok(GraphNode(node))
+        Ok(GraphNode { raw: node, graph: self.id })
     }
 
     /// Adds a kernel launch of `function` with a prepared `kernelParams` array (copied by the
@@ -338,12 +358,15 @@ impl Graph {
         }
         let p = kernel_node_params(function, &cfg, params);
         let _b = self.ctx.bind()?;
-        let (d, n) = Self::deps(deps);
+        let deps = self.deps(deps)?;
+        let (d, n) = (if deps.is_empty() { std::ptr::null() } else { deps.as_ptr() }, deps.len());
         let mut node = std::ptr::null_mut();
         // SAFETY: a valid graph and nodes; the parameters are complete and valid during the call
         // (the driver copies the arguments); the caller vouches for what they refer to.
         unsafe { drv_compat!(cuGraphAddKernelNode_v2 | cuGraphAddKernelNode(&mut node, self.raw, d, n, &p)) }?;
-        Ok(GraphNode(node))
+        // The node runs the kernel at each launch: the graph keeps its module loaded.
+        self.res.keep(function.module.clone());
+        Ok(GraphNode { raw: node, graph: self.id })
     }
 
     /// Adds a copy of `bytes` bytes from device address `src` to device address `dst` (of this
@@ -373,12 +396,13 @@ impl Graph {
             ..Default::default()
         };
         let _b = self.ctx.bind()?;
-        let (d, n) = Self::deps(deps);
+        let deps = self.deps(deps)?;
+        let (d, n) = (if deps.is_empty() { std::ptr::null() } else { deps.as_ptr() }, deps.len());
         let mut node = std::ptr::null_mut();
         // SAFETY: a valid graph and nodes; complete copy parameters; the caller vouches for the
         // memory.
         unsafe { drv!(cuGraphAddMemcpyNode(&mut node, self.raw, d, n, &p, self.ctx.as_raw())) }?;
-        Ok(GraphNode(node))
+        Ok(GraphNode { raw: node, graph: self.id })
     }
 
     /// Adds a memset of `count` elements of `element_size` bytes (1, 2 or 4) at device address
@@ -410,11 +434,12 @@ impl Graph {
             height: 1,
         };
         let _b = self.ctx.bind()?;
-        let (d, n) = Self::deps(deps);
+        let deps = self.deps(deps)?;
+        let (d, n) = (if deps.is_empty() { std::ptr::null() } else { deps.as_ptr() }, deps.len());
         let mut node = std::ptr::null_mut();
         // SAFETY: a valid graph and nodes; complete parameters; the caller vouches for the memory.
         unsafe { drv!(cuGraphAddMemsetNode(&mut node, self.raw, d, n, &p, self.ctx.as_raw())) }?;
-        Ok(GraphNode(node))
+        Ok(GraphNode { raw: node, graph: self.id })
     }
 
     /// Adds a host node: `f` runs on a driver thread at that point of every launch. The graph
@@ -436,13 +461,14 @@ impl Graph {
         let p =
             cudrv_sys::CUDA_HOST_NODE_PARAMS { fn_: Some(trampoline), userData: Arc::as_ptr(&boxed).cast_mut().cast() };
         let _b = self.ctx.bind()?;
-        let (d, n) = Self::deps(deps);
+        let deps = self.deps(deps)?;
+        let (d, n) = (if deps.is_empty() { std::ptr::null() } else { deps.as_ptr() }, deps.len());
         let mut node = std::ptr::null_mut();
         // SAFETY: a valid graph and nodes; the trampoline has the CUhostFn signature; its data
         // stays valid while the graph or an executable graph of it lives (`keep`).
         unsafe { drv!(cuGraphAddHostNode(&mut node, self.raw, d, n, &p)) }?;
         self.res.keep(boxed);
-        Ok(GraphNode(node))
+        Ok(GraphNode { raw: node, graph: self.id })
     }
 
     /// Adds a node that records `event` (of this graph's device).
@@ -470,7 +496,8 @@ impl Graph {
             });
         }
         let _b = self.ctx.bind()?;
-        let (d, n) = Self::deps(deps);
+        let deps = self.deps(deps)?;
+        let (d, n) = (if deps.is_empty() { std::ptr::null() } else { deps.as_ptr() }, deps.len());
         let mut node = std::ptr::null_mut();
         // SAFETY: a valid graph, nodes and event; the graph keeps the event alive (`keep`).
         unsafe {
@@ -481,7 +508,7 @@ impl Graph {
             }
         }?;
         self.res.keep(event.clone());
-        Ok(GraphNode(node))
+        Ok(GraphNode { raw: node, graph: self.id })
     }
 
     /// Adds `child` as a node (the driver copies it; `child` stays usable). What `child` keeps
@@ -499,14 +526,15 @@ impl Graph {
             ));
         }
         let _b = self.ctx.bind()?;
-        let (d, n) = Self::deps(deps);
+        let deps = self.deps(deps)?;
+        let (d, n) = (if deps.is_empty() { std::ptr::null() } else { deps.as_ptr() }, deps.len());
         let mut node = std::ptr::null_mut();
         // SAFETY: valid graphs and nodes; the driver clones the child.
         unsafe { drv!(cuGraphAddChildGraphNode(&mut node, self.raw, d, n, child.raw)) }?;
         // The child's resources are released after both graphs' launches: the child's own after
         // its launches, and this reference after this graph's.
         self.res.keep(child.res.clone());
-        Ok(GraphNode(node))
+        Ok(GraphNode { raw: node, graph: self.id })
     }
 
     /// Instantiates the graph with no flags.
@@ -808,7 +836,7 @@ impl GraphExec {
             Ok(CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE) => Ok(Err(UpdateError {
                 reason: update_reason(info.result),
                 result: info.result.0,
-                node: (!info.errorNode.is_null()).then_some(GraphNode(info.errorNode)),
+                node: (!info.errorNode.is_null()).then_some(GraphNode { raw: info.errorNode, graph: graph.id }),
             })),
             other => check("cuGraphExecUpdate", other).map(Ok),
         }
@@ -834,7 +862,9 @@ impl GraphExec {
         let _b = self.ctx.bind()?;
         // SAFETY: a valid executable graph and kernel node; complete parameters valid during the
         // call; the caller vouches for what they refer to.
-        unsafe { drv_compat!(cuGraphExecKernelNodeSetParams_v2 | cuGraphExecKernelNodeSetParams(self.raw, node.0, &p)) }
+        unsafe {
+            drv_compat!(cuGraphExecKernelNodeSetParams_v2 | cuGraphExecKernelNodeSetParams(self.raw, node.raw, &p))
+        }
     }
 
     fn check_stream(&self, what: &'static str, stream: &Stream) -> Result<()> {

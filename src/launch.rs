@@ -997,8 +997,22 @@ impl Function {
             }
         };
         match rc {
-            Ok(CUresult::CUDA_SUCCESS) => Ok(()),
+            Ok(CUresult::CUDA_SUCCESS) => {
+                self.keep_for_capture(stream);
+                Ok(())
+            }
             _ => Err(self.launch_error(call, rc, cfg)),
+        }
+    }
+
+    /// A launch captured into a graph runs at each of the graph's launches: the graph keeps the
+    /// kernel's module loaded until they are done, whenever the `Function` and `Module` go.
+    #[inline]
+    fn keep_for_capture(&self, stream: &Stream) {
+        if stream.key().capture_id() != 0
+            && let Some(session) = stream.capture()
+        {
+            session.res.keep(self.module.clone());
         }
     }
 

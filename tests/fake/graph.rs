@@ -146,3 +146,51 @@ fn a_stream_dropped_during_its_capture_ends_it() {
         graph_cases::release_everything(&dev);
     });
 }
+
+#[test]
+fn a_node_of_another_graph_is_refused_as_a_dependency() {
+    run_with_fake_modes(&["linux"], &[], || {
+        let dev = cudrv::Device::get(0).unwrap();
+        let mut a = cudrv::Graph::new(&dev).unwrap();
+        let a1 = a.add_empty_node(&[]).unwrap();
+        let a2 = a.add_empty_node(&[a1]).unwrap();
+        let mut b = cudrv::Graph::new(&dev).unwrap();
+        let err = b.add_empty_node(&[a2]).unwrap_err();
+        assert!(matches!(&err, cudrv::Error::InvalidArgument(m) if m.contains("another graph")), "{err}");
+        // A node of a graph that is gone: its handle would dangle.
+        drop(a);
+        let err = b.add_empty_node(&[a1]).unwrap_err();
+        assert!(matches!(err, cudrv::Error::InvalidArgument(_)), "{err}");
+        let b1 = b.add_empty_node(&[]).unwrap();
+        b.add_empty_node(&[b1]).unwrap();
+        assert_eq!(b.nodes().unwrap().len(), 2);
+        assert!(b.nodes().unwrap().contains(&b1));
+    });
+}
+
+#[test]
+fn a_graph_keeps_the_modules_of_its_kernels_loaded() {
+    use cudrv::memory::DeviceBuffer;
+    use cudrv::{LaunchConfig, Module, Stream};
+    run_with_fake_modes(&["linux"], &[], || {
+        let dev = cudrv::Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let mut out = DeviceBuffer::<u32>::zeroed(256, &s).unwrap();
+        let module = Module::from_ptx(&dev, include_str!("../../examples/kernels/vector_add.ptx")).unwrap();
+        let fill = module.function("fill_u32").unwrap();
+        s.begin_capture(cudrv::graph::CaptureMode::ThreadLocal).unwrap();
+        // SAFETY: fill_u32(u32*, u32, u64) writes out[0..256]; the graph keeps `out` (used in it).
+        unsafe { fill.launch(LaunchConfig::for_num_elems(256), &s, (&mut out, 9u32, 256u64)).unwrap() };
+        let graph = s.end_capture().unwrap();
+        drop((fill, module));
+        // The captured launch runs the kernel at each of the graph's launches: still loaded.
+        assert_eq!(cudrv_test_support::fake_report().live_modules, 1);
+        let exec = graph.instantiate().unwrap();
+        exec.launch(&s).unwrap();
+        assert_eq!(out.to_vec().unwrap(), vec![9; 256]);
+        drop((exec, graph));
+        s.synchronize().unwrap();
+        cudrv::flush_deferred_drops().unwrap();
+        assert_eq!(cudrv_test_support::fake_report().live_modules, 0);
+    });
+}
