@@ -94,6 +94,68 @@ pub fn set_drop_error_hook(hook: DropErrorHook) -> bool {
     DROP_HOOK.set(hook).is_ok()
 }
 
+thread_local! {
+    /// How many cudrv locks this thread holds that the drop-error hook could need (a pool's
+    /// arena, a stream's attachments: the hook may ask a pool for its figures), and the errors
+    /// whose hook calls wait until it holds none.
+    static HOOK_HELD: std::cell::RefCell<(u32, Vec<Error>)> = const { std::cell::RefCell::new((0, Vec::new())) };
+}
+
+/// While it lives, errors reported on this thread reach the drop-error hook only once the
+/// thread holds no cudrv lock: taken before such a lock, and dropped after it. Costs nothing
+/// when no hook is set.
+#[must_use]
+pub(crate) struct HoldHook(bool);
+
+impl HoldHook {
+    #[inline]
+    pub(crate) fn enter() -> HoldHook {
+        if DROP_HOOK.get().is_none() {
+            return HoldHook(false);
+        }
+        // (At thread exit the counter may be gone: then the hook is called at once.)
+        HoldHook(HOOK_HELD.try_with(|h| h.borrow_mut().0 += 1).is_ok())
+    }
+}
+
+impl Drop for HoldHook {
+    #[inline]
+    fn drop(&mut self) {
+        if !self.0 {
+            return;
+        }
+        let pending = HOOK_HELD
+            .try_with(|h| {
+                let (depth, pending) = &mut *h.borrow_mut();
+                *depth -= 1;
+                if *depth == 0 { std::mem::take(pending) } else { Vec::new() }
+            })
+            .unwrap_or_default();
+        if let Some(hook) = DROP_HOOK.get() {
+            pending.iter().for_each(hook);
+        }
+    }
+}
+
+/// Calls the drop-error hook with `error`, now or (under a [`HoldHook`]) once this thread holds
+/// no cudrv lock.
+fn call_hook(hook: DropErrorHook, error: &Error) {
+    let held = HOOK_HELD
+        .try_with(|h| {
+            let mut h = h.borrow_mut();
+            if h.0 > 0 {
+                h.1.push(error.clone());
+                true
+            } else {
+                false
+            }
+        })
+        .unwrap_or(false);
+    if !held {
+        hook(error);
+    }
+}
+
 /// The most errors kept per context; later ones are counted (and seen by the hook) only.
 const MAX_DEFERRED: usize = 64;
 
@@ -107,7 +169,7 @@ pub(crate) fn report_drop_error(ctx: Option<&Context>, mut error: Error) {
         return;
     }
     if let Some(hook) = DROP_HOOK.get() {
-        hook(&error);
+        call_hook(*hook, &error);
     }
     match ctx {
         Some(ctx) => {

@@ -261,6 +261,8 @@ impl StreamKey {
         make: impl FnOnce() -> T,
         f: impl FnOnce(&mut T) -> R,
     ) -> R {
+        // Errors met under the lock reach the drop-error hook after it (see `HoldHook`).
+        let _hook = crate::context::HoldHook::enter();
         let mut list = self.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let i = match list.iter().position(|(o, _)| *o == owner) {
             Some(i) => i,
@@ -279,6 +281,7 @@ impl StreamKey {
         owner: u64,
         f: impl FnOnce(&mut T) -> R,
     ) -> Option<R> {
+        let _hook = crate::context::HoldHook::enter();
         let mut list = self.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let (_, a) = list.iter_mut().find(|(o, _)| *o == owner)?;
         let any: &mut dyn Any = &mut **a;
@@ -388,6 +391,8 @@ impl Drop for Handle {
             // Under the lock: another thread looking for what an attachment holds (a pool freeing,
             // on another stream, an allocation made on this one) waits until it is where that
             // thread looks next. (A stream's attachments, then a pool's arena: the lock order.)
+            // The retirements' errors reach the drop-error hook after the lock.
+            let _hook = crate::context::HoldHook::enter();
             let mut list = key.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             for (_, a) in std::mem::take(&mut *list) {
                 a.retire(&key);

@@ -17,7 +17,7 @@ use super::pool::stats::PoolStats;
 use super::pool::{self, Host};
 use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
 use crate::capture::RelaxedCaptureMode;
-use crate::context::{Context, report_drop_error};
+use crate::context::{Context, HoldHook, report_drop_error};
 use crate::device::Device;
 use crate::error::check;
 use crate::error::{Error, Result};
@@ -180,9 +180,13 @@ impl Host for Shared {
 
     #[inline]
     fn arena<R>(&self, f: impl FnOnce(&mut Arena<CudaBackend>) -> R) -> R {
+        // Errors met with the arena locked (an event destroyed, a mapping left behind) reach the
+        // drop-error hook once it is unlocked: the hook may ask the pool for its figures.
+        let _hook = HoldHook::enter();
         // A panic while the arena is locked cannot leave it half-updated in a way that matters
         // more than losing the pool: keep going with what is there.
-        f(&mut self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+        let mut arena = self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(&mut arena)
     }
 
     fn cache<R>(&self, stream: &StreamKey, f: impl FnOnce(&mut Cache) -> R) -> R {

@@ -376,6 +376,26 @@ fn a_mapping_refused_access_and_then_its_undo_is_an_error_reported_twice() {
 }
 
 #[test]
+fn the_drop_error_hook_may_use_the_pool_whose_lock_met_the_error() {
+    // The failed undo of a mapping is met with the pool's arena locked; the hook asks the pool for
+    // its figures, which locks the arena: it must run once the lock is let go.
+    static SEEN: std::sync::Mutex<Vec<(Option<CUresult>, usize)>> = std::sync::Mutex::new(Vec::new());
+    fn hook(e: &Error) {
+        let reserved = Device::get(0).unwrap().memory_resource().unwrap().stats().unwrap().reserved;
+        SEEN.lock().unwrap().push((e.code(), reserved));
+    }
+    let fail = "cuMemSetAccess:1:999,cuMemUnmap:1:400";
+    run_with_fake(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_FAIL", fail)], || {
+        assert!(cudrv::set_drop_error_hook(hook));
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let err = DeviceBuffer::<u8>::zeroed(1 << 20, &s).unwrap_err();
+        assert_eq!(err.code(), Some(CUresult::CUDA_ERROR_UNKNOWN), "{err}");
+        assert_eq!(*SEEN.lock().unwrap(), [(Some(CUresult::CUDA_ERROR_INVALID_HANDLE), 0)]);
+    });
+}
+
+#[test]
 fn out_of_memory_releases_the_cache_and_retries() {
     let mib = 1usize << 20;
     run_with_fake(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_MEMORY", "67108864")], || {
