@@ -381,7 +381,14 @@ fn programmatic_dependent_launch_overlaps_the_kernels() {
             break;
         }
     }
-    assert!(overlapped, "with programmatic stream serialization the secondary starts before the primary ends");
+    // compute-sanitizer runs kernels one at a time (it injects itself through the driver's
+    // injection variables): no overlap is possible there, and the order is all that is checked.
+    let sanitized = std::env::vars().any(|(k, v)| k.contains("INJECTION") && v.contains("sanitizer"));
+    if sanitized && !overlapped {
+        println!("note: under compute-sanitizer kernels do not overlap; only the order was checked");
+    } else {
+        assert!(overlapped, "with programmatic stream serialization the secondary starts before the primary ends");
+    }
     let [end, start, _] = run(false);
     println!("plain: primary ended at {end}, secondary started at {start}");
     assert!(start >= end, "without it, stream order holds");
