@@ -725,7 +725,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// too) uses the buffer, as [`DeviceBuffer::record_use`] describes; and, during a capture,
     /// what the graph needs (see [`crate::graph`]).
     ///
-    /// Returns the gates of `stream` and of the buffer's stream (see [`StreamKey::enter`]): the
+    /// Returns the gates of `stream` and of the buffer's stream (see [`crate::stream::StreamKey::enter`]): the
     /// caller holds them until its work is queued, so that no capture begins on either stream
     /// between this look at their captures and that work.
     #[inline]
