@@ -87,12 +87,17 @@ fn device_work_racing_captures_is_kept_alive_by_the_graphs_that_captured_it() {
         for _ in 0..200 {
             let mut buf = DeviceBuffer::<u32>::zeroed_in(1024, &s, sync.clone()).unwrap();
             s.synchronize().unwrap();
-            let s2 = s.clone();
+            let (s2, done) = (s.clone(), Arc::new(AtomicUsize::new(0)));
+            let done2 = done.clone();
             let capture = std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_micros(50));
                 s2.begin_capture(CaptureMode::Relaxed).unwrap();
-                // Memsets queued meanwhile see the capture: the graph keeps the buffer.
-                std::thread::sleep(Duration::from_micros(200));
+                // Memsets queued meanwhile see the capture: the graph keeps the buffer. (Wait
+                // for one, whatever the machine's load.)
+                let (before, start) = (done2.load(Ordering::SeqCst), Instant::now());
+                while done2.load(Ordering::SeqCst) == before && start.elapsed() < Duration::from_secs(1) {
+                    std::thread::yield_now();
+                }
                 s2.end_capture().unwrap()
             });
             while !capture.is_finished() {
@@ -100,6 +105,7 @@ fn device_work_racing_captures_is_kept_alive_by_the_graphs_that_captured_it() {
                     Ok(()) | Err(Error::Capturing { .. }) => {}
                     Err(e) => panic!("{e}"),
                 }
+                done.fetch_add(1, Ordering::SeqCst);
             }
             let graph = capture.join().unwrap();
             drop(buf); // kept by a graph that captured a memset of it, else freed now
