@@ -168,6 +168,11 @@ fn retire_when_not_capturing(shared: Arc<Shared>, stream: StreamKey, cache: Cach
     if let Err(e) = pool::retire(&*shared, &stream, cache) {
         report_drop_error(Some(&shared.backend.ctx), e);
     }
+    if shared.dropped.load(std::sync::atomic::Ordering::Acquire) {
+        // The pool went while a capture deferred this (its teardown could not see the blocks
+        // the cache held): give back what they were in.
+        release_pool(&shared);
+    }
 }
 
 impl Host for Shared {

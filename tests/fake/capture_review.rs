@@ -579,3 +579,32 @@ fn r1b_safe_copy_on_a_joining_stream_leaves_the_destination_unkept() {
         drop(src);
     });
 }
+
+#[test]
+fn a_stream_retired_after_its_pool_gives_the_blocks_it_cached_back_to_the_driver() {
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        let origin = Stream::new(&dev).unwrap();
+        let joined = Stream::new(&dev).unwrap();
+        // A block freed on `joined` stays in its cache.
+        let buf = DeviceBuffer::<u8>::zeroed_in(3 << 20, &joined, pool.clone()).unwrap();
+        drop(buf);
+        joined.synchronize().unwrap();
+        assert!(fake_report().live_allocations > 0);
+        origin.begin_capture(CaptureMode::Relaxed).unwrap();
+        joined.wait_stream(&origin).unwrap();
+        origin.wait_stream(&joined).unwrap();
+        // Its last user goes while it captures: its retirement waits for the capture's end.
+        drop(joined);
+        drop(pool);
+        let graph = origin.end_capture().unwrap();
+        drop(graph);
+        // The retirement runs on cudrv's thread once the capture has ended.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while fake_report().live_allocations > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(fake_report().live_allocations, 0, "the cached block's memory was not given back");
+    });
+}
