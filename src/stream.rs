@@ -235,6 +235,16 @@ impl StreamKey {
         capture::is_tracked(self.capture_id())
     }
 
+    /// [`Stream::refuse_in_capture`], for a key.
+    #[inline]
+    pub(crate) fn refuse_in_capture(&self, what: &'static str) -> Result<Gate<'_>> {
+        let gate = self.enter();
+        if self.is_capturing() {
+            return Err(Error::Capturing { what });
+        }
+        Ok(gate)
+    }
+
     /// Enters the stream's gate: until the [`Gate`] is dropped, no capture begins on the stream
     /// and no wait makes it join one, so that what the caller sees of the stream's capture (with
     /// [`StreamKey::capture_id`]) stays true while it queues work there. Held from the look to
@@ -601,11 +611,7 @@ impl Stream {
     /// waited for), so that no capture begins on the stream in between.
     #[inline]
     pub(crate) fn refuse_in_capture(&self, what: &'static str) -> Result<Gate<'_>> {
-        let gate = self.key().enter();
-        if self.key().is_capturing() {
-            return Err(Error::Capturing { what });
-        }
-        Ok(gate)
+        self.key().refuse_in_capture(what)
     }
 
     /// The raw `CUstream` that means this stream on the calling thread: the stream's handle,

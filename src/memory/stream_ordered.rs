@@ -404,16 +404,9 @@ impl Drop for PoolEvent {
     }
 }
 
-/// The gate of `stream` (see [`StreamKey::enter`]), for a record or wait of the pool's on it,
-/// which must not be captured; [`Error::Capturing`] if the stream began a capture after the
-/// pool last asked (a race with another thread: the pool's call fails instead).
-fn not_capturing(stream: &StreamKey) -> Result<crate::stream::Gate<'_>> {
-    let gate = stream.enter();
-    if stream.is_capturing() {
-        return Err(Error::Capturing { what: "the pool's ordering of a stream that began a capture meanwhile" });
-    }
-    Ok(gate)
-}
+/// What the pool's record or wait on a stream that began a capture after the pool last asked
+/// refuses (a race with another thread: the pool's call fails instead of being captured).
+const CAPTURED_MEANWHILE: &str = "the pool's ordering of a stream that began a capture meanwhile";
 
 impl Backend for CudaBackend {
     type Stream = StreamKey;
@@ -540,7 +533,7 @@ impl Backend for CudaBackend {
         // The pool asked `is_capturing` before; another thread may have begun a capture on the
         // stream since. Under the stream's gate the answer holds until the record is queued:
         // captured, the record would order nothing (and make waiters join the capture).
-        let _gate = not_capturing(stream)?;
+        let _gate = stream.refuse_in_capture(CAPTURED_MEANWHILE)?;
         let _b = self.ctx.bind()?;
         // SAFETY: valid event and stream (the pool holds a clone of the stream).
         unsafe { drv!(cuEventRecord(event.raw, stream.as_raw())) }
@@ -548,7 +541,7 @@ impl Backend for CudaBackend {
 
     fn wait(&self, waiter: &StreamKey, event: &Arc<PoolEvent>) -> Result<()> {
         // As in `record`: a captured wait would not order the waiter's later work.
-        let _gate = not_capturing(waiter)?;
+        let _gate = waiter.refuse_in_capture(CAPTURED_MEANWHILE)?;
         let _b = self.ctx.bind()?;
         // SAFETY: valid stream and event.
         unsafe { drv!(cuStreamWaitEvent(waiter.as_raw(), event.raw, 0)) }
