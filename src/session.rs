@@ -462,17 +462,29 @@ impl Completion {
 /// back later. If the wait fails, `job` never runs (what it would release stays, which is sound).
 pub(crate) fn after_stream_work(stream: Stream, job: impl FnOnce() + Send + 'static) {
     host_fn::defer(move || {
-        if stream.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
+        let Some(fence) = fence_unless_capturing(&stream) else {
             std::thread::sleep(std::time::Duration::from_millis(1));
             after_stream_work(stream, job);
             return;
-        }
-        let waited = Event::new(&stream.device()).and_then(|e| e.record(&stream).and_then(|()| e.wait()));
-        match waited.or_else(|_| stream.wait_for_memory()) {
+        };
+        match fence.and_then(|e| e.wait()).or_else(|_| stream.wait_for_memory()) {
             Ok(()) => job(),
             Err(e) => report_drop_error(Some(stream.context()), e),
         }
     });
+}
+
+/// An event recorded on `stream` now, which completes after the work queued there so far; `None`
+/// while the stream captures (the record would be captured: it would order nothing, and waiting
+/// for it would invalidate the capture). The stream's gate is held from the look to the record,
+/// so that a capture another thread begins meanwhile cannot take the record.
+fn fence_unless_capturing(stream: &Stream) -> Option<Result<Event>> {
+    let _gate = stream.key().enter();
+    // The driver's answer covers captures begun through the raw API too.
+    if stream.key().capture_id() != 0 || stream.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
+        return None;
+    }
+    Some(Event::new(&stream.device()).and_then(|e| e.record(stream).map(|()| e)))
 }
 
 /// Waits (on cudrv's deferred-work thread) for the last launch of each executable graph, then
@@ -480,15 +492,14 @@ pub(crate) fn after_stream_work(stream: Stream, job: impl FnOnce() + Send + 'sta
 /// comes back later.
 fn release_after_launches(mut kept: Kept, done: Arc<Completion>) {
     while let Some(stream) = kept.fences.last() {
-        if stream.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
+        // An event recorded now, on the stream of the last launch, completes after it; on the
+        // legacy stream (a per-thread stream seen from this thread) after every blocking stream.
+        let Some(fence) = fence_unless_capturing(stream) else {
             std::thread::sleep(std::time::Duration::from_millis(1));
             host_fn::defer(move || release_after_launches(kept, done));
             return;
-        }
-        // An event recorded now, on the stream of the last launch, completes after it; on the
-        // legacy stream (a per-thread stream seen from this thread) after every blocking stream.
-        let waited = Event::new(&stream.device()).and_then(|e| e.record(stream).and_then(|()| e.wait()));
-        if let Err(e) = waited.or_else(|_| stream.wait_for_memory()) {
+        };
+        if let Err(e) = fence.and_then(|e| e.wait()).or_else(|_| stream.wait_for_memory()) {
             // The launch may still run: what it uses stays (leaked), which is sound.
             report_drop_error(Some(stream.context()), e);
             std::mem::forget(kept.owned);

@@ -289,6 +289,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     #[inline]
     unsafe fn allocate(resource: ResourceRef, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
         let bytes = Self::buffer_bytes(len)?;
+        // Another resource's allocation may be stream-ordered (a driver pool's): under the
+        // stream's gate no capture begins between the look and the allocation, which would make
+        // it the graph's allocation unseen. The pool's needs no gate: its block comes from the
+        // stream's cache, valid outside any graph, and its later uses see the capture.
+        let _gate = (!matches!(resource, ResourceRef::Kept(_))).then(|| stream.key().enter());
         let capture = stream.key().capture_id();
         let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
         let (ptr, resource) = match resource {
@@ -830,27 +835,37 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         let bytes = self.byte_len();
         let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if uses.as_ref().is_none_or(|u| u.is_empty())
-            && self.capture | self.stream.key().capture_id() == 0
-            && !crate::host_fn::in_host_fn()
-        {
+        if uses.as_ref().is_none_or(|u| u.is_empty()) && self.capture == 0 && !crate::host_fn::in_host_fn() {
             // The usual case: used on its own stream only, and no capture. The pointer came from
             // this resource with this size and is freed once; every use is queued on the
             // buffer's stream.
             match self.resource {
-                // SAFETY: as above. The pool may let go of the stream with the free: the view is
-                // not used after.
-                ResourceRef::Kept(pool) => unsafe { pool.free_kept(self.ptr, bytes, &self.stream) },
+                // The pool's free queues nothing: a capture begun meanwhile by another thread
+                // cannot take it (the block waits in the stream's cache, ordered after the work
+                // queued before the capture).
+                ResourceRef::Kept(pool) if self.stream.key().capture_id() == 0 => {
+                    // SAFETY: as above. The pool may let go of the stream with the free: the view
+                    // is not used after.
+                    unsafe { pool.free_kept(self.ptr, bytes, &self.stream) };
+                    return;
+                }
+                ResourceRef::Kept(_) => {}
                 _ => {
-                    // SAFETY: as above.
-                    if let Err(e) = unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) } {
-                        report_drop_error(Some(self.stream.context()), e);
+                    // Another resource's free may queue work (or wait for the stream): under the
+                    // stream's gate no capture begins between the look and the free.
+                    let gate = self.stream.key().enter();
+                    if self.stream.key().capture_id() == 0 {
+                        // SAFETY: as above.
+                        if let Err(e) = unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) } {
+                            report_drop_error(Some(self.stream.context()), e);
+                        }
+                        drop(gate);
+                        // SAFETY: the buffer's own pin, let go once, here.
+                        drop(unsafe { StreamPin::from_view(&mut self.stream) });
+                        return;
                     }
-                    // SAFETY: the buffer's own pin, let go once, here.
-                    drop(unsafe { StreamPin::from_view(&mut self.stream) });
                 }
             }
-            return;
         }
         self.drop_slow(bytes);
     }
@@ -910,17 +925,24 @@ impl Free {
         }
         // A capture in progress on the buffer's stream, or on a stream it was used on, that the
         // buffer does not belong to: the free would be captured (or join the capture); it waits
-        // for the end of the capture.
-        let capturing = std::iter::once(&self.stream)
-            .chain(&self.uses.streams)
-            .map(|s| s.key().capture_id())
-            .filter(|&id| id != 0 && id != self.capture)
-            .find_map(CaptureSession::active);
+        // for the end of the capture. The streams' gates hold from the look to the free, so that
+        // no capture begins in between.
+        let capturing = {
+            let streams = || std::iter::once(&self.stream).chain(&self.uses.streams);
+            let _gates: Vec<Gate<'_>> = streams().map(|s| s.key().enter()).collect();
+            let capturing = streams()
+                .map(|s| s.key().capture_id())
+                .filter(|&id| id != 0 && id != self.capture)
+                .find_map(CaptureSession::active);
+            if capturing.is_none() {
+                free_after_uses(&*self.resource, self.ptr, self.bytes, &self.stream, &self.uses.streams);
+                return;
+            }
+            capturing
+        };
         if let Some(session) = capturing {
             session.after_end(Box::new(move || self.run()));
-            return;
         }
-        free_after_uses(&*self.resource, self.ptr, self.bytes, &self.stream, &self.uses.streams);
     }
 }
 
