@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 #[cfg(cuda_12080)]
 use crate::result::drv_compat;
 use crate::result::{driver, drv};
-use crate::stream::{Mark, Stream};
+use crate::stream::Stream;
 
 /// How an event is created.
 ///
@@ -222,29 +222,15 @@ impl Stream {
     pub(crate) fn wait_raw_event(&self, event: cudrv_sys::CUevent) -> Result<()> {
         let hooks = crate::stream::join_hooks()
             .filter(|_| crate::capture::any_active() && crate::capture::session(self.key().capture_id()).is_none());
-        let Some(h) = hooks else { return self.wait_raw_untracked(event) };
-        // The wait may make the stream join a capture: marked as for `begin_capture`, so that
-        // other threads' work on it is queued before the join or sees the capture.
-        let mut pending = None;
-        let marked = loop {
-            match self.key().try_mark() {
-                Mark::Busy => self.key().wait_ungated(&mut pending),
-                Mark::Marked => break true,
-                // Another capture's stream already (or one beginning): the driver decides.
-                Mark::Capturing => break false,
-            }
+        let before = match hooks {
+            Some(h) => Some((h.before)(self)?),
+            None => None,
         };
-        drop(pending);
-        // Where the stream stands before the wait (no other thread's work comes in between).
-        let waited = (h.before)(self).and_then(|before| {
-            self.wait_raw_untracked(event)?;
+        self.wait_raw_untracked(event)?;
+        if let (Some(h), Some(before)) = (hooks, before) {
             (h.waited)(self, before);
-            Ok(())
-        });
-        if marked {
-            self.key().clear_mark();
         }
-        waited
+        Ok(())
     }
 
     /// `cuStreamWaitEvent`, for an event known not to be of a capture.

@@ -208,54 +208,24 @@ impl StreamKey {
     ///
     /// The caller must not hold a [`Gate`] of the stream (it would wait for itself).
     pub(crate) fn mark_capture_starting(&self) -> bool {
-        let mut pending = None;
         loop {
-            match self.try_mark() {
-                Mark::Marked => return true,
-                Mark::Capturing => return false,
-                Mark::Busy => self.wait_ungated(&mut pending),
+            // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
+            if self.0.capture.compare_exchange(0, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_err() {
+                return false;
+            }
+            if self.0.gated.load(Ordering::SeqCst) == 0 {
+                return true;
+            }
+            // Work is under way: take the mark back (the work may look again meanwhile, and waits
+            // only this long), let it finish, and try again.
+            self.0.capture.store(0, Ordering::SeqCst);
+            // Spin first: work queued in a loop leaves the gate empty only between two calls.
+            let mut spins = 0u32;
+            while self.0.gated.load(Ordering::Acquire) != 0 {
+                spins += 1;
+                if spins < 4096 { std::hint::spin_loop() } else { std::thread::yield_now() }
             }
         }
-    }
-
-    /// One attempt at the mark of [`StreamKey::mark_capture_starting`]: [`Mark::Busy`] (and no
-    /// mark) while work is between its look and its queueing, so that a caller holding gates of
-    /// other streams can let go of them before it waits ([`StreamKey::wait_ungated`]).
-    pub(crate) fn try_mark(&self) -> Mark {
-        // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
-        if self.0.capture.compare_exchange(0, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_err() {
-            return Mark::Capturing;
-        }
-        if self.0.gated.load(Ordering::SeqCst) == 0 {
-            return Mark::Marked;
-        }
-        // Work is under way: take the mark back (the work may look again meanwhile, and waits
-        // only this long; it may hold the gate while it enters it again, which a mark held
-        // longer would make wait for ever).
-        self.0.capture.store(0, Ordering::SeqCst);
-        Mark::Busy
-    }
-
-    /// Waits until no work is between its look at the stream and its queueing. Until `pending`
-    /// (the caller's, kept across its attempts) is dropped, new work holds back a little (see
-    /// [`StreamKey::enter`]).
-    pub(crate) fn wait_ungated<'a>(&'a self, pending: &mut Option<Pending<'a>>) {
-        pending.get_or_insert_with(|| {
-            self.0.pending.fetch_add(1, Ordering::SeqCst);
-            Pending(&self.0)
-        });
-        // Spin first: work under way is short.
-        let mut spins = 0u32;
-        while self.0.gated.load(Ordering::Acquire) != 0 {
-            spins += 1;
-            if spins < 4096 { std::hint::spin_loop() } else { std::thread::yield_now() }
-        }
-    }
-
-    /// Takes back a mark of [`StreamKey::try_mark`] that nothing replaced with a capture's id
-    /// (the capture was not begun or joined after all).
-    pub(crate) fn clear_mark(&self) {
-        let _ = self.0.capture.compare_exchange(CAPTURE_STARTING, 0, Ordering::SeqCst, Ordering::Relaxed);
     }
 
     /// Whether the stream takes part in a capture cudrv tracks (without taking a reference to its
@@ -281,9 +251,6 @@ impl StreamKey {
     /// the queueing (and for host copies, to the wait for them): never across a user's code.
     #[inline]
     pub(crate) fn enter(&self) -> Gate<'_> {
-        if self.0.pending.load(Ordering::Relaxed) != 0 {
-            self.hold_back();
-        }
         loop {
             self.0.gated.fetch_add(1, Ordering::SeqCst);
             if self.0.capture.load(Ordering::SeqCst) != CAPTURE_STARTING {
@@ -348,41 +315,6 @@ impl StreamKey {
         let i = list.iter().position(|(o, _)| *o == owner)?;
         Some(list.swap_remove(i).1)
     }
-}
-
-impl StreamKey {
-    /// A thread waits to mark the stream: lets it, for a while. Bounded, so that it never waits
-    /// for the mark (the marker may wait for a gate this thread holds, or for a lock it holds).
-    #[cold]
-    fn hold_back(&self) {
-        for _ in 0..64 {
-            if self.0.pending.load(Ordering::Relaxed) == 0 {
-                return;
-            }
-            std::thread::yield_now();
-        }
-    }
-}
-
-/// A thread's wait to mark a stream (see [`StreamKey::wait_ungated`]).
-pub(crate) struct Pending<'a>(&'a Inner);
-
-impl Drop for Pending<'_> {
-    fn drop(&mut self) {
-        self.0.pending.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// What [`StreamKey::try_mark`] found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Mark {
-    /// Marked: other threads' cudrv work on the stream waits until the capture's id is set (or
-    /// the mark cleared).
-    Marked,
-    /// Work is between its look at the stream and its queueing: not marked.
-    Busy,
-    /// The stream takes part in a capture already (or another thread holds the mark).
-    Capturing,
 }
 
 /// A stream's gate, entered with [`StreamKey::enter`]: while it is held, the stream's capture
@@ -493,9 +425,6 @@ struct Inner {
     capture: AtomicU64,
     /// How many [`Gate`]s of the stream are held.
     gated: AtomicUsize,
-    /// How many threads wait to mark the stream ([`StreamKey::try_mark`]): new work holds back a
-    /// little, so that work queued in a loop cannot keep them waiting.
-    pending: AtomicUsize,
     /// What other layers keep on the stream (see [`Attachment`]), on cache lines of their own:
     /// threads that allocate on different streams must not share one.
     attachments: CachePadded<Mutex<Attachments>>,
@@ -606,7 +535,6 @@ impl Stream {
             per_thread_owner,
             capture: AtomicU64::new(0),
             gated: AtomicUsize::new(0),
-            pending: AtomicUsize::new(0),
             attachments: CachePadded(Mutex::new(Vec::new())),
         });
         Stream { handle: Arc::new(Handle { key: StreamKey(inner), users: AtomicUsize::new(1) }) }
@@ -789,42 +717,21 @@ impl Stream {
         if other.id() == self.id() {
             return Ok(());
         }
-        let mut pending = None;
-        loop {
-            // Under `other`'s gate no capture begins there before the record below (it would take
-            // the record, and this stream would join the capture unseen).
-            let _gate = other.key().enter();
-            // Waiting on a capturing stream joins its capture (see `crate::graph`).
-            let joins = match other.key().capture_id() {
-                id if id != 0 && id != self.key().capture_id() && capture::session(id).is_some() => Some(id),
-                _ => None,
-            };
-            let (Some(id), Some(hooks)) = (joins, join_hooks()) else {
-                // The event must be of `other`'s context (the waiter may be of another device).
-                return other.context().order_after(self.as_raw(), other.as_raw());
-            };
-            // This stream joins: marked as for `begin_capture`, so that other threads' work on it
-            // is queued before the join or sees the capture.
-            match self.key().try_mark() {
-                Mark::Busy => {
-                    // Wait for that work holding no gate (it may wait for `other`'s).
-                    drop(_gate);
-                    self.key().wait_ungated(&mut pending);
-                    continue;
-                }
-                // Another capture's stream: the driver refuses to merge them.
-                Mark::Capturing => return other.context().order_after(self.as_raw(), other.as_raw()),
-                Mark::Marked => {}
-            }
-            // Where the stream stands at the join (no other thread's work comes in between).
-            let ordered = (hooks.before)(self).and_then(|before| {
-                other.context().order_after(self.as_raw(), other.as_raw())?;
-                (hooks.joined)(self, id, before);
-                Ok(())
-            });
-            self.key().clear_mark();
-            return ordered;
+        // Waiting on a capturing stream joins its capture (see `crate::graph`).
+        let joins = match other.key().capture_id() {
+            id if id != 0 && id != self.key().capture_id() && capture::session(id).is_some() => Some(id),
+            _ => None,
+        };
+        let before = match (joins, join_hooks()) {
+            (Some(_), Some(hooks)) => Some((hooks.before)(self)?),
+            _ => None,
+        };
+        // The event must be of `other`'s context (the waiter may be of another device).
+        other.context().order_after(self.as_raw(), other.as_raw())?;
+        if let (Some(id), Some(before), Some(hooks)) = (joins, before, join_hooks()) {
+            (hooks.joined)(self, id, before);
         }
+        Ok(())
     }
 
     /// Queues `f` to run on a driver thread once all work queued before it is done; later work
