@@ -907,10 +907,8 @@ impl Drop for GraphExec {
                         None => r.exec_alive.store(false, Ordering::Release),
                         Some(stream) => {
                             // A record on a capturing stream would be captured.
-                            let done = match stream.key().capture_id() {
-                                0 => crate::session::mark_before_join(stream).ok(),
-                                _ => None,
-                            };
+                            let done =
+                                crate::session::fence_unless_capturing(stream).and_then(Result::ok).map(Arc::new);
                             match done {
                                 Some(done) => {
                                     r.lock().prelude.push(done);

@@ -191,6 +191,9 @@ pub(crate) fn note_join(stream: &Stream, before: Arc<Event>) {
     }
 }
 
+/// Work that waits for the end of a capture (see [`CaptureSession::after_end`]).
+pub(crate) type AfterEnd = Box<dyn FnOnce() + Send>;
+
 /// What cudrv knows of a stream capture it started ([`Stream::begin_capture`]): the streams that
 /// take part in it, the buffers allocated during it, and what the graph it makes will keep.
 pub(crate) struct CaptureSession {
@@ -202,7 +205,8 @@ pub(crate) struct CaptureSession {
     streams: Mutex<Vec<StreamKey>>,
     /// Frees that must wait for the end of the capture (of buffers that the capture does not
     /// use, dropped while their stream was capturing).
-    after_end: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
+    /// `None` once the capture has ended (they ran then; later ones run at once).
+    after_end: Mutex<Option<Vec<AfterEnd>>>,
     /// What the graph keeps.
     pub(crate) res: Arc<GraphResources>,
 }
@@ -227,7 +231,7 @@ impl CaptureSession {
             id,
             live_buffers: AtomicUsize::new(0),
             streams: Mutex::new(vec![origin.key().clone()]),
-            after_end: Mutex::new(Vec::new()),
+            after_end: Mutex::new(Some(Vec::new())),
             res,
         });
         crate::stream::set_join_hooks(JOIN_HOOKS);
@@ -252,7 +256,8 @@ impl CaptureSession {
                 key.set_capture_id(0);
             }
         }
-        for free in std::mem::take(&mut *self.after_end.lock().unwrap_or_else(PoisonError::into_inner)) {
+        let frees = self.after_end.lock().unwrap_or_else(PoisonError::into_inner).take().unwrap_or_default();
+        for free in frees {
             free();
         }
     }
@@ -276,9 +281,17 @@ impl CaptureSession {
         }
     }
 
-    /// Runs `free` once the capture has ended.
-    pub(crate) fn after_end(&self, free: Box<dyn FnOnce() + Send>) {
-        self.after_end.lock().unwrap_or_else(PoisonError::into_inner).push(free);
+    /// Runs `free` once the capture has ended: at once if it has (the caller saw the session
+    /// active, and it may have ended since).
+    pub(crate) fn after_end(&self, free: AfterEnd) {
+        let mut waiting = self.after_end.lock().unwrap_or_else(PoisonError::into_inner);
+        match waiting.as_mut() {
+            Some(frees) => frees.push(free),
+            None => {
+                drop(waiting);
+                free();
+            }
+        }
     }
 }
 
@@ -478,7 +491,7 @@ pub(crate) fn after_stream_work(stream: Stream, job: impl FnOnce() + Send + 'sta
 /// while the stream captures (the record would be captured: it would order nothing, and waiting
 /// for it would invalidate the capture). The stream's gate is held from the look to the record,
 /// so that a capture another thread begins meanwhile cannot take the record.
-fn fence_unless_capturing(stream: &Stream) -> Option<Result<Event>> {
+pub(crate) fn fence_unless_capturing(stream: &Stream) -> Option<Result<Event>> {
     let _gate = stream.key().enter();
     // The driver's answer covers captures begun through the raw API too.
     if stream.key().capture_id() != 0 || stream.capture_status().is_ok_and(|s| s != CaptureStatus::None) {

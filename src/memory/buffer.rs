@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::host::PinnedBuffer;
-use super::{DevicePtr, DeviceResource, MemoryResource, StreamOrderedPool, check_len, check_stream};
+use super::{DevicePtr, DeviceResource, MemoryResource, StreamOrderedPool, check_len, check_stream, unless_capturing};
 use crate::context::report_drop_error;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -925,21 +925,10 @@ impl Free {
         }
         // A capture in progress on the buffer's stream, or on a stream it was used on, that the
         // buffer does not belong to: the free would be captured (or join the capture); it waits
-        // for the end of the capture. The streams' gates hold from the look to the free, so that
-        // no capture begins in between.
-        let capturing = {
-            let streams = || std::iter::once(&self.stream).chain(&self.uses.streams);
-            let _gates: Vec<Gate<'_>> = streams().map(|s| s.key().enter()).collect();
-            let capturing = streams()
-                .map(|s| s.key().capture_id())
-                .filter(|&id| id != 0 && id != self.capture)
-                .find_map(CaptureSession::active);
-            if capturing.is_none() {
-                free_after_uses(&*self.resource, self.ptr, self.bytes, &self.stream, &self.uses.streams);
-                return;
-            }
-            capturing
-        };
+        // for the end of the capture.
+        let capturing = unless_capturing(std::iter::once(&self.stream).chain(&self.uses.streams), self.capture, || {
+            free_after_uses(&*self.resource, self.ptr, self.bytes, &self.stream, &self.uses.streams);
+        });
         if let Some(session) = capturing {
             session.after_end(Box::new(move || self.run()));
         }

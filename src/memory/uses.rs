@@ -1,10 +1,11 @@
 //! Which streams a piece of memory was used on, so that its free and host access wait for them.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::stream::Stream;
+use crate::session::CaptureSession;
+use crate::stream::{Gate, Stream};
 
 /// Checks that `stream` belongs to `device`.
 pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) -> Result<()> {
@@ -69,23 +70,39 @@ pub(crate) fn wait_for_uses(owner: &Stream, used: &[Stream]) -> Result<()> {
 /// A failed wait leaks the memory (its work may still run), which is sound, and reports the
 /// error.
 pub(crate) fn free_after_waiting(owner: Stream, used: Vec<Stream>, free: impl FnOnce() -> Result<()> + Send + 'static) {
-    // A stream that takes part in a capture cannot be waited for (and work queued on it would be
-    // captured): the free waits for the end of the capture.
-    let capturing = std::iter::once(&owner)
-        .chain(&used)
-        .map(|s| s.key().capture_id())
-        .filter(|&id| id != 0)
-        .find_map(crate::session::CaptureSession::active);
-    if let Some(session) = capturing {
-        session.after_end(Box::new(move || free_after_waiting(owner, used, free)));
+    if crate::host_fn::in_host_fn() {
+        crate::host_fn::defer(move || free_after_waiting(owner, used, free));
         return;
     }
-    let run = move || {
+    // A stream that takes part in a capture cannot be waited for (and work queued on it would be
+    // captured): the free waits for the end of the capture.
+    let mut free = Some(free);
+    let capturing = unless_capturing(std::iter::once(&owner).chain(&used), 0, || {
+        let Some(free) = free.take() else { return };
         if let Err(e) = wait_for_uses(&owner, &used).and_then(|()| free()) {
             crate::context::report_drop_error(Some(owner.context()), e);
         }
-    };
-    if crate::host_fn::in_host_fn() { crate::host_fn::defer(run) } else { run() }
+    });
+    if let (Some(session), Some(free)) = (capturing, free) {
+        session.after_end(Box::new(move || free_after_waiting(owner, used, free)));
+    }
+}
+
+/// Runs `f` unless one of `streams` takes part in a capture that cudrv tracks, other than `own`
+/// (0: none); then `f` does not run, and that capture's session comes back. The streams' gates
+/// are held from the look to the end of `f`, so that no capture begins on them in between.
+pub(crate) fn unless_capturing<'a>(
+    streams: impl Iterator<Item = &'a Stream> + Clone,
+    own: u64,
+    f: impl FnOnce(),
+) -> Option<Arc<CaptureSession>> {
+    let _gates: Vec<Gate<'_>> = streams.clone().map(|s| s.key().enter()).collect();
+    let capturing =
+        streams.map(|s| s.key().capture_id()).filter(|&id| id != 0 && id != own).find_map(CaptureSession::active);
+    if capturing.is_none() {
+        f();
+    }
+    capturing
 }
 
 /// [`Error::LengthMismatch`] unless `found` (the other side's length) is `expected` (the length of

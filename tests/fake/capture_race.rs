@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cudrv::graph::CaptureMode;
-use cudrv::memory::{DeviceBuffer, DriverPool, MemoryResource, PinnedBuffer, SyncResource};
+use cudrv::memory::{
+    DeviceBuffer, DeviceBuffer2D, DriverPool, ManagedBuffer, MemoryResource, PinnedBuffer, SyncResource,
+};
 use cudrv::{Device, Error, Graph, Stream};
 use cudrv_test_support::{fake_report, run_with_fake};
 
@@ -199,5 +201,39 @@ fn driver_pool_buffers_racing_captures_are_the_graphs_or_not_as_they_see() {
         assert!(report.violations.is_empty(), "{:?}", report.violations);
         // Allocations inside captures are the graphs' (nodes); outside, plain.
         assert!(made > 0 && !graphs.is_empty(), "no race: {made} made, {refused} refused, {captures} captures");
+    });
+}
+
+#[test]
+fn pitched_and_managed_frees_racing_captures_wait_for_them_and_lose_nothing() {
+    // Their frees are synchronous (cuMemFree after a wait for the stream): a capture begun between
+    // the look at the stream and the wait made the wait fail, and the memory leaked with an error.
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let live_before = fake_report().live_allocations;
+        let mut made = 0;
+        let (captures, _) = race(&s, || {
+            match DeviceBuffer2D::<u32>::zeroed(64, 4, &s) {
+                Ok(b) => {
+                    made += 1;
+                    drop(b);
+                }
+                Err(Error::Capturing { .. }) => {}
+                Err(e) => panic!("{e}"),
+            }
+            match ManagedBuffer::<u32>::zeroed(256, &s) {
+                Ok(b) => {
+                    made += 1;
+                    drop(b);
+                }
+                Err(Error::Capturing { .. }) => {}
+                Err(e) => panic!("{e}"),
+            }
+        });
+        cudrv::flush_deferred_drops().unwrap();
+        s.synchronize().unwrap(); // no drop error kept
+        assert_eq!(fake_report().live_allocations, live_before, "memory leaked");
+        assert!(made > 0 && captures > 0, "no race: {made} made, {captures} captures");
     });
 }
