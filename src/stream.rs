@@ -245,10 +245,13 @@ impl StreamKey {
         Ok(gate)
     }
 
-    /// Enters the stream's gate: until the [`Gate`] is dropped, no capture begins on the stream
-    /// and no wait makes it join one, so that what the caller sees of the stream's capture (with
-    /// [`StreamKey::capture_id`]) stays true while it queues work there. Held from the look to
-    /// the queueing (and for host copies, to the wait for them): never across a user's code.
+    /// Enters the stream's gate: until the [`Gate`] is dropped, no capture begins on the stream,
+    /// so that what the caller sees of the stream's capture (with [`StreamKey::capture_id`])
+    /// stays true while it queues work there. (A wait that makes the stream join another
+    /// stream's capture does not take the gate yet.) Held from the look to the queueing (and for
+    /// host copies, to the wait for them). The one user code run under it is a custom
+    /// [`MemoryResource`](crate::memory::MemoryResource)'s `allocate` or `deallocate` for a
+    /// `DeviceBuffer`: beginning a capture on the same stream there would wait for ever.
     #[inline]
     pub(crate) fn enter(&self) -> Gate<'_> {
         loop {
