@@ -18,11 +18,12 @@
 //! * `--config name=value,...`: `PoolConfig` fields for `--simulate` and `--resource pool`: sizes
 //!   (`small_limit`, `small_chunk`, `medium_limit`, `medium_chunk`, `large_granule`,
 //!   `min_large_split`, `release_threshold`), `classes`, `large_fit`, `headroom` (a percentage or
-//!   `none`), and `expandable=false` to grow in chunks even where the device (or the emulated one)
-//!   has virtual memory management.
+//!   `none`), `expandable=false` to grow in chunks even where the device (or the emulated one)
+//!   has virtual memory management, and `reservoir=false` to grow in chunks near capacity by
+//!   exactly each request.
 //!
 //! With `--simulate` or `--resource pool`, a line `pool ...` gives the pool's driver frees,
-//! out-of-memory recoveries, event synchronisations and queries, and what it leaves of the
+//! out-of-memory recoveries, reservoirs taken near capacity, event synchronisations and queries, and what it leaves of the
 //! reported free memory to the driver near capacity (2 MiB, or more where the driver refused).
 //!
 //! Each trace ends with one line:
@@ -113,6 +114,9 @@ fn set_config(c: &mut PoolConfig, kv: &str) -> Result<(), String> {
             } else {
                 Some(v.parse().map_err(|_| format!("--config headroom={v:?}: expected a percentage or none"))?)
             }
+        }
+        "reservoir" => {
+            c.reservoir = v.parse().map_err(|_| format!("--config reservoir={v:?}: expected true or false"))?
         }
         "expandable" => {
             c.expandable = v.parse().map_err(|_| format!("--config expandable={v:?}: expected true or false"))?
@@ -252,10 +256,11 @@ fn print_report(name: &str, trace: &Trace, r: &Report) {
     }
     if let Some(p) = &r.pool {
         println!(
-            "  pool              {} driver frees, {} out-of-memory recoveries, {} event syncs, {} event queries, \
-             {} MiB left to the driver",
+            "  pool              {} driver frees, {} out-of-memory recoveries, {} reservoirs, {} event syncs, \
+             {} event queries, {} MiB left to the driver",
             p.driver_frees,
             p.oom_recoveries,
+            p.reservoirs,
             p.event_syncs,
             p.event_queries,
             p.driver_spare >> 20

@@ -45,6 +45,8 @@ pub(crate) struct ArenaStats {
     pub(crate) oom_recoveries: u64,
     /// Growths made exactly because the device's memory ran short.
     pub(crate) tight_growths: u64,
+    /// Reservoirs taken near capacity ([`Arena::grow_reservoir`]).
+    pub(crate) reservoirs: u64,
     /// Large requests served past the headroom by a free tail, or by a free block they fill to
     /// less than `large_fit_percent`, instead of releasing memory to grow
     /// ([`Arena::reuse_past_headroom`]).
@@ -119,6 +121,12 @@ pub(crate) struct Arena<B: Backend> {
     pub(crate) segments: Option<Segments>,
     /// Each kind's segment (`NIL`: none yet).
     pub(crate) segment_of: [u32; KINDS],
+    /// Free chunks were given back to take a reservoir ([`Arena::grow_reservoir`]): the next
+    /// growth takes it.
+    consolidating: bool,
+    /// The largest growth asked for (exact bytes): no reservoir is taken once a request has
+    /// been an eighth of what the pool can reach ([`Arena::grow_reservoir`]).
+    largest_growth: usize,
 }
 
 impl<B: Backend> Arena<B> {
@@ -138,6 +146,8 @@ impl<B: Backend> Arena<B> {
             free_fresh: FREE_MEMORY_FRESH,
             segments: None,
             segment_of: [NIL; KINDS],
+            consolidating: false,
+            largest_growth: 0,
         }
     }
 
@@ -365,7 +375,7 @@ impl<B: Backend> Arena<B> {
             Kind::Small => (c.small_chunk, c.small_chunk),
             Kind::Medium => (c.medium_chunk, round_up(size, c.large_granule)?),
             // (No request is of kind `Tail`: tails are the rests of large chunks.)
-            Kind::Large | Kind::Tail => {
+            Kind::Large | Kind::Tail | Kind::Reservoir => {
                 let exact = round_up(size, c.large_granule)?;
                 (round_up(size_class(size, c.large_classes_per_octave), c.large_granule)?.max(exact), exact)
             }
@@ -418,12 +428,28 @@ impl<B: Backend> Arena<B> {
         let kind = self.kind_for(size);
         let (mut chunk, exact) = self.chunk_sizes(kind, size).ok_or(super::PoolError::TooLarge { requested: size })?;
         let peak = self.note_live(size);
+        self.largest_growth = self.largest_growth.max(exact);
+        // What a reservoir holds serves before the device is asked for more.
+        if self.config.reservoir
+            && let Some(blk) = self.take_kind(b, s, Kind::Reservoir, size, usize::MAX)?
+        {
+            return Ok(Grow::Block(self.handout(blk, size)));
+        }
         // Memory runs short when the device would be left with less than a tenth of what the pool
-        // then holds: grow by exactly the request, and release whatever free chunk can go first.
+        // then holds: consolidate into a reservoir, or grow by exactly the request, releasing
+        // whatever free chunk can go first.
         let before = self.device_free(b);
         let free = before.map(|f| self.usable(f));
-        let tight = self.runs_short(free, chunk);
+        // (A reservoir whose chunks were just given back is taken even though their memory makes
+        // the device look roomy again.)
+        let consolidating = std::mem::take(&mut self.consolidating);
+        let tight = self.runs_short(free, chunk) || consolidating;
         if tight {
+            if self.config.reservoir
+                && let Some(grown) = self.grow_reservoir(b, s, size, exact, before, may_release)?
+            {
+                return Ok(grown);
+            }
             chunk = exact;
         }
         // Rounding a large chunk up to a size class leaves its rest unused while its block is out:
@@ -467,6 +493,54 @@ impl<B: Backend> Arena<B> {
             }
         }
         Ok(Grow::OutOfMemory)
+    }
+
+    /// Near capacity ([`PoolConfig::reservoir`]): gives back every free chunk whose frees the GPU
+    /// has completed (asked without blocking; `Release`, after which the caller calls again), then
+    /// takes what the device has left, less what the driver keeps back, in one reservoir chunk
+    /// and hands out the request's block from its start. `None` where that is not enough for
+    /// the request (`exact` bytes), or the driver refuses it: the caller grows exactly instead.
+    /// During a capture (`may_release` false) nothing is given back, and the reservoir takes
+    /// only what the device has free.
+    fn grow_reservoir(
+        &mut self,
+        b: &B,
+        s: u32,
+        size: usize,
+        exact: usize,
+        before: Option<usize>,
+        may_release: bool,
+    ) -> Result<Option<Grow>, super::PoolError<B::Error>> {
+        let Some(reported) = before else { return Ok(None) };
+        // A workload with a request of an eighth of what the pool can reach relies on the driver
+        // to put memory back together for it (a `cuMemFree` of whole chunks, then a `cuMemAlloc`):
+        // a reservoir, pinned by any block live in it, would keep that memory apart.
+        if self.largest_growth > self.stats.reserved.saturating_add(self.usable(reported)) / 8 {
+            return Ok(None);
+        }
+        if may_release {
+            let detached = self.detach_free_chunks(b, 0, super::release::Completion::Poll)?;
+            if !detached.is_empty() {
+                self.consolidating = true;
+                return Ok(Some(Grow::Release(detached)));
+            }
+        }
+        let bytes = self.usable(reported) / GRANULE * GRANULE;
+        if bytes < exact {
+            return Ok(None);
+        }
+        match b.alloc_chunk(bytes) {
+            Ok(ptr) => {
+                let blk = self.add_chunk(s, Kind::Reservoir, ptr, bytes);
+                self.stats.reservoirs += 1;
+                Ok(Some(Grow::Block(self.handout(blk, size))))
+            }
+            Err(e) if b.is_out_of_memory(&e) => {
+                self.learn_spare_after_refusal(b, before, bytes);
+                Ok(None)
+            }
+            Err(e) => Err(super::PoolError::Backend(e)),
+        }
     }
 
     /// Past the headroom, where growing would mean giving memory back and allocating anew, a

@@ -27,10 +27,15 @@ pub(crate) enum Kind {
     /// whole chunk from going back to the driver. A tail merges back into its large block when
     /// both are free.
     Tail = 3,
+    /// A *reservoir* ([`PoolConfig::reservoir`](super::config::PoolConfig::reservoir)): near the
+    /// device's capacity, the arena gives back its free chunks and takes what the device has left
+    /// in one chunk, which serves requests of every kind by best fit, split and merged as a heap
+    /// is, before the arena grows again. Its blocks are all of this kind.
+    Reservoir = 4,
 }
 
 /// The number of kinds.
-pub(crate) const KINDS: usize = 4;
+pub(crate) const KINDS: usize = 5;
 
 /// The state of a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,7 +131,7 @@ impl<B: Backend> Arena<B> {
         let State::Free { .. } = block.state else { unreachable!("handing out a block that is not free") };
         let rest = block.size - size;
         let min_split = match block.kind {
-            Kind::Small | Kind::Tail => super::GRANULE,
+            Kind::Small | Kind::Tail | Kind::Reservoir => super::GRANULE,
             Kind::Medium | Kind::Large => self.config.min_large_split,
         };
         if rest >= min_split {

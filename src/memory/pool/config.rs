@@ -84,6 +84,35 @@ pub struct PoolConfig {
     /// `cuMemAlloc` memory): [`DeviceBuffer::ipc_handle`](crate::memory::DeviceBuffer::ipc_handle)
     /// refuses it. A pool for buffers shared that way sets this to `false`. Default `true`.
     pub expandable: bool,
+    /// In chunks, near the device's capacity (the device would be left with less than a tenth
+    /// of what the pool holds), grow by *consolidating* instead of by exactly each request: give
+    /// back every free chunk whose frees the GPU has completed, and take what the device has left
+    /// (less what the driver keeps back) in one chunk, a *reservoir*, which then serves requests
+    /// of every size by best fit, split and merged like a heap, before the pool grows again.
+    ///
+    /// Growing exactly lets the driver put memory back together: a chunk goes back whole when its
+    /// block is freed, and the next request gets a chunk of its own size. But a workload whose
+    /// sizes change from step to step then trades chunks with the driver at every step, and near
+    /// capacity each `cuMemFree` and `cuMemAlloc` of a large chunk costs 0.1 to 2 ms on an H200.
+    /// A reservoir places those requests in memory the pool already holds, with no driver call.
+    /// The price is fit: a block live in a reservoir keeps all of it from the driver, and a heap
+    /// that the frees leave in pieces may have no piece large enough for a request that exact
+    /// growth would have served. In simulation, on 60 synthetic training loops whose activations
+    /// change size every step, reservoirs made 4 to 8 times fewer driver allocations, and ran out
+    /// of memory in 1 of them with 1.10 times their peak of live memory (exact growth: none), in
+    /// 28 with 1.05 times (exact growth: 5), and in none with 1.20 times. On three of the five
+    /// traces in `traces/` (the other two ask for more than an eighth of memory, below) they
+    /// made 1.3 to 20 times fewer (cold) and none at all replaying warm, against 9 to 949, and
+    /// fitted in as little memory or less. Turn it on where there is some headroom (a fifth, say)
+    /// and the driver calls near capacity are what costs.
+    ///
+    /// Even when on, a workload that has asked for an eighth of the memory the pool can reach in
+    /// one request takes no reservoir: such requests rely on the driver's reassembly. Near
+    /// capacity the pool then holds all the memory it could take, as a cache, until
+    /// [`trim`](crate::memory::MemoryResource::trim) or the release rules give back a reservoir
+    /// with nothing live in it; other allocators of the process find the device full sooner.
+    /// Default `false`: growth near capacity is exact.
+    pub reservoir: bool,
 }
 
 impl Default for PoolConfig {
@@ -100,6 +129,7 @@ impl Default for PoolConfig {
             large_classes_per_octave: 8,
             headroom_percent: Some(DEFAULT_HEADROOM_PERCENT),
             expandable: true,
+            reservoir: false,
         }
     }
 }

@@ -605,6 +605,7 @@ pub(crate) fn stats<H: Host>(h: &H) -> PoolStats {
             event_syncs: s.event_syncs,
             event_queries: s.event_queries,
             oom_recoveries: s.oom_recoveries,
+            reservoirs: s.reservoirs,
             driver_spare: a.driver_spare,
         }
     })

@@ -61,6 +61,9 @@ pub struct PoolStats {
     /// Times a chunk allocation failed for lack of memory and the pool released what it caches to
     /// retry.
     pub oom_recoveries: u64,
+    /// Reservoirs taken: near the device's capacity, the free chunks given back and what the
+    /// device had left taken in one chunk ([`PoolConfig::reservoir`](crate::memory::PoolConfig::reservoir)).
+    pub reservoirs: u64,
     /// What the pool leaves of the device's reported free memory for the driver's own use when it
     /// plans a growth near capacity: 2 MiB at first, raised when the driver refuses a request that
     /// left more.

@@ -5,6 +5,7 @@
 mod graph;
 mod mock;
 mod props;
+mod reservoir;
 mod review2;
 mod review4;
 mod segments;

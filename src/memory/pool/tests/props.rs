@@ -197,16 +197,21 @@ fn run_threads(threads: usize, rounds: usize, seed: u64, vmm: bool) {
     h.teardown();
 }
 
-/// A synthetic trace: heavy-tailed sizes (most small, a few very large), long-lived allocations
-/// interleaved with short-lived ones, on `streams` streams.
-fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
+/// A xorshift generator seeded with `seed` (made odd: never zero).
+pub(super) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
     let mut rng = seed | 1;
-    let mut next = move || {
+    move || {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
         rng
-    };
+    }
+}
+
+/// A synthetic trace: heavy-tailed sizes (most small, a few very large), long-lived allocations
+/// interleaved with short-lived ones, on `streams` streams.
+fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
+    let mut next = xorshift(seed);
     let mut text = String::from("op,id,size,stream\n");
     let mut live: Vec<(u64, usize, usize, bool)> = Vec::new();
     let mut id = 0u64;
@@ -215,7 +220,7 @@ fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
         if free_some {
             // Short-lived allocations go first, mostly; long-lived ones rarely.
             let short: Vec<usize> = (0..live.len()).filter(|&i| !live[i].3).collect();
-            let pick = if !short.is_empty() && next() % 10 != 0 {
+            let pick = if !short.is_empty() && !next().is_multiple_of(10) {
                 short[(next() as usize) % short.len()]
             } else {
                 (next() as usize) % live.len()
@@ -227,9 +232,48 @@ fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
             let u = ((next() % 1_000_000) as f64 + 1.0) / 1_000_001.0;
             let n = ((4096.0 / u.powf(1.5)) as usize).min(2 << 30);
             let s = (next() as usize) % streams;
-            let long = next() % 5 == 0;
+            let long = next().is_multiple_of(5);
             text.push_str(&format!("a,{id},{n},{s}\n"));
             live.push((id, n, s, long));
+            id += 1;
+        }
+    }
+    Trace::parse(&text).expect("a valid synthetic trace")
+}
+
+/// A synthetic training loop: 10 to 49 layers, each with a long-lived weight (4 to 200 MiB),
+/// then `steps` steps that scale every layer's activation (1 to 300 MiB, heavy-tailed) by a
+/// factor of 30% to 100% drawn per step (a batch of another shape), allocate them in the forward
+/// pass with a short-lived workspace beside every third, and free them in the backward pass,
+/// each after its gradient is allocated.
+fn training_steps(seed: u64, steps: usize) -> Trace {
+    let mut next = xorshift(seed);
+    let mut unit = move || (next() % 1_000_000) as f64 / 1e6;
+    let mut text = String::from("op,id,size,stream\n");
+    let mut id = 0u64;
+    let layers = 10 + (unit() * 40.0) as usize;
+    let activations: Vec<f64> = (0..layers).map(|_| MIB as f64 * (1.0 + 300.0 * unit().powi(3))).collect();
+    for _ in 0..layers {
+        let bytes = (4.0 * MIB as f64 * (1.0 + 50.0 * unit().powi(2))) as usize;
+        text.push_str(&format!("a,{id},{bytes},0\n"));
+        id += 1;
+    }
+    for _ in 0..steps {
+        let factor = 0.3 + 0.7 * unit();
+        let mut forward = Vec::with_capacity(layers);
+        for &base in &activations {
+            let bytes = (base * factor) as usize + 512;
+            text.push_str(&format!("a,{id},{bytes},0\n"));
+            forward.push((id, bytes));
+            id += 1;
+            if unit() < 1.0 / 3.0 {
+                let workspace = bytes / 2 + 1;
+                text.push_str(&format!("a,{id},{workspace},0\nf,{id},{workspace},0\n"));
+                id += 1;
+            }
+        }
+        while let Some((act, bytes)) = forward.pop() {
+            text.push_str(&format!("a,{id},{bytes},0\nf,{act},{bytes},0\nf,{id},{bytes},0\n"));
             id += 1;
         }
     }
@@ -293,6 +337,56 @@ fn synthetic_traces_stay_close_to_live_memory() {
             assert_eq!(r.out_of_memory_at, None, "seed {seed}, {config:?}: out of memory within 1.10x its peak");
             let r = trace.replay_simulated(config.clone(), None);
             assert!(r.ratio() <= 1.25, "seed {seed}, {config:?}: reserved/live {:.3}", r.ratio());
+        }
+    }
+}
+
+/// Training loops whose activations change size every step fit in 1.10x their peak of live
+/// memory in chunks, growing exactly near capacity (the default).
+#[test]
+#[cfg_attr(miri, ignore)]
+fn synthetic_training_steps_fit_in_chunks() {
+    let config = PoolConfig { expandable: false, ..PoolConfig::default() };
+    for seed in 1..=12u64 {
+        let trace = training_steps(seed * 7919, 20);
+        let budget = trace.peak_live() / 100 * 110;
+        let r = trace.replay_simulated(config.clone(), Some(budget));
+        assert_eq!(r.out_of_memory_at, None, "seed {seed}: out of memory within 1.10x its peak");
+    }
+}
+
+/// What reservoirs ([`PoolConfig::reservoir`]) change in chunks under a budget, on 60 synthetic
+/// training loops and 60 heavy-tailed traces: how many run out of memory with and without them,
+/// and the driver allocations of those that fit both ways. Figures for the documentation, run by
+/// hand: `cargo test --release --lib reservoirs_against_exact_growth -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn reservoirs_against_exact_growth() {
+    for workload in ["training", "heavy-tailed"] {
+        for percent in [105usize, 110, 120] {
+            let (mut out, mut calls) = ([0; 2], [0u64; 2]);
+            for seed in 1..=60u64 {
+                let trace = match workload {
+                    "training" => training_steps(seed * 7919, 40),
+                    _ => synthetic_trace(seed * 104_729, 20_000, 1 + seed as usize % 3),
+                };
+                let budget = Some(trace.peak_live() / 100 * percent);
+                let runs = [false, true].map(|reservoir| {
+                    let config = PoolConfig { expandable: false, reservoir, ..PoolConfig::default() };
+                    trace.replay_simulated(config, budget)
+                });
+                for (i, r) in runs.iter().enumerate() {
+                    out[i] += usize::from(r.out_of_memory_at.is_some());
+                }
+                if runs.iter().all(|r| r.out_of_memory_at.is_none()) {
+                    calls[0] += runs[0].driver_allocs;
+                    calls[1] += runs[1].driver_allocs;
+                }
+            }
+            eprintln!(
+                "{workload} at {percent}%: out of memory {} exact, {} with reservoirs; driver allocations where both fit {} exact, {} with reservoirs",
+                out[0], out[1], calls[0], calls[1]
+            );
         }
     }
 }

@@ -42,6 +42,7 @@ fn explain_oom() {
                 "small_chunk" => config.small_chunk = n(),
                 "headroom" => config.headroom_percent = v.parse().ok(),
                 "expandable" => config.expandable = v == "1",
+                "reservoir" => config.reservoir = v == "1",
                 _ => panic!("{k}"),
             }
         }
