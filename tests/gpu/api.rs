@@ -703,6 +703,9 @@ fn pool_ipc_between_two_processes() {
             note("freeing the imported buffer and pool");
             drop(b); // freed here before the exporter frees it
             drop(pool);
+            // The free (`cuMemFree` of the imported pointer) succeeded: a failed one would be kept
+            // for the stream's next synchronize.
+            s.synchronize().expect("the imported buffer was freed");
             "done\n"
         }
     };

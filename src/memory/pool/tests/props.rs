@@ -341,6 +341,22 @@ fn synthetic_traces_stay_close_to_live_memory() {
     }
 }
 
+/// Heavy-tailed traces with requests up to most of their peak fit in 1.10x their peak of live
+/// memory in segments: the memory of a large request, freed and cut up by smaller ones, is
+/// unmapped between them for the next large one (a growth maps several handles, see
+/// `segment::coarse_handle`; with one handle per growth, 7 of these 60 ran out of memory).
+#[test]
+#[cfg_attr(miri, ignore)]
+fn heavy_tailed_traces_fit_in_segments() {
+    let config = PoolConfig::default();
+    for seed in 1..=60u64 {
+        let trace = synthetic_trace(seed * 104_729, 20_000, 1 + seed as usize % 3);
+        let budget = trace.peak_live() / 100 * 110;
+        let r = trace.replay_simulated(config.clone(), Some(budget));
+        assert_eq!(r.out_of_memory_at, None, "seed {seed}: out of memory within 1.10x its peak");
+    }
+}
+
 /// Training loops whose activations change size every step fit in 1.10x their peak of live
 /// memory in chunks, growing exactly near capacity (the default).
 #[test]
@@ -377,6 +393,12 @@ fn reservoirs_against_exact_growth() {
                 });
                 for (i, r) in runs.iter().enumerate() {
                     out[i] += usize::from(r.out_of_memory_at.is_some());
+                }
+                if runs[0].out_of_memory_at.is_some() != runs[1].out_of_memory_at.is_some() {
+                    eprintln!(
+                        "  {workload} at {percent}%, seed {seed}: out of memory at {:?} exact, {:?} with reservoirs",
+                        runs[0].out_of_memory_at, runs[1].out_of_memory_at
+                    );
                 }
                 if runs.iter().all(|r| r.out_of_memory_at.is_none()) {
                     calls[0] += runs[0].driver_allocs;
