@@ -200,14 +200,19 @@ impl<B: Backend> Arena<B> {
         Ok(self.take_kind(b, s, kind, size, largest)?.map(|blk| self.handout(blk, size)))
     }
 
-    /// The best-fitting free tail of a large chunk for a small or medium request of `size` rounded
-    /// bytes on stream `s`, handed out: the last resort before out of memory, since a block in a
-    /// tail keeps its whole chunk from going back to the driver.
-    pub(crate) fn take_tail(&mut self, b: &B, s: u32, size: usize) -> Result<Option<Handout>, B::Error> {
-        if self.kind_for(size) == Kind::Large {
+    /// The last resort before out of memory for a request of `size` rounded bytes on stream `s`,
+    /// once every free chunk has gone back to the driver: the best-fitting free tail of a large
+    /// chunk, and for a large request then any free large block that holds it, however little of
+    /// it the request fills (what is free there stays because a live block in its chunk pins it).
+    /// Never earlier, since a block there keeps its whole chunk from going back to the driver.
+    pub(crate) fn take_last_resort(&mut self, b: &B, s: u32, size: usize) -> Result<Option<Handout>, B::Error> {
+        if let Some(blk) = self.take_kind(b, s, Kind::Tail, size, usize::MAX)? {
+            return Ok(Some(self.handout(blk, size)));
+        }
+        if self.kind_for(size) != Kind::Large {
             return Ok(None);
         }
-        Ok(self.take_kind(b, s, Kind::Tail, size, usize::MAX)?.map(|blk| self.handout(blk, size)))
+        Ok(self.take_kind(b, s, Kind::Large, size, usize::MAX)?.map(|blk| self.handout(blk, size)))
     }
 
     /// The largest free block of `kind` that may serve a request of `size` bytes: for a large

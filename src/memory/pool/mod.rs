@@ -83,7 +83,8 @@
 //! * *Out of memory*: the pool waits on the host for every free (with no lock held), merges,
 //!   looks again, gives back the free chunks that make up for what the request lacks, then
 //!   everything free, and retries the driver at exactly the request each time, so that what it
-//!   can reach matches what `cuMemAlloc` can; a small or medium request then takes a tail.
+//!   can reach matches what `cuMemAlloc` can; a request then takes a free tail that holds it,
+//!   and a large one any free large block that holds it (memory live blocks pin anyway).
 #![forbid(unsafe_code)]
 
 pub(crate) mod arena;
@@ -288,8 +289,9 @@ pub(crate) fn allocate_slow<H: Host>(
             return Ok(adopt(handout));
         }
     }
-    // Last, the tail of a large chunk: bytes the driver's pages added to a large block.
-    if let Some(handout) = h.arena(|a| a.take_tail(b, slot, size))? {
+    // Last, memory that live blocks pin in their chunks: a large chunk's free tail, or for a large
+    // request a free large block it fills less than usual.
+    if let Some(handout) = h.arena(|a| a.take_last_resort(b, slot, size))? {
         return Ok(adopt(handout));
     }
     let in_use = stats(h).in_use;

@@ -267,6 +267,30 @@ fn oom_waits_for_frees_then_releases_and_retries_exactly() {
     h.teardown();
 }
 
+/// Out of memory, once every free chunk went back, a large request takes what a live block pins:
+/// here the free tail of a chunk whose block fills it to 80%.
+#[test]
+fn oom_a_large_request_takes_a_free_tail_as_the_last_resort() {
+    let h = harness(1);
+    h.mock.st().capacity = 256 * MIB;
+    let a = h.alloc(100 * MIB, 0).unwrap();
+    h.free(a, 0);
+    let b = h.alloc(80 * MIB, 0).unwrap();
+    assert_eq!(b, a, "the free chunk serves a request of 80% of it, and keeps a 20 MiB tail");
+    let c = h.alloc(150 * MIB, 0).unwrap();
+    let d = h.alloc(16 * MIB, 0).unwrap();
+    assert_eq!(d, a + (80 * MIB) as u64, "the tail holds the request");
+    let st = h.stats();
+    assert_eq!((st.reserved, st.driver_allocs, st.oom_recoveries), (250 * MIB, 2, 1), "{st:?}");
+    // The tail is no larger than it was: a request it cannot hold is out of memory.
+    assert!(matches!(h.alloc(16 * MIB, 0), Err(PoolError::OutOfMemory { .. })));
+    for p in [b, c, d] {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
 #[test]
 fn oom_merges_host_safe_blocks_of_different_streams() {
     let h = harness(2);
