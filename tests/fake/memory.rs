@@ -744,7 +744,8 @@ fn a_growth_waits_for_an_unmap_in_flight() {
         trimmer.join().unwrap().unwrap();
         assert!(buf.to_vec().unwrap().iter().all(|&x| x == 9));
         let st = pool.pool_stats();
-        assert_eq!((st.driver_allocs, st.driver_frees), (2, 1), "mapped, unmapped, mapped again: {st:?}");
+        // (The 32 MiB growth maps two handles of 16 MiB, the smallest coarse handle.)
+        assert_eq!((st.driver_allocs, st.driver_frees), (3, 2), "mapped, unmapped, mapped again: {st:?}");
         assert_eq!(st.reserved, 16 << 20, "{st:?}");
         drop(buf);
         drop(pool);
