@@ -208,6 +208,12 @@ pub(super) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
     }
 }
 
+/// Numbers in `[0, 1)` from [`xorshift`] seeded with `seed`.
+fn uniform(seed: u64) -> impl FnMut() -> f64 {
+    let mut next = xorshift(seed);
+    move || (next() % 1_000_000) as f64 / 1e6
+}
+
 /// A synthetic trace: heavy-tailed sizes (most small, a few very large), long-lived allocations
 /// interleaved with short-lived ones, on `streams` streams.
 fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
@@ -247,8 +253,7 @@ fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
 /// pass with a short-lived workspace beside every third, and free them in the backward pass,
 /// each after its gradient is allocated.
 fn training_steps(seed: u64, steps: usize) -> Trace {
-    let mut next = xorshift(seed);
-    let mut unit = move || (next() % 1_000_000) as f64 / 1e6;
+    let mut unit = uniform(seed);
     let mut text = String::from("op,id,size,stream\n");
     let mut id = 0u64;
     let layers = 10 + (unit() * 40.0) as usize;
@@ -275,6 +280,50 @@ fn training_steps(seed: u64, steps: usize) -> Trace {
         while let Some((act, bytes)) = forward.pop() {
             text.push_str(&format!("a,{id},{bytes},0\nf,{act},{bytes},0\nf,{id},{bytes},0\n"));
             id += 1;
+        }
+    }
+    Trace::parse(&text).expect("a valid synthetic trace")
+}
+
+/// A synthetic variable-length inference server: weights (0.3 to 0.8 GB in 20 to 40 tensors) and
+/// one long-lived cache of 1.5 to 3 GB, then `requests` requests of 16 to 4,096 tokens, each
+/// running every layer with activations linear and quadratic in its length (attention scores),
+/// most freed within the layer, a few kept to the request's end.
+fn inference_requests(seed: u64, requests: usize) -> Trace {
+    let mut unit = uniform(seed);
+    let mut text = String::from("op,id,size,stream\n");
+    let mut id = 0u64;
+    let layers = 20 + (unit() * 20.0) as usize;
+    let weights = (0.3 + 0.5 * unit()) * 1e9 / layers as f64;
+    for _ in 0..layers {
+        text.push_str(&format!("a,{id},{},0\n", (weights * (0.5 + unit())) as usize));
+        id += 1;
+    }
+    text.push_str(&format!("a,{id},{},0\n", ((1.5 + 1.5 * unit()) * 1e9) as usize));
+    id += 1;
+    let hidden = 2048.0 + 2048.0 * unit();
+    for _ in 0..requests {
+        let tokens = 16.0 + 4080.0 * unit().powi(2);
+        let mut kept = Vec::new();
+        for _ in 0..layers {
+            let linear = (tokens * hidden * 2.0) as usize;
+            let scores = (tokens * tokens * 32.0) as usize + 512;
+            let sizes = [linear, linear * 3, scores, linear];
+            let mut layer = Vec::new();
+            for bytes in sizes {
+                text.push_str(&format!("a,{id},{bytes},0\n"));
+                layer.push((id, bytes));
+                id += 1;
+            }
+            if unit() < 0.1 {
+                kept.push(layer.pop().unwrap());
+            }
+            for (i, bytes) in layer.into_iter().rev() {
+                text.push_str(&format!("f,{i},{bytes},0\n"));
+            }
+        }
+        for (i, bytes) in kept {
+            text.push_str(&format!("f,{i},{bytes},0\n"));
         }
     }
     Trace::parse(&text).expect("a valid synthetic trace")
@@ -325,20 +374,25 @@ fn threads_racing_allocations_frees_and_trims_are_safe() {
     }
 }
 
-#[test]
-#[cfg_attr(miri, ignore)]
-fn synthetic_traces_stay_close_to_live_memory() {
+/// Replays `trace(seed)` for each of `seeds` in segments and in chunks: each fits in 1.10x its
+/// peak of live memory, and reserves at most 1.25x without a budget.
+fn assert_close_to_live(seeds: std::ops::RangeInclusive<u64>, trace: impl Fn(u64) -> Trace) {
     for expandable in [true, false] {
         let config = PoolConfig { expandable, ..PoolConfig::default() };
-        for seed in 1..=8u64 {
-            let trace = synthetic_trace(seed * 7919, 20_000, 1 + seed as usize % 3);
-            let budget = trace.peak_live() / 100 * 110;
-            let r = trace.replay_simulated(config.clone(), Some(budget));
+        for seed in seeds.clone() {
+            let trace = trace(seed);
+            let r = trace.replay_simulated(config.clone(), Some(trace.peak_live() / 100 * 110));
             assert_eq!(r.out_of_memory_at, None, "seed {seed}, {config:?}: out of memory within 1.10x its peak");
             let r = trace.replay_simulated(config.clone(), None);
             assert!(r.ratio() <= 1.25, "seed {seed}, {config:?}: reserved/live {:.3}", r.ratio());
         }
     }
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+fn synthetic_traces_stay_close_to_live_memory() {
+    assert_close_to_live(1..=8, |seed| synthetic_trace(seed * 7919, 20_000, 1 + seed as usize % 3));
 }
 
 /// Heavy-tailed traces with requests up to most of their peak fit in 1.10x their peak of live
@@ -355,6 +409,14 @@ fn heavy_tailed_traces_fit_in_segments() {
         let r = trace.replay_simulated(config.clone(), Some(budget));
         assert_eq!(r.out_of_memory_at, None, "seed {seed}: out of memory within 1.10x its peak");
     }
+}
+
+/// Variable-length inference with a long-lived cache of about half the peak: fits in 1.10x its
+/// peak of live memory in segments and in chunks, and reserves at most 1.25x without a budget.
+#[test]
+#[cfg_attr(miri, ignore)]
+fn synthetic_inference_fits_in_segments_and_chunks() {
+    assert_close_to_live(1..=8, |seed| inference_requests(seed * 7919, 40));
 }
 
 /// Training loops whose activations change size every step fit in 1.10x their peak of live
