@@ -128,21 +128,25 @@ impl Stream {
     /// on. It is not ended either while a buffer allocated during it lives.
     ///
     /// # Errors
-    /// The driver's error (`CUDA_ERROR_ILLEGAL_STATE` when the stream is capturing already; the
-    /// legacy stream cannot be captured).
+    /// The driver's error (`CUDA_ERROR_ILLEGAL_STATE` when the stream is capturing already, or
+    /// another thread is beginning a capture on it; the legacy stream cannot be captured).
     pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
         // Where the stream stands before the capture: the graph's first launch waits for it.
         let before = mark_before_join(self)?;
-        // Other threads' cudrv work on this stream waits until the capture's id is known.
-        let marked = self.key().mark_capture_starting();
+        // Other threads' cudrv work on this stream waits until the capture's id is known. The
+        // stream takes part in a capture already, or another thread is beginning one: the
+        // driver's answer to a second begin, without asking it (asked while the other thread's
+        // begin is under way, it could let this one win, and that thread's failure would then
+        // clear this capture's id).
+        if !self.key().mark_capture_starting() {
+            return Err(Error::driver("cuStreamBeginCapture", CUresult::CUDA_ERROR_ILLEGAL_STATE));
+        }
         let begun = self.context().bind().and_then(|_b| {
             // SAFETY: a valid stream of the current context; a valid mode.
             unsafe { drv!(cuStreamBeginCapture_v2(self.as_raw(), mode_raw(mode))) }
         });
         if let Err(e) = begun {
-            if marked {
-                self.key().set_capture_id(0);
-            }
+            self.key().set_capture_id(0);
             return Err(e);
         }
         let id = match self.capture_state() {

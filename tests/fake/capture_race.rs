@@ -237,3 +237,59 @@ fn pitched_and_managed_frees_racing_captures_wait_for_them_and_lose_nothing() {
         assert!(made > 0 && captures > 0, "no race: {made} made, {captures} captures");
     });
 }
+
+#[test]
+fn two_threads_beginning_a_capture_on_one_stream_leave_one_capture_tracked() {
+    // Both threads tried to mark the stream; the one that failed to (the other was beginning)
+    // asked the driver anyway, and could win there: the marking thread's refusal then cleared
+    // the winner's capture id, and its capture went on untracked (a buffer allocated in it did
+    // not keep `end_capture` from ending it). Failures are counted, not panicked on, so that the
+    // other thread is not left waiting at the barrier.
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let rounds = 300;
+        let racers: Vec<_> = (0..2)
+            .map(|_| {
+                let (s, barrier) = (s.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    let (mut won, mut untracked, mut other) = (0, 0, Vec::new());
+                    for _ in 0..rounds {
+                        barrier.wait();
+                        let begun = s.begin_capture(CaptureMode::Relaxed);
+                        barrier.wait();
+                        match begun {
+                            Ok(()) => {
+                                won += 1;
+                                // The capture is tracked: a buffer allocated in it holds it open.
+                                let b = DeviceBuffer::<u32>::zeroed(1024, &s);
+                                let held = matches!(s.end_capture(), Err(Error::Capturing { .. }));
+                                drop(b);
+                                if held {
+                                    if let Err(e) = s.end_capture() {
+                                        other.push(e.to_string());
+                                    }
+                                } else {
+                                    untracked += 1;
+                                }
+                            }
+                            Err(Error::Driver { code: cudrv_sys::CUresult::CUDA_ERROR_ILLEGAL_STATE, .. }) => {}
+                            Err(e) => other.push(e.to_string()),
+                        }
+                        barrier.wait();
+                    }
+                    (won, untracked, other)
+                })
+            })
+            .collect();
+        let results: Vec<_> = racers.into_iter().map(|t| t.join().unwrap()).collect();
+        let won: usize = results.iter().map(|r| r.0).sum();
+        let untracked: usize = results.iter().map(|r| r.1).sum();
+        let other: Vec<&String> = results.iter().flat_map(|r| &r.2).collect();
+        assert_eq!((won, untracked), (rounds, 0), "one begin wins each round, tracked; errors: {other:?}");
+        assert!(other.is_empty(), "{other:?}");
+        cudrv::flush_deferred_drops().unwrap();
+        s.synchronize().unwrap();
+    });
+}
