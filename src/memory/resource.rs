@@ -40,6 +40,11 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// Resources are `'static` ([`Any`]), so that a `dyn MemoryResource` can be downcast to what it
 /// is (cudrv calls its own [`StreamOrderedPool`] directly, for example).
 ///
+/// When a [`DeviceBuffer`] calls a resource's `allocate` or `deallocate`, it holds the stream's
+/// capture gate, so that no capture begins on the stream between its look at the stream and the
+/// resource's work there: an implementation must not begin or end a capture on that stream
+/// (it would wait for ever). Queueing work on it, and waiting for it, are fine.
+///
 /// # Safety
 /// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least
 /// `bytes` bytes, aligned to at least 256 bytes, that is not in use by anything else on the GPU or
