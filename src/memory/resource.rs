@@ -42,7 +42,7 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 ///
 /// When a [`DeviceBuffer`] calls a resource's `allocate` or `deallocate`, it holds the stream's
 /// capture gate, so that no capture begins on the stream between its look at the stream and the
-/// resource's work there: an implementation must not begin or end a capture on that stream
+X
 /// (it would wait for ever). Queueing work on it, and waiting for it, are fine.
 ///
 /// # Safety
