@@ -42,8 +42,8 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 ///
 /// When a [`DeviceBuffer`] calls a resource's `allocate` or `deallocate`, it holds the stream's
 /// capture gate, so that no capture begins on the stream between its look at the stream and the
-X
-/// (it would wait for ever). Queueing work on it, and waiting for it, are fine.
+/// resource's work there: an implementation must not begin a capture on that stream (it would
+/// wait for ever). Queueing work on it, and waiting for it, are fine.
 ///
 /// # Safety
 /// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least
