@@ -214,13 +214,41 @@ fn uniform(seed: u64) -> impl FnMut() -> f64 {
     move || (next() % 1_000_000) as f64 / 1e6
 }
 
+/// A trace being written, in the format of `traces/`: allocations get ids in order.
+struct TraceWriter {
+    text: String,
+    next: u64,
+}
+
+impl TraceWriter {
+    fn new() -> Self {
+        TraceWriter { text: String::from("op,id,size,stream\n"), next: 0 }
+    }
+
+    /// Writes an allocation of `bytes` on `stream`; returns its id.
+    fn alloc(&mut self, bytes: usize, stream: usize) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        self.text.push_str(&format!("a,{id},{bytes},{stream}\n"));
+        id
+    }
+
+    /// Writes the free of allocation `id` (of `bytes`) on `stream`.
+    fn free(&mut self, id: u64, bytes: usize, stream: usize) {
+        self.text.push_str(&format!("f,{id},{bytes},{stream}\n"));
+    }
+
+    fn finish(self) -> Trace {
+        Trace::parse(&self.text).expect("a valid synthetic trace")
+    }
+}
+
 /// A synthetic trace: heavy-tailed sizes (most small, a few very large), long-lived allocations
 /// interleaved with short-lived ones, on `streams` streams.
 fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
     let mut next = xorshift(seed);
-    let mut text = String::from("op,id,size,stream\n");
+    let mut trace = TraceWriter::new();
     let mut live: Vec<(u64, usize, usize, bool)> = Vec::new();
-    let mut id = 0u64;
     for _ in 0..events {
         let free_some = !live.is_empty() && next() % 100 < 48;
         if free_some {
@@ -232,19 +260,17 @@ fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
                 (next() as usize) % live.len()
             };
             let (i, n, s, _) = live.swap_remove(pick);
-            text.push_str(&format!("f,{i},{n},{s}\n"));
+            trace.free(i, n, s);
         } else {
             // Pareto-like: size = 4 KiB / u^1.5, capped at 2 GiB.
             let u = ((next() % 1_000_000) as f64 + 1.0) / 1_000_001.0;
             let n = ((4096.0 / u.powf(1.5)) as usize).min(2 << 30);
             let s = (next() as usize) % streams;
             let long = next().is_multiple_of(5);
-            text.push_str(&format!("a,{id},{n},{s}\n"));
-            live.push((id, n, s, long));
-            id += 1;
+            live.push((trace.alloc(n, s), n, s, long));
         }
     }
-    Trace::parse(&text).expect("a valid synthetic trace")
+    trace.finish()
 }
 
 /// A synthetic training loop: 10 to 49 layers, each with a long-lived weight (4 to 200 MiB),
@@ -254,35 +280,31 @@ fn synthetic_trace(seed: u64, events: usize, streams: usize) -> Trace {
 /// each after its gradient is allocated.
 fn training_steps(seed: u64, steps: usize) -> Trace {
     let mut unit = uniform(seed);
-    let mut text = String::from("op,id,size,stream\n");
-    let mut id = 0u64;
+    let mut trace = TraceWriter::new();
     let layers = 10 + (unit() * 40.0) as usize;
     let activations: Vec<f64> = (0..layers).map(|_| MIB as f64 * (1.0 + 300.0 * unit().powi(3))).collect();
     for _ in 0..layers {
-        let bytes = (4.0 * MIB as f64 * (1.0 + 50.0 * unit().powi(2))) as usize;
-        text.push_str(&format!("a,{id},{bytes},0\n"));
-        id += 1;
+        trace.alloc((4.0 * MIB as f64 * (1.0 + 50.0 * unit().powi(2))) as usize, 0);
     }
     for _ in 0..steps {
         let factor = 0.3 + 0.7 * unit();
         let mut forward = Vec::with_capacity(layers);
         for &base in &activations {
             let bytes = (base * factor) as usize + 512;
-            text.push_str(&format!("a,{id},{bytes},0\n"));
-            forward.push((id, bytes));
-            id += 1;
+            forward.push((trace.alloc(bytes, 0), bytes));
             if unit() < 1.0 / 3.0 {
                 let workspace = bytes / 2 + 1;
-                text.push_str(&format!("a,{id},{workspace},0\nf,{id},{workspace},0\n"));
-                id += 1;
+                let id = trace.alloc(workspace, 0);
+                trace.free(id, workspace, 0);
             }
         }
         while let Some((act, bytes)) = forward.pop() {
-            text.push_str(&format!("a,{id},{bytes},0\nf,{act},{bytes},0\nf,{id},{bytes},0\n"));
-            id += 1;
+            let gradient = trace.alloc(bytes, 0);
+            trace.free(act, bytes, 0);
+            trace.free(gradient, bytes, 0);
         }
     }
-    Trace::parse(&text).expect("a valid synthetic trace")
+    trace.finish()
 }
 
 /// A synthetic variable-length inference server: weights (0.3 to 0.8 GB in 20 to 40 tensors) and
@@ -291,16 +313,13 @@ fn training_steps(seed: u64, steps: usize) -> Trace {
 /// most freed within the layer, a few kept to the request's end.
 fn inference_requests(seed: u64, requests: usize) -> Trace {
     let mut unit = uniform(seed);
-    let mut text = String::from("op,id,size,stream\n");
-    let mut id = 0u64;
+    let mut trace = TraceWriter::new();
     let layers = 20 + (unit() * 20.0) as usize;
     let weights = (0.3 + 0.5 * unit()) * 1e9 / layers as f64;
     for _ in 0..layers {
-        text.push_str(&format!("a,{id},{},0\n", (weights * (0.5 + unit())) as usize));
-        id += 1;
+        trace.alloc((weights * (0.5 + unit())) as usize, 0);
     }
-    text.push_str(&format!("a,{id},{},0\n", ((1.5 + 1.5 * unit()) * 1e9) as usize));
-    id += 1;
+    trace.alloc(((1.5 + 1.5 * unit()) * 1e9) as usize, 0);
     let hidden = 2048.0 + 2048.0 * unit();
     for _ in 0..requests {
         let tokens = 16.0 + 4080.0 * unit().powi(2);
@@ -309,24 +328,19 @@ fn inference_requests(seed: u64, requests: usize) -> Trace {
             let linear = (tokens * hidden * 2.0) as usize;
             let scores = (tokens * tokens * 32.0) as usize + 512;
             let sizes = [linear, linear * 3, scores, linear];
-            let mut layer = Vec::new();
-            for bytes in sizes {
-                text.push_str(&format!("a,{id},{bytes},0\n"));
-                layer.push((id, bytes));
-                id += 1;
-            }
+            let mut layer: Vec<(u64, usize)> = sizes.into_iter().map(|bytes| (trace.alloc(bytes, 0), bytes)).collect();
             if unit() < 0.1 {
                 kept.push(layer.pop().unwrap());
             }
             for (i, bytes) in layer.into_iter().rev() {
-                text.push_str(&format!("f,{i},{bytes},0\n"));
+                trace.free(i, bytes, 0);
             }
         }
         for (i, bytes) in kept {
-            text.push_str(&format!("f,{i},{bytes},0\n"));
+            trace.free(i, bytes, 0);
         }
     }
-    Trace::parse(&text).expect("a valid synthetic trace")
+    trace.finish()
 }
 
 proptest! {
