@@ -483,21 +483,35 @@ impl<B: Backend> Arena<B> {
             }
         }
         for bytes in [chunk, exact] {
-            match b.alloc_chunk(bytes) {
-                Ok(ptr) => {
-                    let blk = self.add_chunk(s, kind, ptr, bytes);
-                    return Ok(Grow::Block(self.handout(blk, size)));
-                }
-                Err(e) if b.is_out_of_memory(&e) => {
-                    self.learn_spare_after_refusal(b, before, bytes);
-                    if bytes == exact {
-                        break;
-                    }
-                }
-                Err(e) => return Err(super::PoolError::Backend(e)),
+            if let Some(blk) = self.new_chunk(b, s, kind, bytes, before)? {
+                return Ok(Grow::Block(self.handout(blk, size)));
+            }
+            if bytes == exact {
+                break;
             }
         }
         Ok(Grow::OutOfMemory)
+    }
+
+    /// Allocates a chunk of `bytes` of `kind` for stream `s` and returns its single block. `None`
+    /// when the driver is out of memory (with `before` bytes free as last known: the spare is
+    /// learnt from the refusal).
+    fn new_chunk(
+        &mut self,
+        b: &B,
+        s: u32,
+        kind: Kind,
+        bytes: usize,
+        before: Option<usize>,
+    ) -> Result<Option<u32>, super::PoolError<B::Error>> {
+        match b.alloc_chunk(bytes) {
+            Ok(ptr) => Ok(Some(self.add_chunk(s, kind, ptr, bytes))),
+            Err(e) if b.is_out_of_memory(&e) => {
+                self.learn_spare_after_refusal(b, before, bytes);
+                Ok(None)
+            }
+            Err(e) => Err(super::PoolError::Backend(e)),
+        }
     }
 
     /// Near capacity ([`PoolConfig::reservoir`]): gives back every free chunk whose frees the GPU
@@ -534,18 +548,9 @@ impl<B: Backend> Arena<B> {
         if bytes < exact {
             return Ok(None);
         }
-        match b.alloc_chunk(bytes) {
-            Ok(ptr) => {
-                let blk = self.add_chunk(s, Kind::Reservoir, ptr, bytes);
-                self.stats.reservoirs += 1;
-                Ok(Some(Grow::Block(self.handout(blk, size))))
-            }
-            Err(e) if b.is_out_of_memory(&e) => {
-                self.learn_spare_after_refusal(b, before, bytes);
-                Ok(None)
-            }
-            Err(e) => Err(super::PoolError::Backend(e)),
-        }
+        let Some(blk) = self.new_chunk(b, s, Kind::Reservoir, bytes, before)? else { return Ok(None) };
+        self.stats.reservoirs += 1;
+        Ok(Some(Grow::Block(self.handout(blk, size))))
     }
 
     /// Past the headroom, where growing would mean giving memory back and allocating anew, a
