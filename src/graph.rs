@@ -175,19 +175,34 @@ impl Stream {
     /// discarded).
     pub fn end_capture(&self) -> Result<Graph> {
         let session = self.capture();
+        // Other threads' cudrv work on the stream waits from the look at the capture's buffers to
+        // its end: a buffer allocated in between would be the graph's, and outlive the capture.
+        let key = self.key();
+        let marked = session.as_ref().map(|s| s.id).filter(|&id| key.mark_capture_changing(id));
+        let unmark = || {
+            if let Some(id) = marked {
+                key.set_capture_id(id);
+            }
+        };
         if let Some(s) = &session
             && s.live_buffers.load(Ordering::Acquire) > 0
         {
+            unmark();
             return Err(Error::Capturing {
                 what: "Stream::end_capture while buffers allocated during the capture are alive (drop them \
                        first: their free belongs in the graph)",
             });
         }
-        let (ended, raw) = self.key().end_capture_raw();
+        let (ended, raw) = key.end_capture_raw();
         if ended.is_err() && self.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
             // Not ended (called on another stream than the origin, or on the wrong thread): the
             // capture goes on.
+            unmark();
             return Err(ended.expect_err("checked above"));
+        }
+        // Over at the driver: work on the stream may go on (`finish` unmarks the other streams).
+        if marked.is_some() {
+            key.set_capture_id(0);
         }
         let Some(session) = session else {
             // A capture cudrv did not start (raw driver calls): nothing of it is tracked.

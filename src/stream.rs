@@ -201,16 +201,24 @@ impl StreamKey {
         self.0.capture.store(id, Ordering::Release);
     }
 
-    /// Marks the stream as beginning a capture, if it takes part in none, once no cudrv work on it
-    /// is between its look at the stream's capture and the queueing of its work (a [`Gate`]):
-    /// until [`StreamKey::set_capture_id`], other threads' cudrv work on it waits (see
-    /// [`StreamKey::capture_id`]). `false` when it takes part in one already.
+    /// Marks the stream as beginning a capture, if it takes part in none: see
+    /// [`StreamKey::mark_capture_changing`]. `false` when it takes part in one already, or another
+    /// thread is beginning one.
+    pub(crate) fn mark_capture_starting(&self) -> bool {
+        self.mark_capture_changing(0)
+    }
+
+    /// Marks the stream's capture as changing, if it is `from` (0: none; else the id of the
+    /// capture about to end), once no cudrv work on it is between its look at the stream's
+    /// capture and the queueing of its work (a [`Gate`]): until [`StreamKey::set_capture_id`],
+    /// other threads' cudrv work on it waits (see [`StreamKey::capture_id`]). `false` when the
+    /// stream's capture is not `from`.
     ///
     /// The caller must not hold a [`Gate`] of the stream (it would wait for itself).
-    pub(crate) fn mark_capture_starting(&self) -> bool {
+    pub(crate) fn mark_capture_changing(&self, from: u64) -> bool {
         loop {
             // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
-            if self.0.capture.compare_exchange(0, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_err() {
+            if self.0.capture.compare_exchange(from, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_err() {
                 return false;
             }
             if self.0.gated.load(Ordering::SeqCst) == 0 {
@@ -218,7 +226,7 @@ impl StreamKey {
             }
             // Work is under way: take the mark back (the work may look again meanwhile, and waits
             // only this long), let it finish, and try again.
-            self.0.capture.store(0, Ordering::SeqCst);
+            self.0.capture.store(from, Ordering::SeqCst);
             // Spin first: work queued in a loop leaves the gate empty only between two calls.
             let mut spins = 0u32;
             while self.0.gated.load(Ordering::Acquire) != 0 {

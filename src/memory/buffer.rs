@@ -291,9 +291,12 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         let bytes = Self::buffer_bytes(len)?;
         // Another resource's allocation may be stream-ordered (a driver pool's): under the
         // stream's gate no capture begins between the look and the allocation, which would make
-        // it the graph's allocation unseen. The pool's needs no gate: its block comes from the
-        // stream's cache, valid outside any graph, and its later uses see the capture.
-        let _gate = (!matches!(resource, ResourceRef::Kept(_))).then(|| stream.key().enter());
+        // it the graph's allocation unseen. The pool's needs no gate outside a capture: its block
+        // comes from the stream's cache, valid outside any graph, and its later uses see the
+        // capture. Inside one, the gate keeps the capture from ending between the look and the
+        // count of the capture's live buffers (`end_capture` looks at that count).
+        let _gate =
+            (!matches!(resource, ResourceRef::Kept(_)) || stream.key().capture_id() != 0).then(|| stream.key().enter());
         let capture = stream.key().capture_id();
         let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
         let (ptr, resource) = match resource {
