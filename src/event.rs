@@ -208,7 +208,9 @@ impl fmt::Debug for Event {
 impl Stream {
     /// Makes work queued on this stream after this call wait until `event` completes (the GPU
     /// waits, not the host). An event never recorded is complete. Recording is
-    /// [`Event::record`].
+    /// [`Event::record`]. If the event was recorded in a capture, this stream joins it (as the
+    /// driver does); other threads' cudrv work on this stream waits until the join is done, so
+    /// that it is either queued before the join or part of the capture, as it sees.
     ///
     /// # Errors
     /// The driver's error.
@@ -222,15 +224,15 @@ impl Stream {
     pub(crate) fn wait_raw_event(&self, event: cudrv_sys::CUevent) -> Result<()> {
         let hooks = crate::stream::join_hooks()
             .filter(|_| crate::capture::any_active() && crate::capture::session(self.key().capture_id()).is_none());
-        let before = match hooks {
-            Some(h) => Some((h.before)(self)?),
-            None => None,
-        };
-        self.wait_raw_untracked(event)?;
-        if let (Some(h), Some(before)) = (hooks, before) {
-            (h.waited)(self, before);
-        }
-        Ok(())
+        let Some(hooks) = hooks else { return self.wait_raw_untracked(event) };
+        let before = (hooks.before)(self)?;
+        // Other threads' cudrv work on this stream waits until a join, if the wait makes one, is
+        // tracked.
+        self.key().joining(|| {
+            self.wait_raw_untracked(event)?;
+            (hooks.waited)(self, before);
+            Ok(())
+        })
     }
 
     /// `cuStreamWaitEvent`, for an event known not to be of a capture.

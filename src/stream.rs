@@ -208,6 +208,25 @@ impl StreamKey {
         self.mark_capture_changing(0)
     }
 
+    /// Runs `wait`, a wait that may make the stream join a capture, with the stream marked as
+    /// beginning one (see [`StreamKey::mark_capture_changing`]): other threads' cudrv work on the
+    /// stream is queued before the wait, or waits until `wait` has returned, having tracked the
+    /// join if any (its hook sets the stream's capture id). Unmarked where the stream takes part
+    /// in a capture already, or another thread is beginning one.
+    ///
+    /// The caller must not hold a [`Gate`] of the stream (it would wait for itself).
+    pub(crate) fn joining<R>(&self, wait: impl FnOnce() -> R) -> R {
+        /// Takes the mark back if `wait` set no capture id (it joined none, failed, or panicked).
+        struct Unmark<'a>(&'a Inner);
+        impl Drop for Unmark<'_> {
+            fn drop(&mut self) {
+                let _ = self.0.capture.compare_exchange(CAPTURE_STARTING, 0, Ordering::SeqCst, Ordering::Relaxed);
+            }
+        }
+        let _unmark = self.mark_capture_starting().then(|| Unmark(&self.0));
+        wait()
+    }
+
     /// Marks the stream's capture as changing, if it is `from` (0: none; else the id of the
     /// capture about to end), once no cudrv work on it is between its look at the stream's
     /// capture and the queueing of its work (a [`Gate`]): until [`StreamKey::set_capture_id`],
@@ -255,8 +274,9 @@ impl StreamKey {
 
     /// Enters the stream's gate: until the [`Gate`] is dropped, no capture begins on the stream,
     /// so that what the caller sees of the stream's capture (with [`StreamKey::capture_id`])
-    /// stays true while it queues work there. (A wait that makes the stream join another
-    /// stream's capture does not take the gate yet.) Held from the look to the queueing (and for
+    /// stays true while it queues work there, and no wait of another thread makes it join a
+    /// capture (see [`StreamKey::joining`]; cudrv's own waits under a gate do not wait for it).
+    /// Held from the look to the queueing (and for
     /// host copies, to the wait for them). The one user code run under it is a custom
     /// [`MemoryResource`](crate::memory::MemoryResource)'s `allocate` or `deallocate` for a
     /// `DeviceBuffer`: beginning a capture on the same stream there would wait for ever.
@@ -720,7 +740,9 @@ impl Stream {
 
     /// Makes work queued on this stream after this call wait for all work queued on `other` so
     /// far (of any device). Returns at once. If `other` is capturing a graph, this stream joins
-    /// the capture (as the driver does).
+    /// the capture (as the driver does); other threads' cudrv work on this stream waits until the
+    /// join is done, so that it is either queued before the join or part of the capture, as it
+    /// sees.
     ///
     /// # Errors
     /// The driver's error.
@@ -728,11 +750,41 @@ impl Stream {
         if other.id() == self.id() {
             return Ok(());
         }
-        // Waiting on a capturing stream joins its capture (see `crate::graph`).
-        let joins = match other.key().capture_id() {
+        // Under `other`'s gate no capture begins on it between the look at its capture and the
+        // record this stream waits for.
+        let _gate = other.key().enter();
+        let joins = self.capture_to_join(other);
+        let (Some(id), Some(hooks)) = (joins, join_hooks()) else {
+            // The event must be of `other`'s context (the waiter may be of another device).
+            return other.context().order_after(self.as_raw(), other.as_raw());
+        };
+        let before = (hooks.before)(self)?;
+        // Other threads' cudrv work on this stream waits until the join is tracked.
+        self.key().joining(|| {
+            other.context().order_after(self.as_raw(), other.as_raw())?;
+            (hooks.joined)(self, id, before);
+            Ok(())
+        })
+    }
+
+    /// The capture, tracked by cudrv, that waiting on `other` would make this stream join (see
+    /// `crate::graph`): the one `other` takes part in, unless this stream takes part in it already.
+    fn capture_to_join(&self, other: &Stream) -> Option<u64> {
+        match other.key().capture_id() {
             id if id != 0 && id != self.key().capture_id() && capture::session(id).is_some() => Some(id),
             _ => None,
-        };
+        }
+    }
+
+    /// [`Stream::wait_stream`] for cudrv's own waits, made under a [`Gate`] of this stream or
+    /// knowing that `other` takes part in no capture this stream could join: the join, if any,
+    /// is tracked, but other threads' work on this stream is not held back meanwhile (this
+    /// thread's gate would hold the mark back for ever).
+    pub(crate) fn wait_stream_in_gate(&self, other: &Stream) -> Result<()> {
+        if other.id() == self.id() {
+            return Ok(());
+        }
+        let joins = self.capture_to_join(other);
         let before = match (joins, join_hooks()) {
             (Some(_), Some(hooks)) => Some((hooks.before)(self)?),
             _ => None,

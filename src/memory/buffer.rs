@@ -944,7 +944,7 @@ impl Free {
 fn free_after_uses(resource: &dyn MemoryResource, ptr: DevicePtr, bytes: usize, stream: &Stream, used_on: &[Stream]) {
     let freed = (|| {
         for other in used_on {
-            if stream.wait_stream(other).is_err() {
+            if stream.wait_stream_in_gate(other).is_err() {
                 // Cannot order the free after `other` on the GPU: wait for it on the host (this
                 // never returns while its work may still run). If even that fails, the memory leaks.
                 other.wait_for_memory()?;

@@ -78,8 +78,8 @@ impl Pending {
             return Ok(());
         }
         match &self.event {
-            Some(ev) => stream.wait_event(ev),
-            None => stream.wait_stream(&self.stream),
+            Some(ev) => stream.wait_event_untracked(ev),
+            None => stream.wait_stream_in_gate(&self.stream),
         }
     }
 }

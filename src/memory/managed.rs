@@ -416,7 +416,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     /// Orders the buffer's stream after every other stream its use was recorded on (on the GPU),
     /// for a copy that must see their work.
     fn wait_uses_but_own(&self) -> Result<()> {
-        self.used_on.snapshot().iter().try_for_each(|s| self.stream.wait_stream(s))
+        self.used_on.snapshot().iter().try_for_each(|s| self.stream.wait_stream_in_gate(s))
     }
 
     /// The contents in a `Vec`, copied through the driver.

@@ -49,7 +49,7 @@ impl StreamUses {
 /// The driver's error (then nothing was recorded).
 pub(crate) fn note_use(used: &mut Vec<Stream>, owner: &Stream, stream: &Stream) -> Result<()> {
     if stream.id() != owner.id() && !used.contains(stream) {
-        stream.wait_stream(owner)?;
+        stream.wait_stream_in_gate(owner)?;
         used.push(stream.clone());
     }
     Ok(())

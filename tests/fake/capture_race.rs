@@ -353,3 +353,70 @@ fn a_capture_does_not_end_under_an_allocation_of_it_under_way() {
         assert!(report.violations.is_empty(), "{:?}", report.violations);
     });
 }
+
+/// How a stream joins another stream's capture.
+#[derive(Clone, Copy, Debug)]
+enum Join {
+    /// `Stream::wait_stream` on the capturing stream.
+    WaitStream,
+    /// `Stream::wait_event` on an event recorded in the capture.
+    WaitEvent,
+}
+
+/// Makes `s2` join the capture under way on `s1`, the way `how` says.
+fn join(how: Join, s1: &Stream, s2: &Stream) {
+    match how {
+        Join::WaitStream => s2.wait_stream(s1).unwrap(),
+        Join::WaitEvent => {
+            let ev = cudrv::Event::new(&s1.device()).unwrap();
+            ev.record(s1).unwrap();
+            s2.wait_event(&ev).unwrap();
+        }
+    }
+}
+
+/// Another thread allocates on `s2` (slowly) while `s2` joins a capture of `s1`: the allocation
+/// must come before the join (plain memory) or see it (the graph's), never be captured unseen.
+fn a_join_waits_for_an_allocation_under_way(how: Join) {
+    run_with_fake(&[], || {
+        if crate::oldest() {
+            return; // no driver pools on CUDA 11.1
+        }
+        let dev = Device::get(0).unwrap();
+        let (s1, s2) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+        let pool: Arc<dyn MemoryResource> = Arc::new(SlowPool(DriverPool::default_pool(&dev).unwrap()));
+        // A capture has begun before (the joins are tracked from the first one on).
+        s1.begin_capture(CaptureMode::Relaxed).unwrap();
+        drop(s1.end_capture().unwrap());
+        s1.begin_capture(CaptureMode::Relaxed).unwrap();
+        let allocator = {
+            let (s2, pool) = (s2.clone(), pool.clone());
+            std::thread::spawn(move || DeviceBuffer::<u32>::zeroed_in(256, &s2, pool).unwrap())
+        };
+        std::thread::sleep(Duration::from_millis(15)); // the allocation is under way
+        join(how, &s1, &s2);
+        let buf = allocator.join().unwrap();
+        s1.wait_stream(&s2).unwrap(); // joined back
+        let graph = s1.end_capture().unwrap();
+        // Made before the join, the buffer is plain memory, readable outside the graph. (Captured
+        // unseen, it would be the graph's allocation: nothing outside a launch of it.)
+        let back = buf.to_vec().unwrap();
+        assert_eq!(back.len(), 256);
+        drop(buf);
+        drop(graph);
+        s2.synchronize().unwrap();
+        s1.synchronize().unwrap();
+        let report = fake_report();
+        assert!(report.violations.is_empty(), "{how:?}: {:?}", report.violations);
+    });
+}
+
+#[test]
+fn a_join_by_wait_stream_waits_for_an_allocation_under_way() {
+    a_join_waits_for_an_allocation_under_way(Join::WaitStream);
+}
+
+#[test]
+fn a_join_by_wait_event_waits_for_an_allocation_under_way() {
+    a_join_waits_for_an_allocation_under_way(Join::WaitEvent);
+}
