@@ -191,11 +191,17 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 return unsafe { Self::allocate_kept(pool, len, stream) };
             }
             DeviceResource::StreamOrdered(pool) => ResourceRef::Kept(pool),
-            DeviceResource::Other(r) if stream.key().capture_id() == 0 => {
-                // SAFETY: forwarded; the device's own resource, and no capture.
-                return unsafe { Self::allocate_uncaptured(r, len, stream) };
+            DeviceResource::Other(r) => {
+                // Its allocation may be queued on the stream (a driver pool's): under the
+                // stream's gate no capture begins between the look and the allocation, which
+                // would make it the graph's allocation unseen.
+                let _gate = stream.key().enter();
+                if stream.key().capture_id() == 0 {
+                    // SAFETY: forwarded; the device's own resource, and no capture.
+                    return unsafe { Self::allocate_uncaptured(r, len, stream) };
+                }
+                ResourceRef::Device(r)
             }
-            DeviceResource::Other(r) => ResourceRef::Device(r),
         };
         // SAFETY: forwarded; the device's own resource, checked device-accessible.
         unsafe { Self::allocate(resource, len, stream) }
@@ -256,7 +262,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// The usual case of [`DeviceBuffer::uninit`] for the device's other resources: on a stream
-    /// that showed no capture. Built in place, as [`DeviceBuffer::allocate_kept`]: the general
+    /// that showed no capture, under its gate (held by the caller). Built in place, as [`DeviceBuffer::allocate_kept`]: the general
     /// path moves the resource's enum, which the profile showed stalling on the H200's host.
     ///
     /// # Safety

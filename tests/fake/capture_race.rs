@@ -420,3 +420,34 @@ fn a_join_by_wait_stream_waits_for_an_allocation_under_way() {
 fn a_join_by_wait_event_waits_for_an_allocation_under_way() {
     a_join_waits_for_an_allocation_under_way(Join::WaitEvent);
 }
+
+#[test]
+fn a_capture_waits_for_an_allocation_of_the_device_resource_under_way() {
+    // `DeviceBuffer::uninit` on the device's own resource (a driver pool, the default where the
+    // device has pools) looked at the stream's capture, then allocated, with no gate: a capture
+    // begun in between by another thread took the allocation unseen, and the buffer, plain to
+    // cudrv, was the graph's memory.
+    run_with_fake(&[], || {
+        if crate::oldest() {
+            return; // no driver pools on CUDA 11.1
+        }
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let pool: Arc<dyn MemoryResource> = Arc::new(SlowPool(DriverPool::default_pool(&dev).unwrap()));
+        dev.set_memory_resource(pool, "a slow driver pool, for the test").unwrap();
+        let allocator = {
+            let s = s.clone();
+            std::thread::spawn(move || DeviceBuffer::<u32>::zeroed(256, &s).unwrap())
+        };
+        std::thread::sleep(Duration::from_millis(15)); // the allocation is under way
+        s.begin_capture(CaptureMode::Relaxed).unwrap();
+        let buf = allocator.join().unwrap();
+        drop(s.end_capture().unwrap());
+        // Made before the capture, the buffer is plain memory: zeroed, and freed as such.
+        assert_eq!(buf.to_vec().unwrap(), vec![0u32; 256]);
+        drop(buf);
+        s.synchronize().unwrap();
+        let report = fake_report();
+        assert!(report.violations.is_empty(), "{:?}", report.violations);
+    });
+}
