@@ -963,6 +963,10 @@ impl Function {
         params: *mut *mut c_void,
         kind: Kind<'_>,
     ) -> Result<()> {
+        // Under the stream's gate no capture begins or ends between the launch and the look at
+        // the stream's capture after it (`keep_for_capture`): a launch captured unseen would run
+        // at the graph's launches with its module perhaps unloaded.
+        let _gate = stream.key().enter();
         let _b = self.context().bind()?;
         let d = driver()?;
         let (g, b, s) = (cfg.grid, cfg.block, stream.as_raw());
