@@ -235,6 +235,15 @@ impl StreamKey {
     ///
     /// The caller must not hold a [`Gate`] of the stream (it would wait for itself).
     pub(crate) fn mark_capture_changing(&self, from: u64) -> bool {
+        /// Counts this thread among those waiting to mark, until it is done.
+        struct Marking<'a>(&'a AtomicUsize);
+        impl Drop for Marking<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Release);
+            }
+        }
+        self.0.marking.fetch_add(1, Ordering::SeqCst);
+        let _marking = Marking(&self.0.marking);
         loop {
             // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
             if self.0.capture.compare_exchange(from, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_err() {
@@ -246,7 +255,8 @@ impl StreamKey {
             // Work is under way: take the mark back (the work may look again meanwhile, and waits
             // only this long), let it finish, and try again.
             self.0.capture.store(from, Ordering::SeqCst);
-            // Spin first: work queued in a loop leaves the gate empty only between two calls.
+            // Spin first: new work holds back while this thread waits (see `enter`), so the gate
+            // empties once the work under way is queued.
             let mut spins = 0u32;
             while self.0.gated.load(Ordering::Acquire) != 0 {
                 spins += 1;
@@ -282,6 +292,9 @@ impl StreamKey {
     /// `DeviceBuffer`: beginning a capture on the same stream there would wait for ever.
     #[inline]
     pub(crate) fn enter(&self) -> Gate<'_> {
+        if self.0.marking.load(Ordering::Relaxed) != 0 {
+            self.hold_back_for_marking();
+        }
         loop {
             self.0.gated.fetch_add(1, Ordering::SeqCst);
             if self.0.capture.load(Ordering::SeqCst) != CAPTURE_STARTING {
@@ -290,6 +303,21 @@ impl StreamKey {
             // A capture is being begun: let it (it waits for this gate to empty).
             self.0.gated.fetch_sub(1, Ordering::SeqCst);
             self.settled_capture_id();
+        }
+    }
+
+    /// Holds back a new gate while another thread waits to mark the stream (a capture begins
+    /// or ends): work queued in a loop on the stream would otherwise leave the gate empty only
+    /// for moments between two calls, and the mark could wait for ever. For at most about a
+    /// millisecond, so that a gate taken under another gate of the same stream (which the mark
+    /// waits for) is never held back for long.
+    #[cold]
+    fn hold_back_for_marking(&self) {
+        let start = std::time::Instant::now();
+        let mut spins = 0u32;
+        while self.0.marking.load(Ordering::Acquire) != 0 && start.elapsed() < MARK_HOLD_BACK {
+            spins += 1;
+            if spins < 64 { std::hint::spin_loop() } else { std::thread::yield_now() }
         }
     }
 
@@ -365,6 +393,10 @@ impl fmt::Debug for Gate<'_> {
         write!(f, "Gate({})", self.0.id)
     }
 }
+
+/// How long a new gate holds back for a thread waiting to mark the stream
+/// ([`StreamKey::hold_back_for_marking`]).
+const MARK_HOLD_BACK: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The capture id of a stream on which a capture is being begun (the driver's ids count up from
 /// 1 and never reach it).
@@ -456,6 +488,9 @@ struct Inner {
     capture: AtomicU64,
     /// How many [`Gate`]s of the stream are held.
     gated: AtomicUsize,
+    /// How many threads wait to mark the stream's capture as changing
+    /// ([`StreamKey::mark_capture_changing`]): new gates hold back for them a while.
+    marking: AtomicUsize,
     /// What other layers keep on the stream (see [`Attachment`]), on cache lines of their own:
     /// threads that allocate on different streams must not share one.
     attachments: CachePadded<Mutex<Attachments>>,
@@ -566,6 +601,7 @@ impl Stream {
             per_thread_owner,
             capture: AtomicU64::new(0),
             gated: AtomicUsize::new(0),
+            marking: AtomicUsize::new(0),
             attachments: CachePadded(Mutex::new(Vec::new())),
         });
         Stream { handle: Arc::new(Handle { key: StreamKey(inner), users: AtomicUsize::new(1) }) }

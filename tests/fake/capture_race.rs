@@ -451,3 +451,38 @@ fn a_capture_waits_for_an_allocation_of_the_device_resource_under_way() {
         assert!(report.violations.is_empty(), "{:?}", report.violations);
     });
 }
+
+#[test]
+fn a_capture_begins_and_ends_while_another_thread_queues_work_in_a_loop() {
+    // A capture's mark waits for the work under way on the stream; work queued in a loop used to
+    // leave the stream's gate empty only for moments between two calls, and a begin or an end
+    // waited for hundreds of milliseconds (one in ten), up to seconds. New work now holds back
+    // while a thread waits to mark the stream.
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let mut buf = DeviceBuffer::<u32>::zeroed(1024, &s).unwrap();
+        let (mut slow, rounds) = (0, 60);
+        for _ in 0..rounds {
+            let s2 = s.clone();
+            let capture = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_micros(50));
+                let start = Instant::now();
+                s2.begin_capture(CaptureMode::Relaxed).unwrap();
+                let begun = start.elapsed();
+                let start = Instant::now();
+                drop(s2.end_capture().unwrap());
+                [begun, start.elapsed()]
+            });
+            while !capture.is_finished() {
+                match buf.memset(1) {
+                    Ok(()) | Err(Error::Capturing { .. }) => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            slow += capture.join().unwrap().iter().filter(|&&t| t > Duration::from_millis(100)).count();
+            s.synchronize().unwrap();
+        }
+        assert!(slow <= 3, "{slow} of {} begins and ends waited more than 100 ms", 2 * rounds);
+    });
+}
