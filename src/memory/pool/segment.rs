@@ -153,6 +153,12 @@ impl<B: Backend> Arena<B> {
                 }
             }
         }
+        // What the device cannot hold even now is refused before any of it is mapped: mapped
+        // handle by handle until the driver refused, then unmapped, it would take all of the
+        // device's free memory for a moment, and other allocations would fail meanwhile.
+        if free.is_some_and(|f| missing > f) && self.fresh_device_free(b).is_some_and(|reported| missing > reported) {
+            return Ok(Grow::OutOfMemory);
+        }
         let c = match c {
             NIL => {
                 // The range is several times the device's memory; a driver that refuses that much

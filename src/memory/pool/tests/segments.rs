@@ -316,3 +316,19 @@ fn a_growth_refused_part_way_learns_the_drivers_spare_right() {
     assert_eq!(st.reserved, 0, "the refused request left memory mapped");
     h.teardown();
 }
+
+#[test]
+fn a_request_larger_than_the_free_memory_maps_nothing() {
+    // Mapped handle by handle until the driver refused, then unmapped, such a request took all of
+    // the device's memory for a moment: another allocation made meanwhile (a test's 1 GiB
+    // `cuMemAlloc`, on the H200) failed.
+    let h = segments(1, 256 * MIB);
+    let a = h.alloc(100 * MIB, 0).unwrap();
+    let before = figures(&h);
+    assert!(h.alloc(512 * MIB, 0).is_err());
+    assert_eq!(figures(&h), before, "the refused request mapped memory");
+    assert_eq!(h.stats().peak_reserved, before.0, "the refused request held memory for a moment");
+    h.free(a, 0);
+    h.check();
+    h.teardown();
+}
