@@ -74,7 +74,8 @@ pub struct PoolConfig {
     /// Where the device has virtual memory management (`cuMemCreate`, `cuMemMap`), grow in
     /// *segments* instead of chunks: one address range of the device's size per group of requests
     /// (small ones, and the rest), reserved once, into which memory is mapped at the top as the
-    /// pool grows and from whose top it is unmapped as it shrinks. Freed blocks then merge
+    /// pool grows, and from which free memory is unmapped as it shrinks (between live blocks too:
+    /// a later growth maps the hole again where it needs it). Freed blocks then merge
     /// across what each growth added, so requests whose sizes keep changing reuse memory instead
     /// of growing the pool: reserved memory stays close to live memory, and a warm workload makes
     /// no driver call. The chunk settings above then apply only where the device has no virtual

@@ -38,7 +38,7 @@ impl<B: Backend> Arena<B> {
             return Ok(detached);
         }
         if self.segments.is_some() {
-            if let Err(e) = self.detach_segment_maps(b, reserved, target, how, true, &mut detached) {
+            if let Err(e) = self.detach_segment_maps(b, reserved, target, how, &mut detached) {
                 // Put back what was cut, so that nothing is lost.
                 let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
                 self.finish_release(b, &undo);

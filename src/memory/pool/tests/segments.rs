@@ -332,3 +332,33 @@ fn a_request_larger_than_the_free_memory_maps_nothing() {
     h.check();
     h.teardown();
 }
+
+#[test]
+fn the_headroom_unmaps_free_memory_between_live_blocks() {
+    // Three blocks of 32 MiB; the middle one is freed, and 48 MiB are asked for, which it cannot
+    // hold. Growing at the top would hold 144 MiB for 112 live (1.29x, past the 20% headroom of
+    // 134.4 MiB): a mapping of the freed block (16 MiB: growths map handles of at least 16 MiB)
+    // is unmapped instead, although live blocks lie on both sides, which is just enough.
+    let h = Harness::new(PoolConfig { large_classes_per_octave: 0, ..PoolConfig::default() }, {
+        let mock = Mock::with_vmm(1, 1 << 30);
+        mock.st().capacity = usize::MAX;
+        mock
+    });
+    let blocks: Vec<u64> = (0..3).map(|_| h.alloc(32 * MIB, 0).unwrap()).collect();
+    assert_eq!(figures(&h).0, 96 * MIB);
+    h.free(blocks[1], 0);
+    let big = h.alloc(48 * MIB, 0).unwrap();
+    let (reserved, _, unmaps) = figures(&h);
+    assert_eq!((reserved, unmaps), (128 * MIB, 1), "{}", h.arena(|a| a.describe()));
+    assert!(big > blocks[2], "not at the top");
+    assert!(h.arena(|a| a.describe()).contains('~'), "no hole: {}", h.arena(|a| a.describe()));
+    // The hole is mapped again for a request that needs it.
+    let again = h.alloc(32 * MIB, 0).unwrap();
+    assert_eq!(again, blocks[1]);
+    assert_eq!(figures(&h).0, 144 * MIB);
+    for p in [blocks[0], blocks[2], big, again] {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
