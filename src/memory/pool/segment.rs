@@ -61,8 +61,9 @@ fn fine_handle(peak_live: usize, granularity: usize) -> usize {
 /// often cut into pieces between live blocks, and only a piece that holds a whole mapping can
 /// be unmapped for a request elsewhere. Replayed in 1.10 times their peak of live memory, 4 of
 /// 60 synthetic decoders whose KV caches grow by concatenation ran out of memory with
-/// [`fine_handle`]s there, none with these; they cost about a quarter more mappings under
-/// such a budget, and none without one.
+/// [`fine_handle`]s there, none with these. They cost more mappings under such a budget (2-33%
+/// more on the traces in `traces/`, 8-75% on the synthetic families of the property tests), and
+/// none without one.
 fn tight_handle(peak_live: usize, granularity: usize) -> usize {
     round_up((peak_live / 256).clamp(granularity, (16 << 20).max(granularity)), granularity).unwrap_or(granularity)
 }
