@@ -467,6 +467,14 @@ impl<B: Backend> Arena<B> {
         if self.stats.reserved.saturating_add(chunk) > limit {
             chunk = exact;
         }
+        // A medium chunk cut down to the request (near the headroom or the device's capacity)
+        // still takes a few requests of its size where the bound allows.
+        if kind == Kind::Medium && chunk == exact {
+            let packed = self.packed_medium_chunk(size);
+            if self.stats.reserved.saturating_add(packed) <= limit {
+                chunk = packed;
+            }
+        }
         if self.stats.reserved.saturating_add(exact) > limit {
             if kind == Kind::Large
                 && !tight
@@ -491,6 +499,29 @@ impl<B: Backend> Arena<B> {
             }
         }
         Ok(Grow::OutOfMemory)
+    }
+
+    /// The chunk for a medium request of `size` rounded bytes where a whole medium chunk would
+    /// pass the pool's bound (its headroom, or near the device's capacity): room for as few
+    /// requests of its size as leave at most an eighth of the chunk unused, in whole pages; else
+    /// exactly the request. Grown by exactly the request, a chunk rarely holds the next one: a
+    /// layer's 2.4 MiB KV tensor takes a 4 MiB chunk and leaves 1.6 MiB that the next layer's
+    /// cannot use, while a chunk of 8 MiB holds three. Tensors of one shape often come one after
+    /// another (a model's layers), and what they leave serves any medium request that fits. At
+    /// most three exact chunks' worth (and a medium chunk), so that where no other request of the
+    /// size comes the chunk leaves little more unused than exact growth would: with up to a medium
+    /// chunk, a 3.44 MiB tensor took 14 MiB, and decode_kvcache no longer fit in 1.12x its peak.
+    /// (Replayed in 1.10 times their peak of live memory, 11 of 60 synthetic KV-cache decoders
+    /// and none of 40 heavy-tailed traces ran out of memory in chunks, against 14 and 1 when grown
+    /// by exactly the request.)
+    fn packed_medium_chunk(&self, size: usize) -> usize {
+        let granule = self.config.large_granule;
+        let exact = round_up(size, granule).unwrap_or(size);
+        let most = self.config.medium_chunk.min(exact.saturating_mul(3));
+        (1..=most / size.max(1))
+            .map_while(|n| round_up(size * n, granule).filter(|&c| c <= most).map(|c| (c, c - size * n)))
+            .find(|&(chunk, unused)| unused * 8 <= chunk)
+            .map_or(exact, |(chunk, _)| chunk)
     }
 
     /// Allocates a chunk of `bytes` of `kind` for stream `s` and returns its single block. `None`

@@ -318,7 +318,7 @@ fn oom_error_reports_the_figures() {
     h.mock.st().capacity = 10 * MIB;
     let _a = h.alloc(3 * MIB, 0).unwrap();
     let reserved = h.stats().reserved;
-    assert_eq!(reserved, 4 * MIB, "the 32 MiB medium chunk did not fit: exactly the request");
+    assert_eq!(reserved, 6 * MIB, "the 32 MiB medium chunk did not fit: room for two requests of its size");
     let e = h.alloc(100 * MIB, 0).unwrap_err();
     assert_eq!(e, PoolError::OutOfMemory { requested: 100 * MIB, reserved, in_use: 3 * MIB });
     assert!(e.to_string().contains("104857600 bytes requested"));
@@ -666,5 +666,25 @@ fn the_devices_free_memory_is_asked_again_only_once_stale_or_when_the_driver_ref
     for p in [a, b, c, d, e] {
         h.free(p, 0);
     }
+    h.teardown();
+}
+
+#[test]
+fn a_medium_chunk_cut_down_by_the_headroom_holds_a_few_requests_of_its_size() {
+    // 64 MiB live, then 2.4 MiB tensors one after another: a 32 MiB medium chunk would pass the
+    // 20% headroom (76.8 MiB), an exact one (4 MiB) would hold one of them and leave 1.6 MiB that
+    // the next cannot use. An 8 MiB chunk holds three (1 MiB left).
+    let h = Harness::new(PoolConfig { headroom_percent: Some(20), ..plain() }, Mock::new(1));
+    let large = h.alloc(64 * MIB, 0).unwrap();
+    let tensor = 2 * MIB + 2 * MIB / 5;
+    let tensors: Vec<u64> = (0..3).map(|_| h.alloc(tensor, 0).unwrap()).collect();
+    let (reserved, chunks, allocs, _) = h.mock.chunk_figures();
+    assert_eq!((reserved, chunks, allocs), (72 * MIB, 2, 2), "one 8 MiB chunk for the three");
+    assert_eq!(tensors[1] - tensors[0], tensor.next_multiple_of(GRANULE) as u64, "side by side");
+    assert_eq!(tensors[2] - tensors[1], tensors[1] - tensors[0]);
+    for p in tensors.into_iter().chain([large]) {
+        h.free(p, 0);
+    }
+    h.check();
     h.teardown();
 }
