@@ -35,8 +35,8 @@
 //!   between live blocks then is of no use to it; left mapped, it is what lets reserved memory
 //!   run away from live memory when sizes creep up (a KV cache grown by concatenation frees a
 //!   block just too small for the next layer's: reserved reached 1.53× the peak of live memory
-//!   on such a synthetic trace while only the segments' tops were unmapped for the headroom,
-//!   and 1.19× since). A later request that needs the hole maps it again.
+//!   on 60 such synthetic decoders while only the segments' tops were unmapped for the
+//!   headroom, and 1.27× since). A later request that needs the hole maps it again.
 //! * A segment with nothing mapped gives its range back.
 //!
 //! Ordering across streams is the arena's: new memory is host-safe (nothing used it), and merges
