@@ -53,7 +53,13 @@ use super::round_up;
 /// granularity and at most 64 MiB (or the granularity, if larger). A free block can be unmapped
 /// but for less than a handle at each end.
 fn fine_handle(peak_live: usize, granularity: usize) -> usize {
-    round_up((peak_live / 64).clamp(granularity, (64 << 20).max(granularity)), granularity).unwrap_or(granularity)
+    handle_of(peak_live / 64, 64 << 20, granularity)
+}
+
+/// `share` of the most memory live at once as a handle size: at least the granularity and at
+/// most `most` (or the granularity, if larger), in whole granules.
+fn handle_of(share: usize, most: usize, granularity: usize) -> usize {
+    round_up(share.clamp(granularity, most.max(granularity)), granularity).unwrap_or(granularity)
 }
 
 /// The handle size near the device's capacity: 1/256 of the most memory live at once, at least
@@ -65,7 +71,7 @@ fn fine_handle(peak_live: usize, granularity: usize) -> usize {
 /// more on the traces in `traces/`, 8-75% on the synthetic families of the property tests), and
 /// none without one.
 fn tight_handle(peak_live: usize, granularity: usize) -> usize {
-    round_up((peak_live / 256).clamp(granularity, (16 << 20).max(granularity)), granularity).unwrap_or(granularity)
+    handle_of(peak_live / 256, 16 << 20, granularity)
 }
 
 /// The largest handle while memory is plentiful: 1/16 of the most memory live at once, at least
@@ -156,19 +162,19 @@ impl<B: Backend> Arena<B> {
             (false, true) => step.min(coarse_handle(peak, gran)),
             (_, false) => step,
         };
-        for bound in [hard, soft] {
-            if may_release && reserved.saturating_add(missing) > bound {
-                let target = bound.saturating_sub(missing);
-                let mut detached = Vec::new();
-                let left = reserved - self.releasing_bytes();
-                if let Err(e) = self.detach_segment_maps(b, left, target, Completion::Poll, &mut detached) {
-                    let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
-                    self.finish_unmap(b, &undo);
-                    return Err(PoolError::Backend(e));
-                }
-                if !detached.is_empty() {
-                    return Ok(Grow::Release(detached));
-                }
+        // The headroom is never above the hard bounds, so unmapping to stay within it serves both.
+        debug_assert!(soft <= hard);
+        if may_release && reserved.saturating_add(missing) > soft {
+            let target = soft.saturating_sub(missing);
+            let mut detached = Vec::new();
+            let left = reserved - self.releasing_bytes();
+            if let Err(e) = self.detach_segment_maps(b, left, target, Completion::Poll, &mut detached) {
+                let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
+                self.finish_unmap(b, &undo);
+                return Err(PoolError::Backend(e));
+            }
+            if !detached.is_empty() {
+                return Ok(Grow::Release(detached));
             }
         }
         // What the device cannot hold even now is refused before any of it is mapped: mapped
@@ -452,8 +458,8 @@ impl<B: Backend> Arena<B> {
 
     /// Unmaps free memory of the segments while more than `target` of `reserved` bytes would
     /// stay: whole mappings inside free blocks whose frees completed (`how`), highest first, in
-    /// the large segment first. Each leaves a hole at once; the mappings are returned to be unmapped with no lock held,
-    /// then reported with [`Arena::finish_release`].
+    /// the large segment first. Each leaves a hole at once; the mappings are returned to be
+    /// unmapped with no lock held, then reported with [`Arena::finish_release`].
     pub(crate) fn detach_segment_maps(
         &mut self,
         b: &B,
