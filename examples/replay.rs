@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example replay -- [--simulate] [--resource driver-pool|pool|sync]
-//!     [--memory BYTES|FACTORx] [--config name=value,...] [--device N] TRACE.csv...
+//!     [--memory BYTES|FACTORx] [--config name=value,...] [--device N] [--watch] TRACE.csv...
 //! ```
 //!
 //! * `--simulate`: no GPU and no driver: the pool's bookkeeping on an emulated device
@@ -21,6 +21,10 @@
 //!   `none`), `expandable=false` to grow in chunks even where the device (or the emulated one)
 //!   has virtual memory management, and `reservoir=false` to grow in chunks near capacity by
 //!   exactly each request.
+//! * `--watch` (with `--simulate` or `--resource pool`): a line `watch: ...` each time the pool
+//!   maps or unmaps memory (allocates or frees a chunk) during the first replay: the event, the
+//!   pool's figures and the device's free memory (the emulated device's, simulated), so that a
+//!   replay on the GPU can be set beside the simulated one, decision by decision.
 //!
 //! With `--simulate` or `--resource pool`, a line `pool ...` gives the pool's driver frees,
 //! out-of-memory recoveries, reservoirs taken near capacity, event synchronisations and queries, and what it leaves of the
@@ -42,7 +46,7 @@ use cudrv::memory::{
 use cudrv::{Device, Stream};
 
 const USAGE: &str = "usage: replay [--simulate] [--resource driver-pool|pool|sync] [--memory BYTES|FACTORx] \
-                     [--config name=value,...] [--device N] TRACE.csv...";
+                     [--config name=value,...] [--device N] [--watch] TRACE.csv...";
 
 #[derive(Clone, Copy, Debug)]
 enum Memory {
@@ -65,6 +69,7 @@ struct Args {
     resource: Option<String>,
     memory: Option<Memory>,
     device: usize,
+    watch: bool,
     traces: Vec<String>,
 }
 
@@ -133,6 +138,7 @@ fn parse_args() -> Result<Args, String> {
         resource: None,
         memory: None,
         device: 0,
+        watch: false,
         traces: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -141,6 +147,7 @@ fn parse_args() -> Result<Args, String> {
         match a.as_str() {
             "-h" | "--help" => return Err(String::new()),
             "--simulate" => args.simulate = true,
+            "--watch" => args.watch = true,
             "--resource" => {
                 let v = value("--resource")?;
                 if !["driver-pool", "pool", "sync"].contains(&v.as_str()) {
@@ -173,6 +180,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if args.simulate && args.resource.as_deref().is_some_and(|r| r != "pool") {
         return Err("--simulate replays cudrv's pool only (--resource pool)".into());
+    }
+    if args.watch && !args.simulate && args.resource.as_deref() != Some("pool") {
+        return Err("--watch follows cudrv's pool: with --simulate or --resource pool".into());
     }
     Ok(args)
 }
@@ -210,7 +220,8 @@ fn main() -> ExitCode {
     let mut any_oom = false;
     for (name, trace) in &traces {
         let limit = args.memory.map(|m| m.for_trace(trace));
-        let outcome = if args.simulate { simulate(&args.config, trace, limit) } else { on_gpu(&args, trace, limit) };
+        let outcome =
+            if args.simulate { simulate(&args.config, trace, limit, args.watch) } else { on_gpu(&args, trace, limit) };
         match outcome {
             Ok(r) => {
                 any_oom |= r.oom_at.is_some();
@@ -284,9 +295,45 @@ fn print_report(name: &str, trace: &Trace, r: &Report) {
     }
 }
 
-fn simulate(config: &PoolConfig, trace: &Trace, limit: Option<usize>) -> Result<Report, String> {
+/// `--watch`: a line each time the pool's count of driver allocations or frees changed.
+#[derive(Default)]
+struct Watcher {
+    last: (u64, u64),
+}
+
+impl Watcher {
+    /// After event `event`: the pool's figures `st`, and the device's free memory `free`.
+    fn see(&mut self, event: usize, st: &PoolStats, free: impl FnOnce() -> Option<usize>) {
+        if (st.driver_allocs, st.driver_frees) == self.last {
+            return;
+        }
+        self.last = (st.driver_allocs, st.driver_frees);
+        let free = free().map_or_else(|| "-".to_string(), |f| f.to_string());
+        println!(
+            "watch: event={event} driver_allocs={} driver_frees={} reserved={} in_use={} device_free={free} \
+             queries={} recoveries={} spare={}",
+            st.driver_allocs,
+            st.driver_frees,
+            st.reserved,
+            st.in_use,
+            st.event_queries,
+            st.oom_recoveries,
+            st.driver_spare
+        );
+    }
+}
+
+fn simulate(config: &PoolConfig, trace: &Trace, limit: Option<usize>, watch: bool) -> Result<Report, String> {
     let pool = cudrv::memory::SimulatedPool::new(config.clone(), limit);
-    let cold = trace.replay_on(&pool);
+    let cold = if watch {
+        let mut watcher = Watcher::default();
+        trace.replay_watched(&pool, |i| {
+            let st = pool.stats();
+            watcher.see(i, &st, || limit.map(|l| l - st.reserved));
+        })
+    } else {
+        trace.replay_on(&pool)
+    };
     let warm = if cold.out_of_memory_at.is_none() { Some(trace.replay_on(&pool)) } else { None };
     let last = warm.unwrap_or(cold);
     println!(
@@ -330,7 +377,13 @@ fn on_gpu(args: &Args, trace: &Trace, limit: Option<usize>) -> Result<Report, St
         None => None,
     };
     resource.reset_peaks().map_err(e)?;
-    let cold = replay_once(&*resource, trace, &streams)?;
+    let mut watcher = Watcher::default();
+    let mut watch = |i: usize| {
+        if let Some(p) = pool.as_ref().filter(|_| args.watch) {
+            watcher.see(i, &p.pool_stats(), || device.memory_info().ok().map(|m| m.free));
+        }
+    };
+    let cold = replay_once(&*resource, trace, &streams, &mut watch)?;
     let stats_after_cold = resource.stats().unwrap_or_default();
     let mut report = Report {
         events: cold.1,
@@ -343,7 +396,7 @@ fn on_gpu(args: &Args, trace: &Trace, limit: Option<usize>) -> Result<Report, St
         pool: None,
     };
     if cold.0.is_none() {
-        let warm = replay_once(&*resource, trace, &streams)?;
+        let warm = replay_once(&*resource, trace, &streams, &mut |_| {})?;
         let st = resource.stats().unwrap_or_default();
         report.peak_reserved = st.peak_reserved;
         report.driver_allocs = st.driver_allocations;
@@ -358,12 +411,13 @@ fn on_gpu(args: &Args, trace: &Trace, limit: Option<usize>) -> Result<Report, St
     Ok(report)
 }
 
-/// Replays once; frees what the trace leaves live. Returns (event that ran out of memory,
-/// events done, ns per event).
+/// Replays once, calling `watch` with each event's index once served; frees what the trace
+/// leaves live. Returns (event that ran out of memory, events done, ns per event).
 fn replay_once(
     resource: &dyn MemoryResource,
     trace: &Trace,
     streams: &[Stream],
+    watch: &mut dyn FnMut(usize),
 ) -> Result<(Option<usize>, usize, f64), String> {
     let mut ptrs: std::collections::HashMap<u64, (u64, usize, usize)> = std::collections::HashMap::new();
     let mut oom = None;
@@ -396,6 +450,7 @@ fn replay_once(
                 unsafe { resource.deallocate(p, size, &streams[stream]) }.map_err(|e| format!("event {i}: {e}"))?;
             }
         }
+        watch(i);
         done = i + 1;
     }
     let elapsed = start.elapsed().as_nanos() as f64 / done.max(1) as f64;

@@ -250,3 +250,21 @@ fn replay_exits_3_when_a_trace_runs_out_of_memory_and_2_for_bad_input() {
     expect(&run("replay", &["--simulate", "--bogus"]), 2, "unknown flag --bogus");
     expect(&run("replay", &["--simulate", "--memory", "lots", big.arg()]), 2, "--memory");
 }
+
+#[test]
+fn replay_watch_follows_each_mapping_and_needs_cudrvs_pool() {
+    // Two 32 MiB allocations on a 48 MiB emulated device: the first maps, the second cannot.
+    let big =
+        write_temp("watch.csv", b"op,id,size,stream\na,1,33554432,0\na,2,33554432,0\nf,1,33554432,0\nf,2,33554432,0\n");
+    let (stdout, _) = expect(&run("replay", &["--simulate", "--watch", "--memory", "48M", big.arg()]), 3, "");
+    let watch: Vec<&str> = stdout.lines().filter(|l| l.starts_with("watch: ")).collect();
+    // One line, after event 0: the pool holds the 32 MiB it mapped (the emulated device's
+    // granularity is 2 MiB), and the device has the rest of its 48 MiB.
+    assert_eq!(watch.len(), 1, "{stdout}");
+    let line = watch[0];
+    for field in ["event=0 ", " reserved=33554432 ", " in_use=33554432 ", " device_free=16777216 "] {
+        assert!(line.contains(field), "{field:?} in {line}");
+    }
+    // The driver's own pool has no such figures.
+    expect(&run("replay", &["--watch", "--resource", "driver-pool", big.arg()]), 2, "--watch follows cudrv's pool");
+}

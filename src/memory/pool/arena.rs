@@ -822,6 +822,37 @@ impl<B: Backend> Arena<B> {
                 cur = b.next;
             }
             out.push('\n');
+            if let Some(seg) = &chunk.segment {
+                // Free bytes, and those of them in whole mappings (which could be unmapped).
+                let (mut free, mut whole) = (0usize, 0usize);
+                let mut cur = chunk.first;
+                while cur != NIL {
+                    let b = &self.blocks[cur];
+                    if matches!(b.state, State::Free { .. }) {
+                        let end = b.ptr + b.size as u64;
+                        free += b.size;
+                        whole += seg
+                            .maps
+                            .range(b.ptr..end)
+                            .filter(|&(&at, &(n, _))| at + n as u64 <= end)
+                            .map(|(_, &(n, _))| n)
+                            .sum::<usize>();
+                    }
+                    cur = b.next;
+                }
+                let sizes: std::collections::BTreeMap<usize, usize> =
+                    seg.maps.values().fold(Default::default(), |mut m, &(n, _)| {
+                        *m.entry(n >> 20).or_default() += 1;
+                        m
+                    });
+                let _ = writeln!(
+                    out,
+                    "  {} mappings (MiB: count) {sizes:?}; free {:.1} MiB, {:.1} MiB of it in whole mappings",
+                    seg.maps.len(),
+                    free as f64 / (1 << 20) as f64,
+                    whole as f64 / (1 << 20) as f64
+                );
+            }
         }
         out
     }

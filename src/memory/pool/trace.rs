@@ -192,6 +192,22 @@ impl Trace {
     /// live. The report's driver figures count this replay only; its peak reserved is the pool's
     /// since it was made or its peaks were reset.
     pub fn replay_on(&self, pool: &SimulatedPool) -> ReplayReport {
+        self.replay_watched(pool, |_| {})
+    }
+
+    /// [`Trace::replay_on`], calling `watch` with each event's index once the pool has served
+    /// it: to follow the pool's figures ([`SimulatedPool::stats`]) through a replay.
+    ///
+    /// ```
+    /// use cudrv::memory::{PoolConfig, SimulatedPool, Trace};
+    /// let trace = Trace::parse("a,0,1048576,0\nf,0,1048576,0\n")?;
+    /// let pool = SimulatedPool::new(PoolConfig::default(), None);
+    /// let mut in_use = Vec::new();
+    /// trace.replay_watched(&pool, |_| in_use.push(pool.stats().in_use));
+    /// assert_eq!(in_use, [1 << 20, 0]);
+    /// # Ok::<(), cudrv::memory::TraceError>(())
+    /// ```
+    pub fn replay_watched(&self, pool: &SimulatedPool, mut watch: impl FnMut(usize)) -> ReplayReport {
         let before = pool.stats();
         let mut ptrs: HashMap<u64, (u64, usize, usize)> = HashMap::with_capacity(1024);
         let mut report = ReplayReport {
@@ -219,6 +235,7 @@ impl Trace {
                     pool.deallocate(p, size, stream).expect("a live allocation of the pool");
                 }
             }
+            watch(i);
             report.events = i + 1;
         }
         let st = pool.stats();

@@ -20,6 +20,9 @@ fn traces() -> Vec<(String, Trace)> {
 
 /// A replay that shows the arena where a budgeted replay runs out of memory (run by hand:
 /// `CUDRV_TRACE=decode_kvcache.csv CUDRV_BUDGET=1.10 cargo test --release --lib explain_oom -- --ignored --nocapture`).
+/// `CUDRV_TRACE` may be a path (with a `/`) to a trace elsewhere; `CUDRV_BUDGET_EXTRA_MIB` adds
+/// MiB to the budget (a GPU replay's budget is the factor's plus up to 2 MiB: whole pages);
+/// `CUDRV_WARM` replays the trace whole first and explains the second replay.
 #[test]
 #[ignore]
 fn explain_oom() {
@@ -27,11 +30,19 @@ fn explain_oom() {
     use crate::memory::TraceEvent;
     let want = std::env::var("CUDRV_TRACE").unwrap_or_default();
     let factor: f64 = std::env::var("CUDRV_BUDGET").ok().and_then(|v| v.parse().ok()).unwrap_or(1.10);
-    for (name, trace) in traces() {
+    // A path (with a '/') names a trace outside `traces/`.
+    let all = if want.contains('/') {
+        let text = std::fs::read_to_string(&want).unwrap();
+        vec![(want.clone(), Trace::parse(&text).unwrap())]
+    } else {
+        traces()
+    };
+    let extra: usize = std::env::var("CUDRV_BUDGET_EXTRA_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    for (name, trace) in all {
         if !want.is_empty() && name != want {
             continue;
         }
-        let budget = (trace.peak_live() as f64 * factor) as usize;
+        let budget = (trace.peak_live() as f64 * factor) as usize + (extra << 20);
         let mut config = PoolConfig::default();
         for kv in std::env::var("CUDRV_CONFIG").unwrap_or_default().split(',').filter(|s| !s.is_empty()) {
             let (k, v) = kv.split_once('=').unwrap();
@@ -46,6 +57,7 @@ fn explain_oom() {
                 _ => panic!("{k}"),
             }
         }
+        eprintln!("{name}: budget {budget} ({:.4}x the peak live)", budget as f64 / trace.peak_live() as f64);
         let pool = SimulatedPool::new(config, Some(budget));
         if std::env::var_os("CUDRV_WARM").is_some() {
             // A warm replay: on the pool a whole (cold) replay left behind.
@@ -74,5 +86,6 @@ fn explain_oom() {
                 }
             }
         }
+        eprintln!("{name}: at the end {:?}", pool.stats());
     }
 }
