@@ -56,7 +56,11 @@ pub struct PoolConfig {
     /// only when nothing else is left.) Past the headroom, where the alternative is to give
     /// memory back and allocate anew, a request takes a free tail that holds it, or else any
     /// free block that holds it, while what blocks leave unused stays within the headroom's share
-    /// of the most memory live at once and within 1% of the device's memory. Default 75.
+    /// of the most memory live at once and within 1% of the device's memory. Where the device
+    /// leaves little room above the most memory live at once, a request takes a free block larger
+    /// than the chunk it would get (its size class) only while what blocks leave unused stays
+    /// within half that room; past it, it gets a chunk of its own (the free block is given back
+    /// when the device needs the room). Default 75.
     pub large_fit_percent: u32,
     /// A free block of a medium or large chunk is split only when what is left over would be at
     /// least this many bytes; otherwise the whole block is handed out. Default 512 bytes (always

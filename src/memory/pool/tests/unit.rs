@@ -688,3 +688,64 @@ fn a_medium_chunk_cut_down_by_the_headroom_holds_a_few_requests_of_its_size() {
     h.check();
     h.teardown();
 }
+
+/// Out of memory, a request takes a free block of another size class that holds it: here a
+/// large request (above `medium_limit`) the free end of a medium chunk that its live blocks
+/// keep. Before, only tails and (for a large request) large blocks were looked at, and the
+/// request failed with 14 MiB free in the pool.
+#[test]
+fn oom_a_request_takes_a_free_block_of_another_kind_as_the_last_resort() {
+    let h = harness(1);
+    h.mock.st().capacity = 64 * MIB;
+    // One 32 MiB medium chunk: three 6 MiB blocks, the middle one freed, 14 MiB free at its end.
+    let m: Vec<u64> = (0..3).map(|_| h.alloc(6 * MIB, 0).unwrap()).collect();
+    assert_eq!((m[1] - m[0], m[2] - m[1]), ((6 * MIB) as u64, (6 * MIB) as u64), "one chunk");
+    h.free(m[1], 0);
+    // A large chunk of its own takes the device but for 2 MiB.
+    let large = h.alloc(30 * MIB, 0).unwrap();
+    assert_eq!(h.mock.chunk_figures().0, 62 * MIB);
+    // 9 MiB: no free large block, no room for a chunk, no free chunk to give back.
+    let p = h.alloc(9 * MIB, 0).expect("the free end of the medium chunk holds it");
+    assert_eq!(p, m[2] + (6 * MIB) as u64, "the best fit: the 14 MiB at the end, not the 6 MiB hole");
+    let st = h.stats();
+    assert_eq!((st.reserved, st.driver_allocs, st.oom_recoveries), (62 * MIB, 2, 1), "{st:?}");
+    // Written where nothing else lives: the mock checks every block against the live ones.
+    for q in [p, large, m[0], m[2]] {
+        h.free(q, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
+/// Near the device's capacity, a large request takes a free chunk larger than its own size
+/// class only while what blocks leave unused stays within half the room the device leaves above
+/// the most memory live at once: past that it gets an exact chunk, in the room of a free chunk
+/// given back. A second round of smaller tensors (27 MiB in the 32 MiB chunks the first round of
+/// 31 MiB left) then fits with the request that makes its peak; taking every 32 MiB chunk, it
+/// left 40 MiB unused and ran out of memory.
+#[test]
+fn near_capacity_a_loose_reuse_pins_no_more_than_the_device_leaves_room_for() {
+    let h = harness(1);
+    // 8 x 31 MiB live at the peak (248 MiB), in 8 exact 32 MiB chunks; the device holds 272.
+    h.mock.st().capacity = 272 * MIB;
+    let first: Vec<u64> = (0..8).map(|_| h.alloc(31 * MIB, 0).unwrap()).collect();
+    for p in first {
+        h.free(p, 0);
+    }
+    assert_eq!(h.mock.chunk_figures().0, 256 * MIB);
+    // The second round: 8 x 27 MiB, then 32 MiB, 248 MiB live again.
+    let second: Vec<u64> = (0..8).map(|_| h.alloc(27 * MIB, 0).unwrap()).collect();
+    let st = h.stats();
+    // Room: (256 + 16 - 2 [the driver's spare] - 248) / 2 = 11 MiB: two reuses leave 5 MiB each;
+    // six exact 28 MiB chunks, in the room of five 32 MiB chunks given back (and of what the
+    // device had left); one 32 MiB chunk stays free.
+    assert_eq!((st.reserved, st.driver_allocs, st.driver_frees), (3 * 32 * MIB + 6 * 28 * MIB, 14, 5), "{st:?}");
+    let peak = h.alloc(32 * MIB, 0).expect("the peak fits");
+    let st = h.stats();
+    assert_eq!((st.reserved, st.driver_allocs, st.oom_recoveries), (264 * MIB, 14, 0), "the free chunk serves it");
+    for p in second.into_iter().chain([peak]) {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
