@@ -699,7 +699,10 @@ fn a_pool_in_segments_unmaps_gaps_to_serve_a_larger_buffer() {
         big.fill(0xB16).unwrap();
         let st = pool.pool_stats();
         assert!(st.driver_frees >= 2, "the gaps were not unmapped: {st:?}");
-        assert!(st.reserved <= 64 << 20, "{st:?}");
+        // The gaps are unmapped as far as the request needs: whole where each is one mapping;
+        // in small mappings (the pool holds more than an eighth of the device), only what the
+        // device lacks (it holds 72 MiB, less what the driver keeps): within 1.10x the peak.
+        assert!(st.reserved <= (64 << 20) / 100 * 110, "{st:?}");
         for (i, b) in bufs.iter().enumerate().filter_map(|(i, b)| Some((i, b.as_ref()?))) {
             assert!(b.to_vec().unwrap().iter().all(|&x| x == i as u32), "buffer {i} lost its data");
         }
