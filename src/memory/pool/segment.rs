@@ -21,8 +21,8 @@
 //!   access change on the device), and the memory of a large request, freed and cut up by smaller
 //!   ones, can still be unmapped between them. Once the pool holds
 //!   an eighth of what it may hold (the release threshold, the device's memory), it maps in handles
-//!   of 1/64 of the most memory live at once, so that free blocks can later be unmapped nearly
-//!   whole, and near the device's capacity in handles of 1/256 of it; past the headroom and near
+//!   of 1/32 of the most memory live at once, from half of it 1/64, so that free blocks can later
+//!   be unmapped nearly whole, and near the device's capacity in handles of 1/256 of it; past the headroom and near
 //!   capacity it maps exactly what is missing. A growth the
 //!   driver refuses part-way unmaps what it mapped.
 //! * *Release* unmaps whole mappings that lie inside free blocks whose frees the host has seen
@@ -56,6 +56,13 @@ fn fine_handle(peak_live: usize, granularity: usize) -> usize {
     handle_of(peak_live / 64, 64 << 20, granularity)
 }
 
+/// The handle size from an eighth of what the pool may hold to half of it: 1/32 of the most
+/// memory live at once, at least the granularity and at most 64 MiB (or the granularity, if
+/// larger). See [`Arena::grow_segment`].
+fn middle_handle(peak_live: usize, granularity: usize) -> usize {
+    handle_of(peak_live / 32, 64 << 20, granularity)
+}
+
 /// `share` of the most memory live at once as a handle size: at least the granularity and at
 /// most `most` (or the granularity, if larger), in whole granules.
 fn handle_of(share: usize, most: usize, granularity: usize) -> usize {
@@ -80,7 +87,7 @@ fn tight_handle(peak_live: usize, granularity: usize) -> usize {
 /// for a later request of another shape (replayed at 1.10 times their peak of live memory, 7 of
 /// 60 heavy-tailed synthetic traces ran out of memory with one handle per growth, none with
 /// these; the traces in `traces/` made 31 to 81 map calls cold instead of 25 to 43, and since
-/// small handles start at an eighth of what the pool may hold, 118 to 229).
+/// smaller handles start at an eighth of what the pool may hold, 108 to 191).
 fn coarse_handle(peak_live: usize, granularity: usize) -> usize {
     round_up((peak_live / 16).max(16 << 20).max(granularity), granularity).unwrap_or(granularity)
 }
@@ -148,23 +155,27 @@ impl<B: Backend> Arena<B> {
             step = missing;
         }
         // Once the pool holds an eighth of what it may hold (the release threshold, the device's
-        // memory), it maps in small handles, so that the free blocks it makes can later be
-        // unmapped nearly whole (a mapping is unmapped only whole). Before, in handles of up to
-        // a sixteenth of the most memory live at once (each handle costs an access change on the
-        // device): one handle per growth would leave the memory of a large request, once freed
-        // and cut up by smaller ones, pinned whole by any of them. Handles mapped early stay for
-        // the workload's life, cut up by its long-lived blocks, where the small ones are needed
-        // later: from half of what the pool may hold, 10 of 600 replays of synthetic KV-cache
-        // decoders (cold, then warm, in 1.10x their peak of live memory plus 0-16 MiB) ran out
-        // of memory, with the free memory in pieces that held no whole mapping; from an eighth,
-        // none did, for 10-59% more mappings under such budgets. A workload that takes less
-        // than an eighth of the device maps as before.
+        // memory), it maps in smaller handles, so that the free blocks it makes can later be
+        // unmapped nearly whole (a mapping is unmapped only whole): 1/32 of the most memory live
+        // at once, from half of what it may hold 1/64. Before, in handles of up to a sixteenth
+        // (each handle costs an access change on the device): one handle per growth would leave
+        // the memory of a large request, once freed and cut up by smaller ones, pinned whole by
+        // any of them. Handles mapped early stay for the workload's life, cut up by its
+        // long-lived blocks, where the small ones are needed later: with large handles up to
+        // half of what the pool may hold, 10 of 600 replays of synthetic KV-cache decoders
+        // (cold, then warm, in 1.10x their peak of live memory plus 0-16 MiB) ran out of memory,
+        // with the free memory in pieces that held no whole mapping. With 1/32 from an eighth,
+        // none did, for 3-22% more mappings under such budgets (1/64 from an eighth: 10-59%;
+        // 1/32 all the way: 8 failures). A workload that takes less than an eighth of the
+        // device maps as before.
         let may_hold = self.config.release_threshold.min(free.map_or(usize::MAX, |f| reserved.saturating_add(f)));
-        let pressed = exact || reserved.saturating_add(step) > may_hold / 8;
+        let grown = reserved.saturating_add(step);
+        let pressed = exact || grown > may_hold / 8;
         // Without release (a graph's allocation, during a capture), one handle: a refusal leaves
         // nothing mapped to undo.
         let handle = match (pressed, may_release) {
             (true, true) if tight => tight_handle(peak, gran),
+            (true, true) if !exact && grown <= may_hold / 2 => middle_handle(peak, gran),
             (true, true) => fine_handle(peak, gran),
             (false, true) => step.min(coarse_handle(peak, gran)),
             (_, false) => step,
