@@ -797,10 +797,16 @@ fn kv_cache_decoding_figures() {
 /// plus up to 2 MiB of whole pages, and the pool's decisions near capacity change with a MiB),
 /// replayed cold and then warm on the same pool, in segments and in chunks. Prints the runs that
 /// ran out of memory and the driver calls of all: `cargo test --release --lib
-/// budget_robustness_figures -- --ignored --nocapture`.
+/// budget_robustness_figures -- --ignored --nocapture`. `CUDRV_EXTRA_MIB=-6,-4,-2` sets the MiB
+/// added instead (the driver keeps 1-5 MiB of what it reports free, so on the GPU a budget of
+/// 1.10x is one of up to 3 MiB less in the simulator, which keeps 2 MiB).
 #[test]
 #[ignore]
 fn budget_robustness_figures() {
+    let extras: Vec<isize> = match std::env::var("CUDRV_EXTRA_MIB") {
+        Ok(v) => v.split(',').map(|x| x.trim().parse().expect("MiB, comma-separated")).collect(),
+        Err(_) => vec![0, 1, 2, 3, 4, 5, 6, 8, 12, 16],
+    };
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
     let mut files: Vec<(String, Trace)> = std::fs::read_dir(dir)
         .expect("traces/")
@@ -824,8 +830,8 @@ fn budget_robustness_figures() {
             let (mut runs, mut cold, mut warm, mut maps, mut failed) = (0, 0, 0, 0u64, Vec::new());
             for seed in 1..=*seeds {
                 let trace = make(seed);
-                for extra_mib in [0usize, 1, 2, 3, 4, 5, 6, 8, 12, 16] {
-                    let budget = trace.peak_live() / 100 * 110 + (extra_mib << 20);
+                for &extra_mib in &extras {
+                    let budget = (trace.peak_live() / 100 * 110).saturating_add_signed(extra_mib << 20);
                     let pool = SimulatedPool::new(config.clone(), Some(budget));
                     runs += 1;
                     for pass in ["cold", "warm"] {
