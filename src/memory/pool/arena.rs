@@ -868,12 +868,7 @@ impl<B: Backend> Arena<B> {
                     if matches!(b.state, State::Free { .. }) {
                         let end = b.ptr + b.size as u64;
                         free += b.size;
-                        whole += seg
-                            .maps
-                            .range(b.ptr..end)
-                            .filter(|&(&at, &(n, _))| at + n as u64 <= end)
-                            .map(|(_, &(n, _))| n)
-                            .sum::<usize>();
+                        whole += seg.maps_within(b.ptr, end).map(|(_, n, _)| n).sum::<usize>();
                     }
                     cur = b.next;
                 }

@@ -104,6 +104,14 @@ pub(crate) struct Segment {
     pub(crate) unmapping: usize,
 }
 
+impl Segment {
+    /// The mappings that lie wholly inside `[ptr, end)`, lowest first, as (address, bytes,
+    /// handle): those of a free block are what can be unmapped of it.
+    pub(crate) fn maps_within(&self, ptr: u64, end: u64) -> impl DoubleEndedIterator<Item = (u64, usize, u64)> + '_ {
+        self.maps.range(ptr..end).filter(move |&(&at, &(n, _))| at + n as u64 <= end).map(|(&at, &(n, h))| (at, n, h))
+    }
+}
+
 /// Free blocks of one kind and one stream, best fit first: key `(size, ptr)`, value block index.
 pub(crate) type FreeList = BTreeMap<(usize, u64), u32>;
 

@@ -496,13 +496,7 @@ impl<B: Backend> Arena<B> {
                 if let State::Free { stream, seq } = self.blocks[cur].state {
                     let (ptr, end) = (self.blocks[cur].ptr, self.blocks[cur].ptr + self.blocks[cur].size as u64);
                     let seg = self.chunks[c].segment.as_ref().expect("a segment");
-                    let inside: Vec<(u64, usize, u64)> = seg
-                        .maps
-                        .range(ptr..end)
-                        .rev()
-                        .filter(|&(&at, &(n, _))| at + n as u64 <= end)
-                        .map(|(&at, &(n, h))| (at, n, h))
-                        .collect();
+                    let inside: Vec<(u64, usize, u64)> = seg.maps_within(ptr, end).rev().collect();
                     let done = !inside.is_empty()
                         && match how {
                             Completion::Known => self.host_safe(stream, seq),

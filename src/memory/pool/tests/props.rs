@@ -425,6 +425,20 @@ fn heavy_tailed_traces_fit_in_segments() {
     }
 }
 
+/// Replays `trace` on `pool` cold, then (if that fitted) warm on what it left: the driver
+/// allocations of both, and the pass that ran out of memory, if one did.
+fn replay_cold_then_warm(trace: &Trace, pool: &SimulatedPool) -> (u64, Option<&'static str>) {
+    let mut allocs = 0;
+    for pass in ["cold", "warm"] {
+        let r = trace.replay_on(pool);
+        allocs += r.driver_allocs;
+        if r.out_of_memory_at.is_some() {
+            return (allocs, Some(pass));
+        }
+    }
+    (allocs, None)
+}
+
 /// Heavy-tailed traces replayed twice on the same pool in chunks (as a serving process replays
 /// its workload warm, on what the first pass left cached) fit in 1.10x their peak of live memory
 /// and a few MiB more (a GPU budget is the factor's plus up to 2 MiB of whole pages, and a pool
@@ -439,10 +453,8 @@ fn heavy_tailed_traces_replayed_warm_fit_in_chunks() {
         let trace = synthetic_trace(seed * 104_729, 20_000, 1 + seed as usize % 3);
         for extra in [0, 2 * MIB, 4 * MIB] {
             let pool = SimulatedPool::new(config.clone(), Some(trace.peak_live() / 100 * 110 + extra));
-            for pass in ["cold", "warm"] {
-                let r = trace.replay_on(&pool);
-                assert_eq!(r.out_of_memory_at, None, "seed {seed}, {extra} bytes more: out of memory {pass}");
-            }
+            let (_, out) = replay_cold_then_warm(&trace, &pool);
+            assert_eq!(out, None, "seed {seed}, {extra} bytes more: the pass that ran out of memory");
         }
     }
 }
@@ -761,10 +773,8 @@ fn kv_caches_replayed_warm_fit_in_segments_under_budgets_a_mib_apart() {
         let trace = kv_cache_decoding(seed * 7919, 100);
         for extra in [0, 1, 2, 3, 4, 5, 6, 12, 16] {
             let pool = SimulatedPool::new(PoolConfig::default(), Some(trace.peak_live() / 100 * 110 + extra * MIB));
-            for pass in ["cold", "warm"] {
-                let r = trace.replay_on(&pool);
-                assert_eq!(r.out_of_memory_at, None, "seed {seed}, {extra} MiB more: out of memory {pass}");
-            }
+            let (_, out) = replay_cold_then_warm(&trace, &pool);
+            assert_eq!(out, None, "seed {seed}, {extra} MiB more: the pass that ran out of memory");
         }
     }
 }
@@ -807,15 +817,7 @@ fn budget_robustness_figures() {
         Ok(v) => v.split(',').map(|x| x.trim().parse().expect("MiB, comma-separated")).collect(),
         Err(_) => vec![0, 1, 2, 3, 4, 5, 6, 8, 12, 16],
     };
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
-    let mut files: Vec<(String, Trace)> = std::fs::read_dir(dir)
-        .expect("traces/")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "csv"))
-        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), p))
-        .map(|(name, p)| (name, Trace::parse(&std::fs::read_to_string(p).unwrap()).unwrap()))
-        .collect();
-    files.sort_by(|a, b| a.0.cmp(&b.0));
+    let files = super::traces::traces();
     type Family<'a> = (&'a str, u64, &'a dyn Fn(u64) -> Trace);
     let families: [Family; 5] = [
         ("traces/", files.len() as u64, &|s| files[s as usize - 1].1.clone()),
@@ -834,14 +836,11 @@ fn budget_robustness_figures() {
                     let budget = (trace.peak_live() / 100 * 110).saturating_add_signed(extra_mib << 20);
                     let pool = SimulatedPool::new(config.clone(), Some(budget));
                     runs += 1;
-                    for pass in ["cold", "warm"] {
-                        let r = trace.replay_on(&pool);
-                        maps += r.driver_allocs;
-                        if r.out_of_memory_at.is_some() {
-                            *if pass == "cold" { &mut cold } else { &mut warm } += 1;
-                            failed.push(format!("{seed}+{extra_mib}M {pass}"));
-                            break;
-                        }
+                    let (allocs, out) = replay_cold_then_warm(&trace, &pool);
+                    maps += allocs;
+                    if let Some(pass) = out {
+                        *if pass == "cold" { &mut cold } else { &mut warm } += 1;
+                        failed.push(format!("{seed}+{extra_mib}M {pass}"));
                     }
                 }
             }

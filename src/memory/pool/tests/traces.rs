@@ -3,7 +3,8 @@
 
 use crate::memory::{PoolConfig, Trace};
 
-fn traces() -> Vec<(String, Trace)> {
+/// The traces in `traces/`, by file name, in name order.
+pub(super) fn traces() -> Vec<(String, Trace)> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).expect("traces/ exists") {
