@@ -37,6 +37,17 @@
 //! 1 for other errors.
 
 use std::process::ExitCode;
+
+/// `println!` that ends the program quietly when standard output is closed (`replay ... | head`),
+/// as command-line tools do, instead of panicking; any other failure to write exits with 1.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($t)*) {
+            std::process::exit(if e.kind() == std::io::ErrorKind::BrokenPipe { 0 } else { 1 });
+        }
+    }};
+}
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -191,7 +202,7 @@ fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) if e.is_empty() => {
-            println!("{USAGE}\n\nReplays allocation traces through a memory resource (see the example's docs).");
+            say!("{USAGE}\n\nReplays allocation traces through a memory resource (see the example's docs).");
             return ExitCode::SUCCESS;
         }
         Err(e) => {
@@ -252,21 +263,21 @@ struct Report {
 }
 
 fn print_report(name: &str, trace: &Trace, r: &Report) {
-    println!("{name}: {} events on {} stream(s), through {}", trace.events().len(), trace.streams(), r.resource);
+    say!("{name}: {} events on {} stream(s), through {}", trace.events().len(), trace.streams(), r.resource);
     if let Some(limit) = r.limit {
-        println!(
+        say!(
             "  memory limit      {limit} bytes ({:.3}x the peak live)",
             limit as f64 / trace.peak_live().max(1) as f64
         );
     }
-    println!("  peak live         {} bytes", trace.peak_live());
-    println!("  peak reserved     {} bytes", r.peak_reserved);
-    println!("  driver allocs     {}", r.driver_allocs);
+    say!("  peak live         {} bytes", trace.peak_live());
+    say!("  peak reserved     {} bytes", r.peak_reserved);
+    say!("  driver allocs     {}", r.driver_allocs);
     if let Some((cold, warm)) = r.timing {
-        println!("  ns/event          cold {cold:.0}, warm {warm:.0}");
+        say!("  ns/event          cold {cold:.0}, warm {warm:.0}");
     }
     if let Some(p) = &r.pool {
-        println!(
+        say!(
             "  pool              {} driver frees, {} out-of-memory recoveries, {} reservoirs, {} event syncs, \
              {} event queries, {} MiB left to the driver",
             p.driver_frees,
@@ -279,13 +290,13 @@ fn print_report(name: &str, trace: &Trace, r: &Report) {
     }
     let ratio = r.peak_reserved as f64 / trace.peak_live().max(1) as f64;
     match r.oom_at {
-        None => println!(
+        None => say!(
             "replay: {name} reserved/live={ratio:.3} peak_live={} peak_reserved={} driver_allocs={}",
             trace.peak_live(),
             r.peak_reserved,
             r.driver_allocs
         ),
-        Some(i) => println!(
+        Some(i) => say!(
             "replay: {name} OOM at event {i} of {} reserved/live={ratio:.3} peak_live={} peak_reserved={} driver_allocs={}",
             r.events.max(i),
             trace.peak_live(),
@@ -309,7 +320,7 @@ impl Watcher {
         }
         self.last = (st.driver_allocs, st.driver_frees);
         let free = free().map_or_else(|| "-".to_string(), |f| f.to_string());
-        println!(
+        say!(
             "watch: event={event} driver_allocs={} driver_frees={} reserved={} in_use={} device_free={free} \
              queries={} recoveries={} spare={}",
             st.driver_allocs,
@@ -336,7 +347,7 @@ fn simulate(config: &PoolConfig, trace: &Trace, limit: Option<usize>, watch: boo
     };
     let warm = if cold.out_of_memory_at.is_none() { Some(trace.replay_on(&pool)) } else { None };
     let last = warm.unwrap_or(cold);
-    println!(
+    say!(
         "  simulated driver allocs: cold {} ({:.1} ms est.), warm {} ({:.1} ms est.)",
         cold.driver_allocs,
         cold.estimated_driver_ns() / 1e6,
@@ -493,7 +504,7 @@ impl Hog {
         }
         let left = device.memory_info().map_or(0, |m| m.free);
         drop(_b);
-        println!("  (took {take} of {free} free bytes to leave {leave}: {left} left free)");
+        say!("  (took {take} of {free} free bytes to leave {leave}: {left} left free)");
         Ok(Hog { ptr, ctx })
     }
 }

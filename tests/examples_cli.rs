@@ -268,3 +268,28 @@ fn replay_watch_follows_each_mapping_and_needs_cudrvs_pool() {
     // The driver's own pool has no such figures.
     expect(&run("replay", &["--watch", "--resource", "driver-pool", big.arg()]), 2, "--watch follows cudrv's pool");
 }
+
+#[test]
+fn replay_ends_quietly_when_its_output_is_closed() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    // As `replay ... | head -1`: the reader goes after the first line, and the next write fails
+    // with a broken pipe (the Rust runtime ignores SIGPIPE). The replay stops with status 0 and
+    // no panic, instead of `println!`'s "failed printing to stdout".
+    let traces = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/resnet50_train.csv");
+    let mut child = Command::new(example("replay"))
+        .args(["--simulate", traces, traces, traces])
+        .env("CUDRV_DRIVER_PATH", "/no/such/driver/libcuda.so")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the replay example runs");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut first).expect("a first line");
+    assert!(first.contains("simulated driver allocs") || first.starts_with("resnet50_train.csv: "), "{first}");
+    // The reader is dropped here: stdout is closed.
+    let out = child.wait_with_output().expect("the replay ends");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -826,7 +826,13 @@ fn budget_robustness_figures() {
         ("training", 20, &|s| training_steps(s * 7919, 20)),
         ("inference", 20, &|s| inference_requests(s * 7919, 40)),
     ];
+    // `CUDRV_SWEEP=segments` or `chunks` runs one mode only.
+    let only = std::env::var("CUDRV_SWEEP").ok();
     for expandable in [true, false] {
+        let how = if expandable { "segments" } else { "chunks" };
+        if only.as_deref().is_some_and(|o| o != how) {
+            continue;
+        }
         let config = PoolConfig { expandable, ..PoolConfig::default() };
         for (name, seeds, make) in &families {
             let (mut runs, mut cold, mut warm, mut maps, mut failed) = (0, 0, 0, 0u64, Vec::new());
@@ -844,7 +850,6 @@ fn budget_robustness_figures() {
                     }
                 }
             }
-            let how = if expandable { "segments" } else { "chunks" };
             failed.truncate(12);
             eprintln!(
                 "{how}, {name}: {runs} runs, {cold} out of memory cold, {warm} warm, {maps} driver allocations; {}",
