@@ -309,7 +309,10 @@ fn replay_once(a: &Alloc, t: &Trace, streams: &[Stream]) -> Res<f64> {
         }
     }
     let ns = start.elapsed().as_nanos() as f64 / t.events().len() as f64;
-    for (_, (p, size, stream)) in ptrs {
+    // In the order of their ids, so that the next replay starts from the same pool every time.
+    let mut left: Vec<_> = ptrs.into_iter().collect();
+    left.sort_unstable_by_key(|&(id, _)| id);
+    for (_, (p, size, stream)) in left {
         a.free(p, size, &streams[stream])?;
     }
     for s in streams {

@@ -465,7 +465,10 @@ fn replay_once(
         done = i + 1;
     }
     let elapsed = start.elapsed().as_nanos() as f64 / done.max(1) as f64;
-    for (_, (p, size, stream)) in ptrs {
+    // In the order of their ids, so that the warm replay starts from the same pool every time.
+    let mut left: Vec<_> = ptrs.into_iter().collect();
+    left.sort_unstable_by_key(|&(id, _)| id);
+    for (_, (p, size, stream)) in left {
         // SAFETY: as above.
         unsafe { resource.deallocate(p, size, &streams[stream]) }.map_err(|e| e.to_string())?;
     }

@@ -31,38 +31,10 @@ fn configs() -> [PoolConfig; 2] {
 /// What the emulated device keeps back for the driver (as `cuMemAlloc` does).
 const DRIVER_SPARE: usize = 2 << 20;
 
-/// The least memory any placement needs for `trace` that gives each large request (above
-/// `medium_limit`) a chunk of its own, in whole pages of `large_granule` bytes (the driver maps
-/// 2 MiB pages), and keeps small requests (up to `small_limit`) in chunks apart from the rest, as
-/// the pool does so that a small block never pins a large chunk: at every event, the pages of the
-/// live large requests, plus the live medium and the live small requests each packed perfectly
-/// into whole pages, plus what the driver keeps back. Its largest value over the trace. (Requests
-/// rounded to 512 bytes, as the pool rounds them.)
+/// The least memory any placement in chunks needs for `trace` on the emulated device
+/// ([`Trace::least_memory_in_chunks`], and what the device keeps back for the driver).
 fn least_memory_in_chunks(trace: &Trace, config: &PoolConfig) -> usize {
-    use cudrv::memory::TraceEvent;
-    let page = |n: usize| n.div_ceil(config.large_granule) * config.large_granule;
-    let (mut large, mut medium, mut small, mut least) = (0usize, 0usize, 0usize, 0usize);
-    for ev in trace.events() {
-        let (size, alloc) = match *ev {
-            TraceEvent::Alloc { size, .. } => (size, true),
-            TraceEvent::Free { size, .. } => (size, false),
-        };
-        let rounded = size.max(1).div_ceil(512) * 512;
-        let (sum, bytes) = if rounded > config.medium_limit {
-            (&mut large, page(rounded))
-        } else if rounded > config.small_limit {
-            (&mut medium, rounded)
-        } else {
-            (&mut small, rounded)
-        };
-        if alloc {
-            *sum += bytes
-        } else {
-            *sum -= bytes
-        }
-        least = least.max(large + page(medium) + page(small));
-    }
-    least + DRIVER_SPARE
+    trace.least_memory_in_chunks(config) + DRIVER_SPARE
 }
 
 /// The budget a trace must fit in: 1.10x its peak of live bytes; in chunks, where the least any

@@ -6,6 +6,7 @@ use std::fmt;
 
 use super::config::PoolConfig;
 use super::sim::SimulatedPool;
+use super::{GRANULE, round_up};
 
 /// One event of a [`Trace`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +183,50 @@ impl Trace {
         self.peak_live
     }
 
+    /// The least memory that any placement in chunks needs for the trace: each large request
+    /// (above [`PoolConfig::medium_limit`]) in a chunk of its own of whole
+    /// [`PoolConfig::large_granule`] pages (the driver maps 2 MiB pages), and the medium requests
+    /// and the small ones (up to [`PoolConfig::small_limit`]) each in chunks of their own kind,
+    /// packed perfectly. That is how [`StreamOrderedPool`](crate::memory::StreamOrderedPool) grows
+    /// where the device has no virtual memory management (or with [`PoolConfig::expandable`] off);
+    /// small requests are kept apart so that they never pin a large chunk. Requests are rounded to
+    /// 512 bytes, as the pool rounds them. At every event, the pages of the live large requests
+    /// and of the live medium and small bytes; the largest such sum over the trace.
+    ///
+    /// No budget below it (plus what the driver keeps back of its free memory: 2 MiB on an H200)
+    /// can be met in chunks, whatever the placement; only mapping memory into address ranges
+    /// (segments, with virtual memory management) packs large requests closer.
+    ///
+    /// ```
+    /// use cudrv::memory::{PoolConfig, Trace};
+    /// // Two live 10.32 MiB tensors take two 12 MiB chunks; a 14 KB request a small chunk (2 MiB).
+    /// let trace = Trace::parse("a,1,10819584,0\na,2,10819584,0\na,3,14088,0\n")?;
+    /// assert_eq!(trace.least_memory_in_chunks(&PoolConfig::default()), (12 + 12 + 2) << 20);
+    /// # Ok::<(), cudrv::memory::TraceError>(())
+    /// ```
+    pub fn least_memory_in_chunks(&self, config: &PoolConfig) -> usize {
+        let config = config.clone().normalized();
+        let pages = |n: usize| round_up(n, config.large_granule).unwrap_or(usize::MAX);
+        let (mut large, mut medium, mut small, mut least) = (0usize, 0usize, 0usize, 0usize);
+        for ev in &self.events {
+            let (size, alloc) = match *ev {
+                TraceEvent::Alloc { size, .. } => (size, true),
+                TraceEvent::Free { size, .. } => (size, false),
+            };
+            let rounded = round_up(size.max(1), GRANULE).unwrap_or(usize::MAX);
+            let (sum, bytes) = if rounded > config.medium_limit {
+                (&mut large, pages(rounded))
+            } else if rounded > config.small_limit {
+                (&mut medium, rounded)
+            } else {
+                (&mut small, rounded)
+            };
+            *sum = if alloc { sum.saturating_add(bytes) } else { sum.saturating_sub(bytes) };
+            least = least.max(large.saturating_add(pages(medium)).saturating_add(pages(small)));
+        }
+        least
+    }
+
     /// Replays the trace on a new [`SimulatedPool`] with `config` on an emulated device of
     /// `memory_limit` bytes (`None`: no limit): see [`Trace::replay_on`].
     pub fn replay_simulated(&self, config: PoolConfig, memory_limit: Option<usize>) -> ReplayReport {
@@ -239,7 +284,11 @@ impl Trace {
             report.events = i + 1;
         }
         let st = pool.stats();
-        for (_, (p, size, stream)) in ptrs {
+        // In the order of their ids, so that a warm replay starts from the same pool every time
+        // (a hash map's order changes from run to run).
+        let mut left: Vec<_> = ptrs.into_iter().collect();
+        left.sort_unstable_by_key(|&(id, _)| id);
+        for (_, (p, size, stream)) in left {
             pool.deallocate(p, size, stream).expect("a live allocation of the pool");
         }
         report.peak_reserved = st.peak_reserved;
