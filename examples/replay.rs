@@ -26,6 +26,11 @@
 //!   pool's figures and the device's free memory (the emulated device's, simulated), so that a
 //!   replay on the GPU can be set beside the simulated one, decision by decision.
 //!
+//! Where the pool grows in chunks (`--config expandable=false`, or a device without virtual memory
+//! management), a line `least in chunks ...` gives the least memory any placement in chunks needs
+//! for the trace (`Trace::least_memory_in_chunks`): a budget below it (plus what the driver keeps
+//! back) cannot be met.
+//!
 //! With `--simulate` or `--resource pool`, a line `pool ...` gives the pool's driver frees,
 //! out-of-memory recoveries, reservoirs taken near capacity, event synchronisations and queries, and what it leaves of the
 //! reported free memory to the driver near capacity (2 MiB, or more where the driver refused).
@@ -260,6 +265,9 @@ struct Report {
     /// cudrv's pool's own counters: with `--simulate` or `--resource pool` (the device's default
     /// resource is shared behind `dyn MemoryResource`, whose statistics do not have them).
     pool: Option<PoolStats>,
+    /// Where cudrv's pool grows in chunks: the least memory any placement in chunks needs
+    /// ([`Trace::least_memory_in_chunks`]).
+    least_in_chunks: Option<usize>,
 }
 
 fn print_report(name: &str, trace: &Trace, r: &Report) {
@@ -272,6 +280,13 @@ fn print_report(name: &str, trace: &Trace, r: &Report) {
     }
     say!("  peak live         {} bytes", trace.peak_live());
     say!("  peak reserved     {} bytes", r.peak_reserved);
+    if let Some(least) = r.least_in_chunks {
+        say!(
+            "  least in chunks   {least} bytes ({:.4}x the peak live): no placement with a chunk per large request \
+             needs less, plus what the driver keeps back",
+            least as f64 / trace.peak_live().max(1) as f64
+        );
+    }
     say!("  driver allocs     {}", r.driver_allocs);
     if let Some((cold, warm)) = r.timing {
         say!("  ns/event          cold {cold:.0}, warm {warm:.0}");
@@ -363,6 +378,7 @@ fn simulate(config: &PoolConfig, trace: &Trace, limit: Option<usize>, watch: boo
         resource: "StreamOrderedPool (simulated)".into(),
         limit,
         pool: Some(pool.stats()),
+        least_in_chunks: (!config.expandable).then(|| trace.least_memory_in_chunks(config)),
     })
 }
 
@@ -405,6 +421,10 @@ fn on_gpu(args: &Args, trace: &Trace, limit: Option<usize>) -> Result<Report, St
         resource: resource.kind().to_string(),
         limit,
         pool: None,
+        least_in_chunks: pool
+            .as_ref()
+            .filter(|p| !p.grows_in_segments())
+            .map(|_| trace.least_memory_in_chunks(&args.config)),
     };
     if cold.0.is_none() {
         let warm = replay_once(&*resource, trace, &streams, &mut |_| {})?;

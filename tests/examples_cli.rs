@@ -235,6 +235,19 @@ fn replay_simulates_a_trace_and_reports_memory_and_the_pools_driver_calls() {
 }
 
 #[test]
+fn replay_in_chunks_gives_the_least_memory_any_placement_in_chunks_needs() {
+    // Two live 10.32 MiB tensors need two 12 MiB chunks (2 MiB pages), a 14 KB request a small
+    // chunk of 2 MiB: 26 MiB, however they are placed.
+    let trace = write_temp("least.csv", b"a,1,10819584,0\na,2,10819584,0\na,3,14088,0\n");
+    let (stdout, _) = expect(&run("replay", &["--simulate", "--config", "expandable=false", trace.arg()]), 0, "");
+    let line = stdout.lines().find(|l| l.trim_start().starts_with("least in chunks")).expect("the least in chunks");
+    assert!(line.contains(" 27262976 bytes (1.2591x the peak live)"), "{line}");
+    // Segments are not bound by it: no such line.
+    let (stdout, _) = expect(&run("replay", &["--simulate", trace.arg()]), 0, "");
+    assert!(!stdout.contains("least in chunks"), "{stdout}");
+}
+
+#[test]
 fn replay_exits_3_when_a_trace_runs_out_of_memory_and_2_for_bad_input() {
     // 64 MiB live at once on a 48 MiB emulated device: out of memory at the second allocation.
     let big =
