@@ -2,8 +2,8 @@
 //! bookkeeping as `StreamOrderedPool`, on an emulated device that keeps back what the driver keeps
 //! for itself), growing in segments (where the device has virtual memory management) and in
 //! chunks (where it has not): it completes within a memory budget of 1.10x its peak of live bytes,
-//! cold and warm (replayed twice), with the one exception below (which no placement with a chunk
-//! per large request avoids); and without a budget it reserves at most 1.25x.
+//! cold and warm (replayed twice), with the one exception below (which no placement in chunks
+//! that keeps each kind of request apart avoids); and without a budget it reserves at most 1.25x.
 
 use cudrv::memory::{PoolConfig, SimulatedPool, Trace};
 
@@ -31,23 +31,26 @@ fn configs() -> [PoolConfig; 2] {
 /// What the emulated device keeps back for the driver (as `cuMemAlloc` does).
 const DRIVER_SPARE: usize = 2 << 20;
 
-/// The least memory any placement in chunks needs for `trace` on the emulated device
+/// The least memory any placement in chunks keeping the kinds apart needs for `trace` on the
+/// emulated device
 /// ([`Trace::least_memory_in_chunks`], and what the device keeps back for the driver).
 fn least_memory_in_chunks(trace: &Trace, config: &PoolConfig) -> usize {
     trace.least_memory_in_chunks(config) + DRIVER_SPARE
 }
 
 /// The budget a trace must fit in: 1.10x its peak of live bytes; in chunks, where the least any
-/// placement with a chunk per large request needs ([`least_memory_in_chunks`]) is more than that,
-/// within 0.5% of the peak above that least instead.
+/// placement keeping the kinds apart needs ([`least_memory_in_chunks`]) is more than that, within
+/// 0.5% of the peak above that least instead.
 ///
 /// That is the case of `decode_kvcache` (1.108x): its peak comes at the end of the prefill, with
 /// twelve per-layer KV tensors of 10.32 MiB live. Each has a chunk of its own, and the driver maps
 /// whole 2 MiB pages, so each holds 12 MiB (what `cuMemAlloc` itself takes for 10.32 MiB: measured
-/// on the H200), 20 MiB above live in all. Packing the tensors into shared chunks would need to
-/// know that eleven more of the size will come: packed for two or three of a size at a time, the
-/// synthetic KV decoders ran out of memory twice as often (BENCHMARKS.md, fifteenth session).
-/// Only address-space remapping (VMM, which TCC devices lack) packs them, as segments do.
+/// on the H200), 20 MiB above live in all. Their 1.68 MiB tails could hold the 14 KB request that
+/// has a small chunk of its own, but not the 3.44 MiB ones: even so, 16 KB would be left. Packing
+/// the tensors into shared chunks would need to know that eleven more of the size will come:
+/// packed for two or three of a size at a time, the synthetic KV decoders ran out of memory twice
+/// as often (BENCHMARKS.md, fifteenth session). Only address-space remapping (VMM, which TCC
+/// devices lack) packs them, as segments do.
 fn budget(trace: &Trace, config: &PoolConfig) -> usize {
     let at_110 = trace.peak_live() / 100 * 110;
     if config.expandable {
@@ -56,10 +59,10 @@ fn budget(trace: &Trace, config: &PoolConfig) -> usize {
     at_110.max(least_memory_in_chunks(trace, config) + trace.peak_live() / 200)
 }
 
-/// The budget's exception is forced, not chosen: no placement with a chunk per large request fits
-/// `decode_kvcache` in 1.10x its peak, and every other trace leaves such a placement room.
+/// The budget's exception is forced, not chosen: no placement in chunks keeping the kinds apart
+/// fits `decode_kvcache` in 1.10x its peak, and every other trace leaves such a placement room.
 #[test]
-fn in_chunks_only_decode_kvcache_cannot_fit_in_110_percent_with_a_chunk_per_large_request() {
+fn in_chunks_only_decode_kvcache_needs_more_than_110_percent_with_the_kinds_apart() {
     let config = PoolConfig { expandable: false, ..PoolConfig::default() };
     for (name, trace) in traces() {
         let least = least_memory_in_chunks(&trace, &config);

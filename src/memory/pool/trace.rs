@@ -183,19 +183,21 @@ impl Trace {
         self.peak_live
     }
 
-    /// The least memory that any placement in chunks needs for the trace: each large request
-    /// (above [`PoolConfig::medium_limit`]) in a chunk of its own of whole
-    /// [`PoolConfig::large_granule`] pages (the driver maps 2 MiB pages), and the medium requests
-    /// and the small ones (up to [`PoolConfig::small_limit`]) each in chunks of their own kind,
-    /// packed perfectly. That is how [`StreamOrderedPool`](crate::memory::StreamOrderedPool) grows
-    /// where the device has no virtual memory management (or with [`PoolConfig::expandable`] off);
-    /// small requests are kept apart so that they never pin a large chunk. Requests are rounded to
-    /// 512 bytes, as the pool rounds them. At every event, the pages of the live large requests
-    /// and of the live medium and small bytes; the largest such sum over the trace.
+    /// The least memory that any placement in chunks that keeps each kind of request apart needs
+    /// for the trace: each large request (above [`PoolConfig::medium_limit`]) in a chunk of its
+    /// own of whole [`PoolConfig::large_granule`] pages (the driver maps 2 MiB pages), and the
+    /// medium requests and the small ones (up to [`PoolConfig::small_limit`]) each in chunks of
+    /// their own kind, packed perfectly. At every event, the pages of the live large requests and
+    /// of the live medium and small bytes; the largest such sum over the trace. Requests are
+    /// rounded to 512 bytes, as the pool rounds them.
     ///
-    /// No budget below it (plus what the driver keeps back of its free memory: 2 MiB on an H200)
-    /// can be met in chunks, whatever the placement; only mapping memory into address ranges
-    /// (segments, with virtual memory management) packs large requests closer.
+    /// That is how [`StreamOrderedPool`](crate::memory::StreamOrderedPool) places requests where
+    /// the device has no virtual memory management (or with [`PoolConfig::expandable`] off), so
+    /// that a small block never pins a large chunk, until its last resort before running out of
+    /// memory: then a small or medium request may take the free tail of a large chunk (what the
+    /// request left of its last page), and get below this. A budget below it (plus what the
+    /// driver keeps back of its free memory: 2 MiB on an H200) is met only so, or by mapping
+    /// memory into address ranges (segments, with virtual memory management).
     ///
     /// ```
     /// use cudrv::memory::{PoolConfig, Trace};

@@ -857,7 +857,8 @@ fn budget_robustness_figures() {
         let config = PoolConfig { expandable, ..PoolConfig::default() };
         for (name, seeds, make) in &families {
             let (mut runs, mut cold, mut warm, mut maps, mut failed) = (0, 0, 0, 0u64, Vec::new());
-            // Runs that no placement in chunks fits (`Trace::least_memory_in_chunks`).
+            // Runs that no placement in chunks keeping the kinds apart fits
+            // (`Trace::least_memory_in_chunks`).
             let mut forced = 0;
             for seed in 1..=*seeds {
                 let trace = make(seed);
@@ -876,8 +877,11 @@ fn budget_robustness_figures() {
                 }
             }
             failed.truncate(12);
-            let forced =
-                if expandable { String::new() } else { format!(" ({forced} that no placement in chunks fits)") };
+            let forced = if expandable {
+                String::new()
+            } else {
+                format!(" ({forced} that no placement keeping the kinds apart fits)")
+            };
             eprintln!(
                 "{how}, {name}: {runs} runs, {cold} out of memory cold, {warm} warm{forced}, {maps} driver allocations; {}",
                 failed.join(", ")
