@@ -43,6 +43,13 @@
 //! 1 for other errors.
 
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudrv::memory::{
+    DriverPool, MemoryResource, PoolConfig, PoolStats, StreamOrderedPool, SyncResource, Trace, TraceEvent,
+};
+use cudrv::{Device, Stream};
 
 /// `println!` that ends the program quietly when standard output is closed (`replay ... | head`),
 /// as command-line tools do, instead of panicking; any other failure to write exits with 1.
@@ -54,13 +61,6 @@ macro_rules! say {
         }
     }};
 }
-use std::sync::Arc;
-use std::time::Instant;
-
-use cudrv::memory::{
-    DriverPool, MemoryResource, PoolConfig, PoolStats, StreamOrderedPool, SyncResource, Trace, TraceEvent,
-};
-use cudrv::{Device, Stream};
 
 const USAGE: &str = "usage: replay [--simulate] [--resource driver-pool|pool|sync] [--memory BYTES|FACTORx] \
                      [--config name=value,...] [--device N] [--watch] TRACE.csv...";
@@ -267,8 +267,7 @@ struct Report {
     /// resource is shared behind `dyn MemoryResource`, whose statistics do not have them).
     pool: Option<PoolStats>,
     /// Where cudrv's pool grows in chunks: the least memory any placement in chunks keeping the
-    /// kinds apart needs
-    /// ([`Trace::least_memory_in_chunks`]).
+    /// kinds apart needs ([`Trace::least_memory_in_chunks`]).
     least_in_chunks: Option<usize>,
 }
 

@@ -32,8 +32,8 @@ fn configs() -> [PoolConfig; 2] {
 const DRIVER_SPARE: usize = 2 << 20;
 
 /// The least memory any placement in chunks keeping the kinds apart needs for `trace` on the
-/// emulated device
-/// ([`Trace::least_memory_in_chunks`], and what the device keeps back for the driver).
+/// emulated device ([`Trace::least_memory_in_chunks`], and what the device keeps back for the
+/// driver).
 fn least_memory_in_chunks(trace: &Trace, config: &PoolConfig) -> usize {
     trace.least_memory_in_chunks(config) + DRIVER_SPARE
 }

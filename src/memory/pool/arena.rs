@@ -180,13 +180,12 @@ impl<B: Backend> Arena<B> {
         self.stream_slots.keys().cloned().collect()
     }
 
+    /// The kind of a request of `size` rounded bytes: as in chunks ([`PoolConfig::kind_in_chunks`]),
+    /// but in segments medium requests share the large requests' segment.
     pub(crate) fn kind_for(&self, size: usize) -> Kind {
-        if size <= self.config.small_limit {
-            Kind::Small
-        } else if size <= self.config.medium_limit && self.segments.is_none() {
-            Kind::Medium
-        } else {
-            Kind::Large
+        match self.config.kind_in_chunks(size) {
+            Kind::Medium if self.segments.is_some() => Kind::Large,
+            kind => kind,
         }
     }
 

@@ -1,5 +1,6 @@
 //! [`PoolConfig`]: the tuning of a stream-ordered pool.
 
+use super::blocks::Kind;
 use super::{GRANULE, MAX_REQUEST, round_up};
 
 const MIB: usize = 1 << 20;
@@ -140,6 +141,18 @@ impl Default for PoolConfig {
 }
 
 impl PoolConfig {
+    /// The kind of a request of `size` rounded bytes where the pool grows in chunks: small up to
+    /// `small_limit`, medium up to `medium_limit`, large above.
+    pub(crate) fn kind_in_chunks(&self, size: usize) -> Kind {
+        if size <= self.small_limit {
+            Kind::Small
+        } else if size <= self.medium_limit {
+            Kind::Medium
+        } else {
+            Kind::Large
+        }
+    }
+
     /// Rounds every size to the granule and makes the limits consistent.
     pub(crate) fn normalized(mut self) -> Self {
         let up = |v: usize| round_up(v.max(GRANULE), GRANULE).unwrap_or(MAX_REQUEST).min(MAX_REQUEST);

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
+use super::blocks::Kind;
 use super::config::PoolConfig;
 use super::sim::SimulatedPool;
 use super::{GRANULE, round_up};
@@ -216,12 +217,10 @@ impl Trace {
                 TraceEvent::Free { size, .. } => (size, false),
             };
             let rounded = round_up(size.max(1), GRANULE).unwrap_or(usize::MAX);
-            let (sum, bytes) = if rounded > config.medium_limit {
-                (&mut large, pages(rounded))
-            } else if rounded > config.small_limit {
-                (&mut medium, rounded)
-            } else {
-                (&mut small, rounded)
+            let (sum, bytes) = match config.kind_in_chunks(rounded) {
+                Kind::Small => (&mut small, rounded),
+                Kind::Medium => (&mut medium, rounded),
+                _ => (&mut large, pages(rounded)),
             };
             *sum = if alloc { sum.saturating_add(bytes) } else { sum.saturating_sub(bytes) };
             least = least.max(large.saturating_add(pages(medium)).saturating_add(pages(small)));
