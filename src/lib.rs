@@ -43,6 +43,7 @@
 
 pub use cudrv_sys as sys;
 
+mod barrier;
 mod host_fn;
 mod result;
 

@@ -4,6 +4,7 @@ use std::any::Any;
 use std::cell::RefCell;
 use std::ffi::c_void;
 use std::fmt;
+use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -11,6 +12,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use cudrv_sys::{CUresult, CUstream};
 
+use crate::barrier;
 use crate::capture;
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
@@ -249,7 +251,9 @@ impl StreamKey {
             if self.0.capture.compare_exchange(from, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_err() {
                 return false;
             }
-            if self.0.gated.load(Ordering::SeqCst) == 0 {
+            // The owner counts its gates with a publish: this makes them seen.
+            barrier::heavy();
+            if !self.gated() {
                 return true;
             }
             // Work is under way: take the mark back (the work may look again meanwhile, and waits
@@ -258,7 +262,7 @@ impl StreamKey {
             // Spin first: new work holds back while this thread waits (see `enter`), so the gate
             // empties once the work under way is queued.
             let mut spins = 0u32;
-            while self.0.gated.load(Ordering::Acquire) != 0 {
+            while self.gated() {
                 spins += 1;
                 if spins < 4096 { std::hint::spin_loop() } else { std::thread::yield_now() }
             }
@@ -290,20 +294,64 @@ impl StreamKey {
     /// host copies, to the wait for them). The one user code run under it is a custom
     /// [`MemoryResource`](crate::memory::MemoryResource)'s `allocate` or `deallocate` for a
     /// `DeviceBuffer`: beginning a capture on the same stream there would wait for ever.
+    ///
+    /// The owner of the stream (the first thread to enter its gate; usually the one thread that
+    /// queues work there) counts its gates in a slot of its own, with [`barrier::publish`] (a
+    /// plain store where the system has an asymmetric barrier), and a thread that marks the
+    /// stream pays a [`barrier::heavy`] instead: an allocation and a free on the stream then cost
+    /// no atomic read-modify-write, which was most of what `DeviceBuffer` added to a driver pool's
+    /// pair. Other threads count theirs in a shared counter.
     #[inline]
     pub(crate) fn enter(&self) -> Gate<'_> {
         if self.0.marking.load(Ordering::Relaxed) != 0 {
             self.hold_back_for_marking();
         }
+        let owned = self.is_owner();
         loop {
-            self.0.gated.fetch_add(1, Ordering::SeqCst);
+            if owned {
+                // Ordered before the look at the capture below; `mark_capture_changing` pairs it
+                // with a heavy barrier between its mark and its look at this slot.
+                barrier::publish(&self.0.owner_gated, self.0.owner_gated.load(Ordering::Relaxed) + 1);
+            } else {
+                self.0.gated.fetch_add(1, Ordering::SeqCst);
+            }
             if self.0.capture.load(Ordering::SeqCst) != CAPTURE_STARTING {
-                return Gate(&self.0);
+                return Gate { inner: &self.0, owned, _not_send: PhantomData };
             }
             // A capture is being begun: let it (it waits for this gate to empty).
-            self.0.gated.fetch_sub(1, Ordering::SeqCst);
+            drop(Gate { inner: &self.0, owned, _not_send: PhantomData });
             self.settled_capture_id();
         }
+    }
+
+    /// Whether the calling thread owns the stream's gate, claiming it if no thread does yet.
+    #[inline]
+    fn is_owner(&self) -> bool {
+        let me = thread_token();
+        match self.0.owner.load(Ordering::Relaxed) {
+            owner if owner == me => true,
+            0 => self.claim_owner(me),
+            _ => false,
+        }
+    }
+
+    /// Makes thread `me` the owner of the stream's gate if none is yet: whether it is now.
+    #[cold]
+    fn claim_owner(&self, me: u64) -> bool {
+        // Gates are light once the process is registered for the system's barrier (on a thread
+        // of its own: until then they swap).
+        barrier::init();
+        match self.0.owner.compare_exchange(0, me, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => true,
+            Err(owner) => owner == me,
+        }
+    }
+
+    /// Whether a gate of the stream is held, by its owner or another thread. After a
+    /// [`barrier::heavy`] that follows a mark, this sees every gate entered before the mark was
+    /// seen.
+    fn gated(&self) -> bool {
+        self.0.gated.load(Ordering::SeqCst) != 0 || self.0.owner_gated.load(Ordering::SeqCst) != 0
     }
 
     /// Holds back a new gate while another thread waits to mark the stream (a capture begins
@@ -379,18 +427,30 @@ impl StreamKey {
 /// A stream's gate, entered with [`StreamKey::enter`]: while it is held, the stream's capture
 /// does not change.
 #[must_use = "the gate holds off captures only while it lives"]
-pub(crate) struct Gate<'a>(&'a Inner);
+pub(crate) struct Gate<'a> {
+    inner: &'a Inner,
+    /// Entered by the stream's owner, in its own slot.
+    owned: bool,
+    /// The owner's slot is written by the owner thread only: its gates stay on it.
+    _not_send: PhantomData<*const ()>,
+}
 
 impl Drop for Gate<'_> {
     #[inline]
     fn drop(&mut self) {
-        self.0.gated.fetch_sub(1, Ordering::Release);
+        if self.owned {
+            let held = self.inner.owner_gated.load(Ordering::Relaxed);
+            // Release: a thread that sees the slot empty sees the work queued under the gate.
+            self.inner.owner_gated.store(held - 1, Ordering::Release);
+        } else {
+            self.inner.gated.fetch_sub(1, Ordering::Release);
+        }
     }
 }
 
 impl fmt::Debug for Gate<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Gate({})", self.0.id)
+        write!(f, "Gate({})", self.inner.id)
     }
 }
 
@@ -486,8 +546,14 @@ struct Inner {
     /// The driver's id of the capture this stream takes part in (see
     /// [`CaptureSession`](crate::session::CaptureSession)); 0 when none is known to cudrv.
     capture: AtomicU64,
-    /// How many [`Gate`]s of the stream are held.
+    /// How many [`Gate`]s of the stream are held by threads other than its owner.
     gated: AtomicUsize,
+    /// The [`thread_token`] of the stream's owner: the first thread that entered its gate (0
+    /// until then). The owner enters with no read-modify-write (see [`StreamKey::enter`]).
+    owner: AtomicU64,
+    /// How many [`Gate`]s of the stream its owner holds. Written by the owner only (a load and a
+    /// store), read by a thread that marks the stream's capture as changing.
+    owner_gated: AtomicUsize,
     /// How many threads wait to mark the stream's capture as changing
     /// ([`StreamKey::mark_capture_changing`]): new gates hold back for them a while.
     marking: AtomicUsize,
@@ -601,6 +667,8 @@ impl Stream {
             per_thread_owner,
             capture: AtomicU64::new(0),
             gated: AtomicUsize::new(0),
+            owner: AtomicU64::new(0),
+            owner_gated: AtomicUsize::new(0),
             marking: AtomicUsize::new(0),
             attachments: CachePadded(Mutex::new(Vec::new())),
         });
