@@ -9,7 +9,8 @@
 //!    maximum), raw `cuMemAlloc`+`cuMemFree`, and cudrv's `DriverPool`, `StreamOrderedPool` and
 //!    `SyncResource`, each through the resource and through `DeviceBuffer` (uninit + drop); then
 //!    `DeviceBuffer` against what it wraps (its resource, and for `DriverPool` the raw
-//!    `cuMemAllocFromPoolAsync` pair), measured in alternating rounds in a process of its own;
+//!    `cuMemAllocFromPoolAsync` pair), measured in alternating rounds in a process of its own,
+//!    and `DeviceBuffer`'s own cost over a resource that does nothing;
 //! 2. cross-stream reuse: the pair alternating between two streams; and a buffer allocated on one
 //!    stream, used on another (`record_use`), then dropped;
 //! 3. threads: 1, 2, 4, 8 and 16 threads, each allocating and freeing 1 MiB on its own stream:
@@ -351,6 +352,46 @@ fn wraps_table(dev: &Device, allocs: &[Alloc], sizes: &[(usize, &str)], s: &Stre
             buffer.reset()?;
         }
     }
+    own_cost(dev, s)
+}
+
+/// A resource that does nothing: hands out one address and takes it back, with no driver call,
+/// so that `DeviceBuffer` over it measures cudrv's own cost per pair, apart from any driver's.
+#[derive(Debug)]
+struct Nothing(Device);
+
+// SAFETY: its one address is never used: the buffers made over it are only allocated and dropped.
+unsafe impl MemoryResource for Nothing {
+    fn allocate(&self, _bytes: usize, _s: &Stream) -> cudrv::Result<cudrv::memory::DevicePtr> {
+        Ok(std::hint::black_box(1 << 40))
+    }
+
+    unsafe fn deallocate(&self, ptr: cudrv::memory::DevicePtr, _bytes: usize, _s: &Stream) -> cudrv::Result<()> {
+        std::hint::black_box(ptr);
+        Ok(())
+    }
+
+    fn device(&self) -> Device {
+        self.0
+    }
+
+    fn kind(&self) -> cudrv::memory::ResourceKind {
+        cudrv::memory::ResourceKind::Custom
+    }
+}
+
+/// `DeviceBuffer`'s own cost: a pair over [`Nothing`] against `Nothing`'s own pair, in
+/// alternating rounds (what a buffer adds to any resource's pair that is not a `StreamOrderedPool`,
+/// which buffers call directly).
+fn own_cost(dev: &Device, s: &Stream) -> Res<()> {
+    let r: Arc<dyn MemoryResource> = Arc::new(Nothing(*dev));
+    let (base, buffer) = (Alloc::Resource { name: "nothing", r: r.clone() }, Alloc::Buffer { name: "nothing", r });
+    let (b_ns, ns) = interleaved_ns(dev, &base, &buffer, 256, s, 15)?;
+    println!(
+        "\nDeviceBuffer's own cost, over a resource that does nothing: {ns:.1} ns per pair against {b_ns:.1} ns \
+         for the resource's pair (+{:.1} ns)",
+        ns - b_ns
+    );
     Ok(())
 }
 
