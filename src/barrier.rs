@@ -111,9 +111,10 @@ mod system {
     const CMD_REGISTER_PRIVATE_EXPEDITED: c_int = 1 << 4;
 
     fn membarrier(cmd: c_int) -> c_long {
-        // SAFETY: membarrier(cmd, flags = 0, cpu_id = 0) reads no memory of the caller; an
-        // unknown command or a refusal is an error return (-1), never undefined behaviour.
-        unsafe { syscall(MEMBARRIER, cmd, 0 as c_int, 0 as c_int) }
+        // SAFETY: membarrier(cmd, flags = 0, cpu_id = 0) reads no memory of the caller; its
+        // arguments are passed as longs, as `syscall` reads them. An unknown command or a
+        // refusal is an error return (-1), never undefined behaviour.
+        unsafe { syscall(MEMBARRIER, c_long::from(cmd), 0 as c_long, 0 as c_long) }
     }
 
     /// Registers the process for expedited private barriers: whether that worked.
