@@ -21,6 +21,15 @@ use std::sync::{Condvar, Mutex, OnceLock};
 
 thread_local! {
     static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
+    /// Set on cudrv's deferred-work thread.
+    static ON_DEFERRED_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread works for cudrv or the driver rather than for the user: a host
+/// function's, or cudrv's deferred-work thread. Such a thread does not become the owner of a
+/// stream's gate (see `StreamKey::enter`), which should go to the thread that queues its work.
+pub(crate) fn on_helper_thread() -> bool {
+    in_host_fn() || ON_DEFERRED_THREAD.with(Cell::get)
 }
 
 /// Whether the calling thread is running a host function queued by cudrv.
@@ -72,6 +81,7 @@ fn queue() -> Option<&'static Queue> {
 }
 
 fn run(q: &'static Queue) {
+    ON_DEFERRED_THREAD.with(|f| f.set(true));
     // This thread never captures, and its waits and frees are never part of a capture: the
     // driver must not refuse them while another thread captures in global mode.
     let _relaxed = crate::capture::RelaxedCaptureMode::always();

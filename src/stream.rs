@@ -295,12 +295,13 @@ impl StreamKey {
     /// [`MemoryResource`](crate::memory::MemoryResource)'s `allocate` or `deallocate` for a
     /// `DeviceBuffer`: beginning a capture on the same stream there would wait for ever.
     ///
-    /// The owner of the stream (the first thread to enter its gate; usually the one thread that
-    /// queues work there) counts its gates in a slot of its own, with [`barrier::publish`] (a
+    /// The stream's owner counts its gates in a slot of its own, with [`barrier::publish`] (a
     /// plain store where the system has an asymmetric barrier), and a thread that marks the
     /// stream pays a [`barrier::heavy`] instead: an allocation and a free on the stream then cost
     /// no atomic read-modify-write, which was most of what `DeviceBuffer` added to a driver pool's
-    /// pair. Other threads count theirs in a shared counter.
+    /// pair. The owner is the first thread to enter the gate (but for cudrv's and the driver's
+    /// helper threads), for good: usually the one thread that queues work on the stream. Other
+    /// threads count their gates in a shared counter.
     #[inline]
     pub(crate) fn enter(&self) -> Gate<'_> {
         if self.0.marking.load(Ordering::Relaxed) != 0 {
@@ -335,9 +336,14 @@ impl StreamKey {
         }
     }
 
-    /// Makes thread `me` the owner of the stream's gate if none is yet: whether it is now.
+    /// Makes thread `me` the owner of the stream's gate if none is yet: whether it is now. A host
+    /// function's thread and cudrv's deferred-work thread never claim it (a stream's first gate
+    /// may be taken there, by a drop, while another thread queues its work).
     #[cold]
     fn claim_owner(&self, me: u64) -> bool {
+        if host_fn::on_helper_thread() {
+            return false;
+        }
         // Gates are light once the process is registered for the system's barrier (on a thread
         // of its own: until then they swap).
         barrier::init();
