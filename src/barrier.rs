@@ -73,7 +73,7 @@ fn heavy_in(system: bool) {
         // global one): a seccomp filter installed since, say. Stores already published with a
         // compiler fence only cannot be fenced after the fact, so going on could let a capture
         // begin under a gate, and stopping is the one sound answer.
-        eprintln!("cudrv: the system's memory barrier (membarrier) failed after registering for it; aborting");
+        warn_line!("cudrv: the system's memory barrier (membarrier) failed after registering for it; aborting");
         std::process::abort();
     }
 }

@@ -179,7 +179,7 @@ pub(crate) fn report_drop_error(ctx: Option<&Context>, mut error: Error) {
             }
             ctx.has_deferred.store(true, Ordering::Release);
         }
-        None if DROP_HOOK.get().is_none() => eprintln!("cudrv: error in drop: {error}"),
+        None if DROP_HOOK.get().is_none() => warn_line!("cudrv: error in drop: {error}"),
         None => {}
     }
 }
@@ -379,7 +379,7 @@ impl Drop for Context {
         // Errors kept for a next call that will never come: the hook saw them already.
         if DROP_HOOK.get().is_none() {
             for e in self.deferred.get_mut().map(std::mem::take).unwrap_or_default() {
-                eprintln!("cudrv: error in drop: {e}");
+                warn_line!("cudrv: error in drop: {e}");
             }
         }
     }

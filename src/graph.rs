@@ -473,7 +473,7 @@ impl Graph {
             let f = unsafe { &*data.cast::<HostFn>() };
             let _scope = host_fn::HostFnScope::enter();
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
-                eprintln!("cudrv: a graph host node panicked");
+                warn_line!("cudrv: a graph host node panicked");
             }
         }
         let boxed: Arc<HostFn> = Arc::new(Box::new(f));

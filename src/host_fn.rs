@@ -70,7 +70,7 @@ fn queue() -> Option<&'static Queue> {
         match std::thread::Builder::new().name("cudrv-deferred".into()).spawn(move || run(q)) {
             Ok(_) => Some(q),
             Err(e) => {
-                eprintln!(
+                warn_line!(
                     "cudrv: cannot start the thread for work deferred out of host functions ({e}); \
                      what host functions drop is leaked"
                 );
@@ -97,7 +97,7 @@ fn run(q: &'static Queue) {
         };
         // A panic in a drop must not end the thread that serves every later one.
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
-            eprintln!("cudrv: work deferred out of a host function panicked");
+            warn_line!("cudrv: work deferred out of a host function panicked");
         }
     }
 }

@@ -43,6 +43,16 @@
 
 pub use cudrv_sys as sys;
 
+/// Prints a line to standard error, as `eprintln!` does, but ignores a failure to write:
+/// `eprintln!` panics when stderr is a pipe whose reader has gone, and cudrv's warnings come from
+/// drops, host functions and the driver's callbacks, which must not panic.
+macro_rules! warn_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
 mod barrier;
 mod host_fn;
 mod result;

@@ -934,7 +934,7 @@ impl Stream {
             let f = unsafe { Box::from_raw(data.cast::<Boxed>()) };
             let _scope = host_fn::HostFnScope::enter();
             if catch_unwind(AssertUnwindSafe(f)).is_err() {
-                eprintln!("cudrv: a host function queued with Stream::launch_host_fn panicked");
+                warn_line!("cudrv: a host function queued with Stream::launch_host_fn panicked");
             }
         }
         let _gate = self.refuse_in_capture("Stream::launch_host_fn (in a graph, use Graph::add_host_node)")?;

@@ -306,3 +306,28 @@ fn replay_ends_quietly_when_its_output_is_closed() {
     assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn a_warning_on_a_closed_stderr_does_not_stop_the_program() {
+    use std::io::Read;
+    use std::process::Stdio;
+    // The driver refuses pool allocations: DriverPool warns once on stderr and switches to
+    // StreamOrderedPool. With stderr a pipe whose reader has gone, `eprintln!` panicked there
+    // (status 101), as it would in a drop or a driver callback; cudrv's warnings now ignore the
+    // broken pipe, and the program goes on.
+    let fake = fake_driver_path();
+    let mut child = Command::new(example("vector_add"))
+        .arg("1000")
+        .env("CUDRV_DRIVER_PATH", &fake)
+        .env("CUDRV_FAKE_FAIL", "cuMemAllocFromPoolAsync:1+:801")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the vector_add example runs");
+    drop(child.stderr.take()); // the reader goes before the warning is written
+    let mut stdout = String::new();
+    child.stdout.take().expect("piped").read_to_string(&mut stdout).expect("stdout");
+    let status = child.wait().expect("vector_add ends");
+    assert_eq!(status.code(), Some(0), "stdout: {stdout}");
+    assert!(stdout.contains("all elements correct"), "{stdout}");
+}

@@ -297,7 +297,7 @@ unsafe impl MemoryResource for DriverPool {
             Ok(CUresult::CUDA_SUCCESS) => Ok(ptr),
             Ok(CUresult::CUDA_ERROR_NOT_SUPPORTED) => {
                 if !self.switched.swap(true, Ordering::AcqRel) {
-                    eprintln!(
+                    warn_line!(
                         "cudrv: device {}: the driver refused memory-pool allocation (CUDA_ERROR_NOT_SUPPORTED); switching to cudrv's StreamOrderedPool",
                         self.device().ordinal()
                     );
