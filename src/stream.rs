@@ -1,14 +1,15 @@
 //! Streams: queues of device work that run in order.
 
 use std::any::Any;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use cudrv_sys::{CUresult, CUstream};
 
@@ -29,8 +30,9 @@ const CU_STREAM_PER_THREAD: usize = 0x2;
 /// A CUDA stream: work queued on it runs in order, asynchronously to the host.
 ///
 /// `Stream` is a cheap handle (`Clone` shares it); the stream is destroyed when the last clone
-/// and the last buffer allocated on it are gone, and work still queued on it completes anyway (the
-/// driver's semantics). Streams made by
+/// and the last buffer allocated on it are gone (by cudrv's own thread, a moment later, if another
+/// thread was queueing work on it just then: [`crate::flush_deferred_drops`] waits for that), and
+/// work still queued on it completes anyway (the driver's semantics). Streams made by
 /// [`Stream::new`] are non-blocking: they do not synchronise with the legacy default stream.
 ///
 /// ```
@@ -56,6 +58,76 @@ struct Handle {
     users: AtomicUsize,
 }
 
+impl Handle {
+    /// Takes the bank (see `Inner::banked`). Called by the stream's owner under its gate, when
+    /// it is not held.
+    #[cold]
+    fn bank(self: &Arc<Handle>) {
+        std::mem::forget(Arc::clone(self));
+        // SeqCst: with the users' count (see `retire`).
+        self.key.0.banked.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets go of the bank if no owner pin lives and the stream's users are gone: called when
+    /// the last user goes, and when an owner pin is let go after that.
+    ///
+    /// Owner pins are counted and let go under the stream's gate, the owner's without a
+    /// read-modify-write, so the count is read with the gate empty and held off
+    /// ([`StreamKey::mark_ungated`]): then no pin is between its count and its look at the
+    /// users. Either this sees a pin let go, or that pin's look sees the users gone and settles
+    /// the bank itself (the users' count and the bank are SeqCst, and a gate that waited for
+    /// this mark sees what it did). The bank is never let go while a gate is held, so a pin
+    /// being let go under its gate may still take a counted reference.
+    ///
+    /// Where a gate stays held, this does not wait long for it on the calling thread (which may
+    /// hold it, or be a host function that it waits for): cudrv's thread settles the bank
+    /// instead, and the stream goes a little later.
+    fn retire(self: &Arc<Handle>) {
+        if !self.key.0.banked.load(Ordering::SeqCst) {
+            return;
+        }
+        if !host_fn::in_host_fn() && self.settle_bank(Some(MARK_HOLD_BACK)) {
+            return;
+        }
+        // Without keeping the stream: if another thread lets go of the bank meanwhile, the
+        // stream goes with its last reference there, not later here.
+        let handle = Arc::downgrade(self);
+        host_fn::defer(move || {
+            if let Some(handle) = handle.upgrade() {
+                handle.settle_bank(None);
+            }
+        });
+    }
+
+    /// [`Handle::retire`], with the gate empty: false when it stayed held for longer than
+    /// `patience` (see [`StreamKey::mark_ungated`]).
+    fn settle_bank(self: &Arc<Handle>, patience: Option<Duration>) -> bool {
+        let inner = &*self.key.0;
+        let retiring = &inner.retiring;
+        let mark = || {
+            retiring.fetch_add(1, Ordering::SeqCst);
+            true
+        };
+        if !self.key.mark_ungated(patience, mark, || {
+            retiring.fetch_sub(1, Ordering::SeqCst);
+        }) {
+            return false;
+        }
+        // The gate is empty: every pin counted or let go under a gate is seen (its gate's exit
+        // was a release, the look at the gate an acquire).
+        let live =
+            inner.owner_pins.load(Ordering::Relaxed).wrapping_sub(inner.pins_let_go_elsewhere.load(Ordering::Relaxed));
+        let release = live == 0 && self.users.load(Ordering::SeqCst) == 0 && inner.banked.swap(false, Ordering::SeqCst);
+        retiring.fetch_sub(1, Ordering::Release);
+        if release {
+            // SAFETY: the bank, a counted reference that `bank` forgot; the caller holds another,
+            // so the handle is not freed here.
+            unsafe { Arc::decrement_strong_count(Arc::as_ptr(self)) };
+        }
+        true
+    }
+}
+
 impl Clone for Stream {
     #[inline]
     fn clone(&self) -> Stream {
@@ -69,15 +141,20 @@ impl Clone for Stream {
 impl Drop for Stream {
     #[inline]
     fn drop(&mut self) {
-        if self.handle.users.fetch_sub(1, Ordering::AcqRel) == 1 {
+        // SeqCst: an owner pin taken meanwhile sees the users gone when it is let go, or the
+        // retirement below sees it taken (see [`Handle::retire`]).
+        if self.handle.users.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.key().users_gone();
+            self.handle.retire();
         }
         // `self.handle` goes after this: while the pins were let go above, it kept the handle.
     }
 }
 
 /// A counted reference to a stream that is not one of its users. A buffer of a resource other than
-/// the device's `StreamOrderedPool` holds one of its own ([`StreamPin::into_view`]). That pool
+/// the device's `StreamOrderedPool` holds a pin of its own ([`StreamPin::for_buffer`]: one of these,
+/// or on the stream's owner thread a share of the bank, one such reference for all the owner's
+/// pins, which [`Handle::retire`] lets go). That pool
 /// holds one while buffers of its own live on the stream, so that they can refer to the stream
 /// without a count of their own ([`StreamPin::view`]); it lets go of it when the stream has no
 /// users and the pool no such buffer there, whichever comes last: the pool checks
@@ -114,24 +191,90 @@ impl StreamPin {
     }
 
     /// The pin as a [`Stream`] to borrow from, which it keeps valid itself: it must never be
-    /// dropped as a `Stream` (it is no user), only turned back with [`StreamPin::from_view`].
+    /// dropped as a `Stream` (it is no user), only let go with [`StreamPin::let_go`].
     #[inline]
     pub(crate) fn into_view(self) -> ManuallyDrop<Stream> {
         let StreamPin(handle) = self;
         ManuallyDrop::new(Stream { handle })
     }
 
-    /// The pin that [`StreamPin::into_view`] made `view` of.
+    /// A buffer's pin of `stream`, taken in the stream's gate `gate` (held by the caller), as a
+    /// view to borrow from, and whether it is an owner pin.
+    ///
+    /// On the thread that owns the gate (usually the one thread that queues work on the stream)
+    /// the pin costs no atomic read-modify-write: the owner counts its pins in a slot of its own
+    /// (`Inner::owner_pins`), and the stream holds one counted reference for all of them, the
+    /// bank, until none is left and its users are gone ([`Handle::retire`]). On any other thread
+    /// it is a counted reference ([`StreamPin::new`]). Let go with [`StreamPin::let_go`].
+    #[inline]
+    pub(crate) fn for_buffer(stream: &Stream, gate: &Gate<'_>) -> (ManuallyDrop<Stream>, bool) {
+        if !gate.owned {
+            return (StreamPin::new(stream).into_view(), false);
+        }
+        let inner = gate.inner;
+        debug_assert!(std::ptr::eq(inner, &*stream.key().0), "the gate of another stream");
+        // The owner's slot, written by the owner only, under its gate: a retirement reads it
+        // only while no gate is held ([`Handle::retire`]).
+        inner.owner_pins.store(inner.owner_pins.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        if !inner.banked.load(Ordering::Acquire) {
+            stream.handle.bank();
+        }
+        // SAFETY: the bank is held while an owner pin is counted (it is let go only when none is,
+        // under the gate's exclusion), and it keeps the stream; the pin is let go, and the view
+        // not used after, in `let_go`.
+        (unsafe { StreamPin::view(stream) }, true)
+    }
+
+    /// Lets go of a buffer's pin that [`StreamPin::for_buffer`] took, in the gate `gate` of its
+    /// stream, which this drops. Where it was the stream's last reference, the stream goes (its
+    /// destruction may be handed to cudrv's thread, see [`Handle::retire`]).
     ///
     /// # Safety
-    /// `view` must come from [`StreamPin::into_view`], and is taken: it must not be used after.
+    /// `view` and `owner` must be what [`StreamPin::for_buffer`] returned, `gate` a gate of the
+    /// same stream; the pin is let go once, and the view (nor anything borrowed from it) is not
+    /// used after.
     #[inline]
-    pub(crate) unsafe fn from_view(view: &mut ManuallyDrop<Stream>) -> StreamPin {
-        // SAFETY: the caller gives a view of a pin, taken once; its `Arc` is moved out of the
-        // `Stream` without running `Stream`'s drop (which would count a user gone).
-        let stream = ManuallyDrop::new(unsafe { ManuallyDrop::take(view) });
-        // SAFETY: read once out of a value that is never dropped.
-        StreamPin(unsafe { std::ptr::read(&stream.handle) })
+    pub(crate) unsafe fn let_go(view: &ManuallyDrop<Stream>, owner: bool, gate: Gate<'_>) {
+        if owner && gate.owned {
+            let inner = gate.inner;
+            inner.owner_pins.store(inner.owner_pins.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Relaxed);
+            // SeqCst: with the users' count, see [`Handle::retire`].
+            if view.handle.users.load(Ordering::SeqCst) != 0 {
+                return;
+            }
+        } else if owner {
+            gate.inner.pins_let_go_elsewhere.fetch_add(1, Ordering::SeqCst);
+            if view.handle.users.load(Ordering::SeqCst) != 0 {
+                return;
+            }
+        } else {
+            // SAFETY: the view holds the buffer's counted reference (`into_view`), taken here
+            // once; the view is not used after. Dropped after the gate.
+            let pin = StreamPin(unsafe { Arc::from_raw(Arc::as_ptr(&view.handle)) });
+            drop(gate);
+            drop(pin);
+            return;
+        }
+        // SAFETY: forwarded.
+        unsafe { Self::retire_after(view, gate) }
+    }
+
+    /// The users of the stream of an owner pin that was let go under `gate` are gone: settles
+    /// the stream's bank after the gate.
+    ///
+    /// # Safety
+    /// As [`StreamPin::let_go`], whose pin is let go.
+    #[cold]
+    unsafe fn retire_after(view: &ManuallyDrop<Stream>, gate: Gate<'_>) {
+        let handle = Arc::as_ptr(&view.handle);
+        // SAFETY: while the gate is held the bank cannot be let go, so the handle is valid; a
+        // counted reference that outlives the gate.
+        let handle = unsafe {
+            Arc::increment_strong_count(handle);
+            Arc::from_raw(handle)
+        };
+        drop(gate);
+        handle.retire();
     }
 }
 
@@ -237,6 +380,30 @@ impl StreamKey {
     ///
     /// The caller must not hold a [`Gate`] of the stream (it would wait for itself).
     pub(crate) fn mark_capture_changing(&self, from: u64) -> bool {
+        let capture = &self.0.capture;
+        self.mark_ungated(
+            None,
+            // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
+            || capture.compare_exchange(from, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_ok(),
+            || capture.store(from, Ordering::SeqCst),
+        )
+    }
+
+    /// Sets a mark that [`StreamKey::enter`] looks at after counting its gate (`mark`: false when
+    /// it cannot be set, and then this returns false) and waits until no gate of the stream is
+    /// held: returns true with the mark set and the gate empty. Gates entered before the mark
+    /// are seen after a [`barrier::heavy`]; later ones see the mark and wait for it to go. While
+    /// gates are held the mark is taken back (`unmark`) so that they finish, and set again once
+    /// they have; after `patience` of that (`None`: for ever) this gives up and returns false.
+    ///
+    /// The caller must not hold a [`Gate`] of the stream when it waits for ever (it would wait
+    /// for itself).
+    fn mark_ungated(
+        &self,
+        patience: Option<Duration>,
+        mut mark: impl FnMut() -> bool,
+        mut unmark: impl FnMut(),
+    ) -> bool {
         /// Counts this thread among those waiting to mark, until it is done.
         struct Marking<'a>(&'a AtomicUsize);
         impl Drop for Marking<'_> {
@@ -246,9 +413,9 @@ impl StreamKey {
         }
         self.0.marking.fetch_add(1, Ordering::SeqCst);
         let _marking = Marking(&self.0.marking);
+        let mut since = None;
         loop {
-            // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
-            if self.0.capture.compare_exchange(from, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_err() {
+            if !mark() {
                 return false;
             }
             // The owner counts its gates with a publish: this makes them seen.
@@ -258,13 +425,21 @@ impl StreamKey {
             }
             // Work is under way: take the mark back (the work may look again meanwhile, and waits
             // only this long), let it finish, and try again.
-            self.0.capture.store(from, Ordering::SeqCst);
+            unmark();
+            let since = *since.get_or_insert_with(Instant::now);
             // Spin first: new work holds back while this thread waits (see `enter`), so the gate
             // empties once the work under way is queued.
             let mut spins = 0u32;
             while self.gated() {
                 spins += 1;
-                if spins < 4096 { std::hint::spin_loop() } else { std::thread::yield_now() }
+                if spins < 4096 {
+                    std::hint::spin_loop();
+                } else {
+                    if patience.is_some_and(|p| since.elapsed() > p) {
+                        return false;
+                    }
+                    std::thread::yield_now();
+                }
             }
         }
     }
@@ -310,18 +485,31 @@ impl StreamKey {
         let owned = self.is_owner();
         loop {
             if owned {
-                // Ordered before the look at the capture below; `mark_capture_changing` pairs it
-                // with a heavy barrier between its mark and its look at this slot.
+                // Ordered before the looks at the marks below; `mark_ungated` pairs it with a heavy
+                // barrier between its mark and its look at this slot.
                 barrier::publish(&self.0.owner_gated, self.0.owner_gated.load(Ordering::Relaxed) + 1);
             } else {
                 self.0.gated.fetch_add(1, Ordering::SeqCst);
             }
-            if self.0.capture.load(Ordering::SeqCst) != CAPTURE_STARTING {
+            if self.0.capture.load(Ordering::SeqCst) != CAPTURE_STARTING && self.0.retiring.load(Ordering::SeqCst) == 0
+            {
                 return Gate { inner: &self.0, owned, _not_send: PhantomData };
             }
-            // A capture is being begun: let it (it waits for this gate to empty).
+            // A capture is being begun, or the stream's bank settled: let it (it waits for this
+            // gate to empty, and is quick once it is).
             drop(Gate { inner: &self.0, owned, _not_send: PhantomData });
-            self.settled_capture_id();
+            self.wait_for_marks();
+        }
+    }
+
+    /// Waits until the stream is marked neither as beginning a capture nor as settling its bank.
+    #[cold]
+    fn wait_for_marks(&self) {
+        self.settled_capture_id();
+        let mut spins = 0u32;
+        while self.0.retiring.load(Ordering::SeqCst) != 0 {
+            spins += 1;
+            if spins < 64 { std::hint::spin_loop() } else { std::thread::yield_now() }
         }
     }
 
@@ -367,7 +555,7 @@ impl StreamKey {
     /// waits for) is never held back for long.
     #[cold]
     fn hold_back_for_marking(&self) {
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         let mut spins = 0u32;
         while self.0.marking.load(Ordering::Acquire) != 0 && start.elapsed() < MARK_HOLD_BACK {
             spins += 1;
@@ -462,7 +650,7 @@ impl fmt::Debug for Gate<'_> {
 
 /// How long a new gate holds back for a thread waiting to mark the stream
 /// ([`StreamKey::hold_back_for_marking`]).
-const MARK_HOLD_BACK: std::time::Duration = std::time::Duration::from_millis(1);
+const MARK_HOLD_BACK: Duration = Duration::from_millis(1);
 
 /// The capture id of a stream on which a capture is being begun (the driver's ids count up from
 /// 1 and never reach it).
@@ -560,9 +748,22 @@ struct Inner {
     /// How many [`Gate`]s of the stream its owner holds. Written by the owner only (a load and a
     /// store), read by a thread that marks the stream's capture as changing.
     owner_gated: AtomicUsize,
-    /// How many threads wait to mark the stream's capture as changing
-    /// ([`StreamKey::mark_capture_changing`]): new gates hold back for them a while.
+    /// How many threads wait to mark the stream ([`StreamKey::mark_ungated`]): new gates hold
+    /// back for them a while.
     marking: AtomicUsize,
+    /// How many threads settle the stream's bank ([`Handle::retire`]): a mark that new gates wait
+    /// for.
+    retiring: AtomicUsize,
+    /// The owner's pins taken and let go on its thread ([`StreamPin::for_buffer`]), counted by
+    /// the owner alone (wrapping), under its gate. Those it took that live are this less
+    /// `pins_let_go_elsewhere`.
+    owner_pins: AtomicUsize,
+    /// The owner's pins let go on other threads, under their gates.
+    pins_let_go_elsewhere: AtomicUsize,
+    /// Whether the bank is held: one counted reference to the stream's [`Handle`] for all the
+    /// owner's pins. Taken by the owner's first pin under its gate, let go by
+    /// [`Handle::retire`] once no owner pin lives and the users are gone.
+    banked: AtomicBool,
     /// What other layers keep on the stream (see [`Attachment`]), on cache lines of their own:
     /// threads that allocate on different streams must not share one.
     attachments: CachePadded<Mutex<Attachments>>,
@@ -613,11 +814,22 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// A number for the calling thread, never 0, unique for the life of the process.
 #[inline]
 fn thread_token() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
+    // Initialised by hand: a `const` thread-local is a plain load, where a lazy one checks its
+    // state first (every gate asks).
     thread_local! {
-        static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+        static TOKEN: Cell<u64> = const { Cell::new(0) };
     }
-    TOKEN.with(|t| *t)
+    #[cold]
+    fn first(token: &Cell<u64>) -> u64 {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let t = NEXT.fetch_add(1, Ordering::Relaxed);
+        token.set(t);
+        t
+    }
+    TOKEN.with(|token| match token.get() {
+        0 => first(token),
+        t => t,
+    })
 }
 
 thread_local! {
@@ -676,6 +888,10 @@ impl Stream {
             owner: AtomicU64::new(0),
             owner_gated: AtomicUsize::new(0),
             marking: AtomicUsize::new(0),
+            retiring: AtomicUsize::new(0),
+            owner_pins: AtomicUsize::new(0),
+            pins_let_go_elsewhere: AtomicUsize::new(0),
+            banked: AtomicBool::new(false),
             attachments: CachePadded(Mutex::new(Vec::new())),
         });
         Stream { handle: Arc::new(Handle { key: StreamKey(inner), users: AtomicUsize::new(1) }) }
@@ -820,14 +1036,14 @@ impl Stream {
             return Err(e);
         }
         let Some(d) = crate::result::loaded_driver() else { return Err(e) };
-        let mut pause = std::time::Duration::from_micros(10);
+        let mut pause = Duration::from_micros(10);
         loop {
             let _b = self.inner().ctx.bind();
             // SAFETY: the stream is valid while `self` lives.
             match unsafe { d.cuStreamQuery(self.as_raw()) } {
                 Ok(CUresult::CUDA_ERROR_NOT_READY) => {
                     std::thread::sleep(pause);
-                    pause = (pause * 2).min(std::time::Duration::from_millis(10));
+                    pause = (pause * 2).min(Duration::from_millis(10));
                 }
                 _ => return Err(e),
             }

@@ -85,8 +85,10 @@ pub struct DeviceBuffer<T: DeviceRepr> {
     resource: ResourceRef,
     /// A view of the buffer's stream (see [`StreamPin`]), which no `Stream` counts as a user:
     /// with [`ResourceRef::Kept`] the pool's pin keeps it valid until the buffer's free, else it
-    /// is the buffer's own pin, let go by hand in `Drop`.
+    /// is the buffer's own pin ([`StreamPin::for_buffer`]), let go by hand in `Drop`.
     stream: ManuallyDrop<Stream>,
+    /// Whether the buffer's own pin is its stream owner's (counted without a read-modify-write).
+    owner_pin: bool,
     /// The capture the buffer was allocated in (its memory then belongs to that capture's graph),
     /// or 0.
     capture: u64,
@@ -195,10 +197,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 // Its allocation may be queued on the stream (a driver pool's): under the
                 // stream's gate no capture begins between the look and the allocation, which
                 // would make it the graph's allocation unseen.
-                let _gate = stream.key().enter();
+                let gate = stream.key().enter();
                 if stream.key().capture_id() == 0 {
                     // SAFETY: forwarded; the device's own resource, and no capture.
-                    return unsafe { Self::allocate_uncaptured(r, len, stream) };
+                    return unsafe { Self::allocate_uncaptured(r, len, stream, &gate) };
                 }
                 ResourceRef::Device(r)
             }
@@ -255,6 +257,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             // pinned until the allocation is freed; the buffer frees it last, in `Drop`, and does
             // not use the view after.
             stream: unsafe { StreamPin::view(stream) },
+            owner_pin: false,
             capture: 0,
             uses: Mutex::new(None),
             _t: PhantomData,
@@ -272,16 +275,19 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         resource: &'static dyn MemoryResource,
         len: usize,
         stream: &Stream,
+        gate: &Gate<'_>,
     ) -> Result<DeviceBuffer<T>> {
         let bytes = Self::buffer_bytes(len)?;
         let ptr = resource.allocate(bytes, stream)?;
         // SAFETY: forwarded; `ptr` came from `resource` with `bytes` on `stream`, unused.
         unsafe { check_aligned(resource, ptr, bytes, stream)? };
+        let (stream, owner_pin) = StreamPin::for_buffer(stream, gate);
         Ok(DeviceBuffer {
             ptr,
             len,
             resource: ResourceRef::Device(resource),
-            stream: StreamPin::new(stream).into_view(),
+            stream,
+            owner_pin,
             capture: 0,
             uses: Mutex::new(None),
             _t: PhantomData,
@@ -301,7 +307,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         // comes from the stream's cache, valid outside any graph, and its later uses see the
         // capture. Inside one, the gate keeps the capture from ending between the look and the
         // count of the capture's live buffers (`end_capture` looks at that count).
-        let _gate =
+        let gate =
             (!matches!(resource, ResourceRef::Kept(_)) || stream.key().capture_id() != 0).then(|| stream.key().enter());
         let capture = stream.key().capture_id();
         let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
@@ -322,14 +328,15 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             }
             None => 0,
         };
-        let stream = match resource {
+        let (stream, owner_pin) = match (&resource, &gate) {
             // SAFETY: the pool holds the allocation in `stream`'s cache, so it keeps the stream
             // pinned until the allocation is freed; the buffer frees it last, in `Drop`, and does
             // not use the view after.
-            ResourceRef::Kept(_) => unsafe { StreamPin::view(stream) },
-            _ => StreamPin::new(stream).into_view(),
+            (ResourceRef::Kept(_), _) => (unsafe { StreamPin::view(stream) }, false),
+            (_, Some(gate)) => StreamPin::for_buffer(stream, gate),
+            (_, None) => (StreamPin::new(stream).into_view(), false),
         };
-        Ok(DeviceBuffer { ptr, len, resource, stream, capture, uses: Mutex::new(None), _t: PhantomData })
+        Ok(DeviceBuffer { ptr, len, resource, stream, owner_pin, capture, uses: Mutex::new(None), _t: PhantomData })
     }
 
     /// The capture an allocation on `stream` takes part in (`stream` showed a capture id), if
@@ -868,9 +875,9 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
                         if let Err(e) = unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) } {
                             report_drop_error(Some(self.stream.context()), e);
                         }
-                        drop(gate);
-                        // SAFETY: the buffer's own pin, let go once, here.
-                        drop(unsafe { StreamPin::from_view(&mut self.stream) });
+                        // SAFETY: the buffer's own pin, let go once, here, under its stream's
+                        // gate; the view is not used after.
+                        unsafe { StreamPin::let_go(&self.stream, self.owner_pin, gate) };
                         return;
                     }
                 }
@@ -896,8 +903,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             // The pool keeps the stream for the allocation no more, so that a free that waits
             // forever or fails (leaking the memory) does not keep the stream too.
             ResourceRef::Kept(pool) => pool.unkeep(self.ptr, &stream),
-            // SAFETY: the buffer's own pin, let go once, here.
-            _ => drop(unsafe { StreamPin::from_view(&mut self.stream) }),
+            // SAFETY: the buffer's own pin, let go once, here, under its stream's gate; the
+            // view is not used after (`stream` is a counted user made above).
+            _ => unsafe { StreamPin::let_go(&self.stream, self.owner_pin, self.stream.key().enter()) },
         }
         let free = Free { resource: self.resource.clone(), ptr: self.ptr, bytes, stream, capture: self.capture, uses };
         if crate::host_fn::in_host_fn() { crate::host_fn::defer(move || free.run()) } else { free.run() }

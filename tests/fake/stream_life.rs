@@ -205,53 +205,59 @@ fn a_failed_free_does_not_keep_the_stream() {
 }
 
 /// The last user's drop races the frees of the stream's buffers on other threads, and other
-/// threads make users from the buffers' views: every buffer reads back its own data, and every
-/// stream is destroyed once its last buffer and user are gone.
+/// threads make users from the buffers' views, while the thread that allocated them goes on
+/// allocating on the stream: every buffer reads back its own data, and every stream is destroyed
+/// once its last buffer and user are gone. With the pool's buffers (kept by the pool) and with
+/// owner pins (let go on other threads, see `PINNING`).
 #[test]
 fn last_user_drops_race_buffer_frees() {
-    run_with_fake(&[("CUDRV_MEMORY_RESOURCE", "pool"), ("CUDRV_FAKE_MODE", "tcc")], || {
-        crate::soundness::within(Duration::from_secs(60), "racing stream and buffer drops", || {
-            let dev = Device::get(0).unwrap();
-            let base = live_streams();
-            const THREADS: usize = 4;
-            for round in 0..40u32 {
-                let stream = Stream::new(&dev).unwrap();
-                let buffers: Vec<DeviceBuffer<u32>> = (0..THREADS as u32)
-                    .map(|t| DeviceBuffer::from_slice(&vec![round * 100 + t; 256 + t as usize * 64], &stream).unwrap())
-                    .collect();
-                let start = Arc::new(Barrier::new(THREADS + 1));
-                let workers: Vec<_> = buffers
-                    .into_iter()
-                    .enumerate()
-                    .map(|(t, buf)| {
-                        let start = start.clone();
-                        std::thread::spawn(move || {
-                            start.wait();
-                            let expect = round * 100 + t as u32;
-                            if t % 2 == 0 {
-                                // A user made from the view, used, dropped.
-                                let user = buf.stream().clone();
-                                user.synchronize().unwrap();
-                                drop(user);
-                            }
-                            assert!(buf.to_vec().unwrap().iter().all(|&v| v == expect), "round {round}");
-                            // A new buffer on the view, then both freed.
-                            let more = DeviceBuffer::<u32>::zeroed(64, buf.stream()).unwrap();
-                            drop(buf);
-                            assert_eq!(more.to_vec().unwrap(), vec![0; 64]);
-                        })
+    let resources = [&[("pool", "tcc")], PINNING].concat();
+    with_resources(&resources, 120, "racing stream and buffer drops", |resource, dev, base| {
+        const THREADS: usize = 4;
+        for round in 0..40u32 {
+            let stream = Stream::new(dev).unwrap();
+            // This thread allocates on the stream first: it is the stream's owner.
+            let buffers: Vec<DeviceBuffer<u32>> = (0..THREADS as u32)
+                .map(|t| DeviceBuffer::from_slice(&vec![round * 100 + t; 256 + t as usize * 64], &stream).unwrap())
+                .collect();
+            let start = Arc::new(Barrier::new(THREADS + 1));
+            let workers: Vec<_> = buffers
+                .into_iter()
+                .enumerate()
+                .map(|(t, buf)| {
+                    let start = start.clone();
+                    let resource = resource.to_string();
+                    std::thread::spawn(move || {
+                        start.wait();
+                        let expect = round * 100 + t as u32;
+                        if t % 2 == 0 {
+                            // A user made from the view, used, dropped.
+                            let user = buf.stream().clone();
+                            user.synchronize().unwrap();
+                            drop(user);
+                        }
+                        assert!(buf.to_vec().unwrap().iter().all(|&v| v == expect), "{resource} round {round}");
+                        // A new buffer on the view, then both freed.
+                        let more = DeviceBuffer::<u32>::zeroed(64, buf.stream()).unwrap();
+                        drop(buf);
+                        assert_eq!(more.to_vec().unwrap(), vec![0; 64]);
                     })
-                    .collect();
-                start.wait();
-                drop(stream);
-                for w in workers {
-                    w.join().unwrap();
-                }
-                assert_eq!(live_streams(), base, "round {round}: a stream outlived its buffers");
+                })
+                .collect();
+            start.wait();
+            for i in 0..20u32 {
+                let b = DeviceBuffer::from_slice(&[i; 32], &stream).unwrap();
+                assert_eq!(b.to_vec().unwrap(), vec![i; 32]);
             }
-            trim_all(&dev);
-            assert_no_leaks();
-        });
+            drop(stream);
+            for w in workers {
+                w.join().unwrap();
+            }
+            cudrv::flush_deferred_drops().unwrap();
+            assert_eq!(live_streams(), base, "{resource} round {round}: a stream outlived its buffers");
+        }
+        trim_all(dev);
+        assert_no_leaks();
     });
 }
 
@@ -535,5 +541,131 @@ fn raw_cross_stream_frees_race_the_last_user() {
             assert_eq!(live_streams(), base);
             assert_no_leaks();
         });
+    });
+}
+
+/// The resources whose buffers pin their stream themselves (the owner thread's pins share one
+/// counted reference, the bank), with the driver mode each needs.
+const PINNING: &[(&str, &str)] = &[("driver-pool", "linux"), ("sync", "tcc")];
+
+/// Runs `body` (within `limit`, as `what`) with each of `resources` (name and driver mode) as
+/// the device's: `body` gets the resource's name, the device and the live streams before.
+fn with_resources(resources: &[(&str, &str)], limit: u64, what: &str, body: impl Fn(&str, &Device, u64)) {
+    for &(resource, mode) in resources {
+        run_with_fake(&[("CUDRV_MEMORY_RESOURCE", resource), ("CUDRV_FAKE_MODE", mode)], || {
+            if driver_pool_refused(resource) {
+                return; // CUDA 11.1: no driver's pool (checked)
+            }
+            crate::soundness::within(Duration::from_secs(limit), what, || {
+                let dev = Device::get(0).unwrap();
+                body(resource, &dev, live_streams());
+            });
+        });
+    }
+}
+
+/// The owner thread goes on allocating on a buffer's view of its stream while another thread
+/// lets go of the stream's last user: each of its pins, counted without a read-modify-write,
+/// either is seen by the other thread's look at the pins, or sees the users gone itself.
+#[test]
+fn the_owner_allocates_on_a_view_while_the_last_user_goes() {
+    with_resources(PINNING, 120, "owner pins on a view", |resource, dev, base| {
+        for round in 0..20u32 {
+            let stream = Stream::new(dev).unwrap();
+            let user = stream.clone();
+            let start = Arc::new(Barrier::new(2));
+            let owner = {
+                let start = start.clone();
+                let resource = resource.to_string();
+                std::thread::spawn(move || {
+                    // This thread owns the stream: it allocates on it first.
+                    let keep = DeviceBuffer::from_slice(&[round; 100], &user).unwrap();
+                    drop(user);
+                    start.wait();
+                    for i in 0..300u32 {
+                        let mut b = DeviceBuffer::<u32>::zeroed(16 + i as usize % 7, keep.stream()).unwrap();
+                        b.fill(i).unwrap();
+                        assert!(b.to_vec().unwrap().iter().all(|&v| v == i), "{resource} round {round}");
+                    }
+                    assert_eq!(keep.to_vec().unwrap(), vec![round; 100]);
+                })
+            };
+            start.wait();
+            std::thread::sleep(Duration::from_micros(50 * u64::from(round % 5)));
+            drop(stream);
+            owner.join().unwrap();
+            cudrv::flush_deferred_drops().unwrap();
+            assert_eq!(live_streams(), base, "{resource} round {round}");
+        }
+        all_gone(dev, base);
+    });
+}
+
+/// A custom resource whose free lets go of its stream's last user: that runs under the
+/// stream's gate, on the owner thread, while the bank must be let go. It is settled without
+/// waiting for the gate (by cudrv's thread if need be), and the stream goes.
+#[test]
+fn the_last_user_dropped_under_the_streams_own_gate() {
+    #[derive(Debug)]
+    struct Dropper {
+        inner: SyncResource,
+        victim: std::sync::Mutex<Option<Stream>>,
+    }
+    // SAFETY: forwards to a resource that keeps the contract.
+    unsafe impl MemoryResource for Dropper {
+        fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<cudrv::memory::DevicePtr> {
+            self.inner.allocate(bytes, stream)
+        }
+        unsafe fn deallocate(&self, ptr: cudrv::memory::DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
+            drop(self.victim.lock().unwrap().take());
+            // SAFETY: forwarded from the caller.
+            unsafe { self.inner.deallocate(ptr, bytes, stream) }
+        }
+        fn device(&self) -> Device {
+            self.inner.device()
+        }
+        fn kind(&self) -> cudrv::memory::ResourceKind {
+            cudrv::memory::ResourceKind::Custom
+        }
+    }
+    with_resources(PINNING, 60, "last user under the gate", |resource, dev, base| {
+        let stream = Stream::new(dev).unwrap();
+        let dropper = Arc::new(Dropper { inner: SyncResource::new(dev).unwrap(), victim: Some(stream.clone()).into() });
+        let device_buf = DeviceBuffer::from_slice(&[5u32; 64], &stream).unwrap();
+        let custom = DeviceBuffer::from_slice_in(&[6u32; 64], &stream, dropper.clone()).unwrap();
+        drop(stream);
+        assert_eq!(device_buf.to_vec().unwrap(), vec![5; 64]);
+        drop(device_buf);
+        assert_eq!(custom.to_vec().unwrap(), vec![6; 64]);
+        drop(custom); // the last user goes in its free
+        cudrv::flush_deferred_drops().unwrap();
+        assert_eq!(live_streams(), base, "{resource}");
+        drop(dropper);
+        all_gone(dev, base);
+    });
+}
+
+/// A host function frees an owner pin's buffer after the stream's last user went: the pin is
+/// let go on the host function's thread, and the stream goes.
+#[test]
+fn a_host_function_lets_go_of_an_owner_pin() {
+    with_resources(PINNING, 60, "owner pins let go in host functions", |resource, dev, base| {
+        let other = Stream::new(dev).unwrap();
+        let stream = Stream::new(dev).unwrap();
+        let buf = DeviceBuffer::from_slice(&[7u32; 1024], &stream).unwrap();
+        let buf2 = DeviceBuffer::from_slice(&[8u32; 1024], &stream).unwrap();
+        drop(stream);
+        assert_eq!(live_streams(), base + 2, "{resource}: the buffers keep the stream");
+        other.launch_host_fn(move || drop(buf)).unwrap();
+        other.synchronize().unwrap();
+        cudrv::flush_deferred_drops().unwrap();
+        assert_eq!(live_streams(), base + 2, "{resource}: the second buffer keeps it");
+        assert_eq!(buf2.to_vec().unwrap(), vec![8; 1024]);
+        other.launch_host_fn(move || drop(buf2)).unwrap();
+        other.synchronize().unwrap();
+        cudrv::flush_deferred_drops().unwrap();
+        assert_eq!(live_streams(), base + 1, "{resource}: only `other` is left");
+        drop(other);
+        all_gone(dev, base);
     });
 }
