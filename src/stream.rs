@@ -208,7 +208,9 @@ impl StreamPin {
     /// it is a counted reference ([`StreamPin::new`]). Let go with [`StreamPin::let_go`].
     #[inline]
     pub(crate) fn for_buffer(stream: &Stream, gate: &Gate<'_>) -> (ManuallyDrop<Stream>, bool) {
-        if !gate.owned {
+        // Where the users are gone (a buffer made on another's view), a counted pin: an owner pin
+        // let go then settles the bank (a heavy barrier) each time.
+        if !gate.owned || stream.handle.users.load(Ordering::Relaxed) == 0 {
             return (StreamPin::new(stream).into_view(), false);
         }
         let inner = gate.inner;
