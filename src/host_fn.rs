@@ -18,6 +18,7 @@
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::Duration;
 
 thread_local! {
     static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
@@ -55,7 +56,17 @@ impl Drop for HostFnScope {
     }
 }
 
-type Job = Box<dyn FnOnce() + Send + 'static>;
+/// Work for cudrv's deferred-work thread: once, or until it reports that it is done.
+enum Job {
+    Once(Box<dyn FnOnce() + Send + 'static>),
+    Until(Retry),
+}
+
+type Retry = Box<dyn FnMut() -> bool + Send + 'static>;
+
+/// How often the thread tries again the work that was not done ([`defer_until`]) while no other
+/// work comes.
+const RETRY_EVERY: Duration = Duration::from_millis(1);
 
 struct Queue {
     jobs: Mutex<VecDeque<Job>>,
@@ -85,30 +96,75 @@ fn run(q: &'static Queue) {
     // This thread never captures, and its waits and frees are never part of a capture: the
     // driver must not refuse them while another thread captures in global mode.
     let _relaxed = crate::capture::RelaxedCaptureMode::always();
+    let mut retries: Vec<Retry> = Vec::new();
     loop {
         let job = {
             let mut jobs = q.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             loop {
                 if let Some(job) = jobs.pop_front() {
-                    break job;
+                    break Some(job);
                 }
-                jobs = q.ready.wait(jobs).unwrap_or_else(std::sync::PoisonError::into_inner);
+                if retries.is_empty() {
+                    jobs = q.ready.wait(jobs).unwrap_or_else(std::sync::PoisonError::into_inner);
+                } else {
+                    let (j, wait) =
+                        q.ready.wait_timeout(jobs, RETRY_EVERY).unwrap_or_else(std::sync::PoisonError::into_inner);
+                    jobs = j;
+                    if wait.timed_out() {
+                        break None;
+                    }
+                }
             }
         };
-        // A panic in a drop must not end the thread that serves every later one.
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
-            warn_line!("cudrv: work deferred out of a host function panicked");
+        // What was not done is tried again before each later job (so that a job queued after it,
+        // `flush_deferred_drops`'s, runs after one more try), and every `RETRY_EVERY`.
+        retries.retain_mut(|retry| !done(retry));
+        let retry = match job {
+            Some(Job::Once(job)) => {
+                // A panic in a drop must not end the thread that serves every later one.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+                    .map_err(|_| warn_line!("cudrv: work deferred out of a host function panicked"));
+                None
+            }
+            Some(Job::Until(retry)) => Some(retry),
+            None => None,
+        };
+        if let Some(mut retry) = retry
+            && !done(&mut retry)
+        {
+            retries.push(retry);
         }
     }
+}
+
+/// Tries `retry` once: whether it is done (a panic counts as done, and is reported).
+fn done(retry: &mut Retry) -> bool {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(retry)).unwrap_or_else(|_| {
+        warn_line!("cudrv: deferred work panicked");
+        true
+    })
 }
 
 /// Runs `job` on cudrv's deferred-work thread, as soon as possible: for work that must not run
 /// inside a host function. If that thread could not be started the job is forgotten: what it
 /// would free leaks, which is sound.
 pub(crate) fn defer(job: impl FnOnce() + Send + 'static) {
+    push(Job::Once(Box::new(job)));
+}
+
+/// Runs `job` on cudrv's deferred-work thread until it returns true (it is done): first as
+/// [`defer`] does, then again before each later deferred job and every millisecond. For work that
+/// must wait for another thread but must not block that thread, which may itself wait for the
+/// deferred work ([`flush_deferred_drops`] runs after one more try of it). Forgotten, as with
+/// [`defer`], if the thread could not be started.
+pub(crate) fn defer_until(job: impl FnMut() -> bool + Send + 'static) {
+    push(Job::Until(Box::new(job)));
+}
+
+fn push(job: Job) {
     match queue() {
         Some(q) => {
-            q.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push_back(Box::new(job));
+            q.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push_back(job);
             q.ready.notify_one();
         }
         None => std::mem::forget(job),
@@ -117,7 +173,10 @@ pub(crate) fn defer(job: impl FnOnce() + Send + 'static) {
 
 /// Waits until every drop that cudrv deferred out of a host function so far has been carried out
 /// (see [`Stream::launch_host_fn`](crate::Stream::launch_host_fn)): for example before reading a
-/// resource's statistics, or trimming it, after work whose host functions dropped buffers.
+/// resource's statistics, or trimming it, after work whose host functions dropped buffers. A
+/// stream whose last user went while another thread was queueing work on it is destroyed by the
+/// same thread: this waits for one more try at that, which succeeds unless work is being queued
+/// on the stream still (or by the caller, from a custom resource's `allocate` or `deallocate`).
 ///
 /// # Errors
 /// [`Error::InHostFunction`](crate::Error::InHostFunction) inside a host function (waiting
@@ -151,3 +210,40 @@ impl<T: Copy> SendHandle<T> {
 // SAFETY: the wrapped values are CUDA driver handles (pointers the driver owns), which the driver
 // API lets any thread use; the wrapper only carries one to the deferred-work thread.
 unsafe impl<T> Send for SendHandle<T> {}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::{defer_until, flush_deferred_drops};
+
+    #[test]
+    fn work_deferred_until_done_is_tried_again_before_later_work_and_no_more_once_done() {
+        let tries = Arc::new(AtomicUsize::new(0));
+        let counted = tries.clone();
+        defer_until(move || counted.fetch_add(1, Ordering::SeqCst) + 1 == 3);
+        // Its first try, then one more before the flush's own job.
+        flush_deferred_drops().unwrap();
+        assert!(tries.load(Ordering::SeqCst) >= 2);
+        // Done at the third try, at the latest before this flush's job.
+        flush_deferred_drops().unwrap();
+        assert_eq!(tries.load(Ordering::SeqCst), 3);
+        std::thread::sleep(super::RETRY_EVERY * 5);
+        flush_deferred_drops().unwrap();
+        assert_eq!(tries.load(Ordering::SeqCst), 3, "tried again once done");
+    }
+
+    #[test]
+    fn work_deferred_until_done_that_panics_is_dropped_and_the_thread_goes_on() {
+        let tries = Arc::new(AtomicUsize::new(0));
+        let counted = tries.clone();
+        defer_until(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            panic!("a deferred retry panicked (expected by the test)")
+        });
+        flush_deferred_drops().unwrap();
+        flush_deferred_drops().unwrap();
+        assert_eq!(tries.load(Ordering::SeqCst), 1, "a panic counts as done");
+    }
+}

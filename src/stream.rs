@@ -81,34 +81,33 @@ impl Handle {
     ///
     /// Where a gate stays held, this does not wait long for it on the calling thread (which may
     /// hold it, or be a host function that it waits for): cudrv's thread settles the bank
-    /// instead, and the stream goes a little later.
+    /// instead, once the gate is empty (it tries again, and never waits for it either), and the
+    /// stream goes a little later.
     fn retire(self: &Arc<Handle>) {
         if !self.key.0.banked.load(Ordering::SeqCst) {
             return;
         }
-        if !host_fn::in_host_fn() && self.settle_bank(Some(MARK_HOLD_BACK)) {
+        if !host_fn::in_host_fn() && self.settle_bank(MARK_HOLD_BACK) {
             return;
         }
         // Without keeping the stream: if another thread lets go of the bank meanwhile, the
-        // stream goes with its last reference there, not later here.
+        // stream goes with its last reference there, not later here. Never waiting for the gate
+        // there: its holder may wait for cudrv's thread (`flush_deferred_drops` in a resource's
+        // `deallocate`).
         let handle = Arc::downgrade(self);
-        host_fn::defer(move || {
-            if let Some(handle) = handle.upgrade() {
-                handle.settle_bank(None);
-            }
-        });
+        host_fn::defer_until(move || handle.upgrade().is_none_or(|handle| handle.settle_bank(Duration::ZERO)));
     }
 
     /// [`Handle::retire`], with the gate empty: false when it stayed held for longer than
     /// `patience` (see [`StreamKey::mark_ungated`]).
-    fn settle_bank(self: &Arc<Handle>, patience: Option<Duration>) -> bool {
+    fn settle_bank(self: &Arc<Handle>, patience: Duration) -> bool {
         let inner = &*self.key.0;
         let retiring = &inner.retiring;
         let mark = || {
             retiring.fetch_add(1, Ordering::SeqCst);
             true
         };
-        if !self.key.mark_ungated(patience, mark, || {
+        if !self.key.mark_ungated(Some(patience), mark, || {
             retiring.fetch_sub(1, Ordering::SeqCst);
         }) {
             return false;
@@ -198,6 +197,17 @@ impl StreamPin {
         ManuallyDrop::new(Stream { handle })
     }
 
+    /// The counted pin that [`StreamPin::into_view`] made `view` of.
+    ///
+    /// # Safety
+    /// `view` must come from [`StreamPin::into_view`], and is taken: it must not be used after.
+    #[inline]
+    pub(crate) unsafe fn from_view(view: &ManuallyDrop<Stream>) -> StreamPin {
+        // SAFETY: the view holds the pin's counted reference, which this takes once; the view is
+        // never dropped (`ManuallyDrop`) nor used after.
+        StreamPin(unsafe { Arc::from_raw(Arc::as_ptr(&view.handle)) })
+    }
+
     /// A buffer's pin of `stream`, taken in the stream's gate `gate` (held by the caller), as a
     /// view to borrow from, and whether it is an owner pin.
     ///
@@ -250,11 +260,9 @@ impl StreamPin {
                 return;
             }
         } else {
-            // SAFETY: the view holds the buffer's counted reference (`into_view`), taken here
-            // once; the view is not used after. Dropped after the gate.
-            let pin = StreamPin(unsafe { Arc::from_raw(Arc::as_ptr(&view.handle)) });
             drop(gate);
-            drop(pin);
+            // SAFETY: forwarded: a view of a counted pin, let go once.
+            drop(unsafe { StreamPin::from_view(view) });
             return;
         }
         // SAFETY: forwarded.

@@ -903,9 +903,19 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             // The pool keeps the stream for the allocation no more, so that a free that waits
             // forever or fails (leaking the memory) does not keep the stream too.
             ResourceRef::Kept(pool) => pool.unkeep(self.ptr, &stream),
-            // SAFETY: the buffer's own pin, let go once, here, under its stream's gate; the
-            // view is not used after (`stream` is a counted user made above).
-            _ => unsafe { StreamPin::let_go(&self.stream, self.owner_pin, self.stream.key().enter()) },
+            // SAFETY: the buffer's own counted pin, let go once, here; the view is not used after
+            // (`stream` is a counted user made above).
+            _ if !self.owner_pin => drop(unsafe { StreamPin::from_view(&self.stream) }),
+            _ => {
+                // The owner's pin is let go under the stream's gate, which a host function does
+                // not enter (it would hold back for a capture's or a retirement's mark).
+                // SAFETY: a copy of the view that the buffer does not use after; its pin keeps it
+                // valid until it is let go, once, with it.
+                let view = unsafe { std::ptr::read(&self.stream) };
+                // SAFETY: as above.
+                let go = move || unsafe { StreamPin::let_go(&view, true, view.key().enter()) };
+                if crate::host_fn::in_host_fn() { crate::host_fn::defer(go) } else { go() }
+            }
         }
         let free = Free { resource: self.resource.clone(), ptr: self.ptr, bytes, stream, capture: self.capture, uses };
         if crate::host_fn::in_host_fn() { crate::host_fn::defer(move || free.run()) } else { free.run() }

@@ -601,9 +601,10 @@ fn the_owner_allocates_on_a_view_while_the_last_user_goes() {
     });
 }
 
-/// A custom resource whose free lets go of its stream's last user: that runs under the
-/// stream's gate, on the owner thread, while the bank must be let go. It is settled without
-/// waiting for the gate (by cudrv's thread if need be), and the stream goes.
+/// A custom resource whose free lets go of its stream's last user, then waits for cudrv's
+/// deferred work: that runs under the stream's gate, on the owner thread, while the bank must be
+/// let go. Neither this thread nor cudrv's waits for the gate (a deadlock in the first build of
+/// owner pins, found in review), and the stream goes.
 #[test]
 fn the_last_user_dropped_under_the_streams_own_gate() {
     #[derive(Debug)]
@@ -618,6 +619,7 @@ fn the_last_user_dropped_under_the_streams_own_gate() {
         }
         unsafe fn deallocate(&self, ptr: cudrv::memory::DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
             drop(self.victim.lock().unwrap().take());
+            cudrv::flush_deferred_drops().unwrap();
             // SAFETY: forwarded from the caller.
             unsafe { self.inner.deallocate(ptr, bytes, stream) }
         }
@@ -666,6 +668,70 @@ fn a_host_function_lets_go_of_an_owner_pin() {
         cudrv::flush_deferred_drops().unwrap();
         assert_eq!(live_streams(), base + 1, "{resource}: only `other` is left");
         drop(other);
+        all_gone(dev, base);
+    });
+}
+
+/// A host function lets go of an owner pin after the stream's users went (its thread hands the
+/// settling of the bank to cudrv's thread), while a custom resource's `allocate` on the stream
+/// waits, under the stream's gate, for cudrv's deferred work. Nothing waits for ever (found in
+/// review), and the stream goes.
+#[test]
+fn deferred_work_does_not_wait_for_a_gate_whose_holder_waits_for_it() {
+    #[derive(Debug)]
+    struct Flusher {
+        inner: SyncResource,
+        wait: std::sync::Mutex<Option<(mpsc::Sender<()>, mpsc::Receiver<()>)>>,
+    }
+    // SAFETY: forwards to a resource that keeps the contract.
+    unsafe impl MemoryResource for Flusher {
+        fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<cudrv::memory::DevicePtr> {
+            if let Some((inside, go)) = self.wait.lock().unwrap().take() {
+                inside.send(()).unwrap();
+                go.recv().unwrap();
+                cudrv::flush_deferred_drops().unwrap();
+            }
+            self.inner.allocate(bytes, stream)
+        }
+        unsafe fn deallocate(&self, ptr: cudrv::memory::DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.inner.deallocate(ptr, bytes, stream) }
+        }
+        fn device(&self) -> Device {
+            self.inner.device()
+        }
+        fn kind(&self) -> cudrv::memory::ResourceKind {
+            cudrv::memory::ResourceKind::Custom
+        }
+    }
+    with_resources(PINNING, 60, "deferred work against a gate's holder", |resource, dev, base| {
+        let other = Stream::new(dev).unwrap();
+        let stream = Stream::new(dev).unwrap();
+        let (go_tx, go_rx) = mpsc::channel();
+        let (inside_tx, inside_rx) = mpsc::channel::<()>();
+        let flusher =
+            Arc::new(Flusher { inner: SyncResource::new(dev).unwrap(), wait: Some((inside_tx, go_rx)).into() });
+        let a = DeviceBuffer::from_slice(&[1u32; 64], &stream).unwrap();
+        let b = DeviceBuffer::from_slice(&[2u32; 64], &stream).unwrap();
+        drop(stream);
+        // Once the allocation below holds the stream's gate, a host function lets go of `a`.
+        other
+            .launch_host_fn(move || {
+                inside_rx.recv().unwrap();
+                drop(a);
+                std::thread::sleep(Duration::from_millis(20));
+                go_tx.send(()).unwrap();
+            })
+            .unwrap();
+        let c = DeviceBuffer::<u32>::zeroed_in(64, b.stream(), flusher.clone()).unwrap();
+        assert_eq!(c.to_vec().unwrap(), vec![0; 64], "{resource}");
+        drop(c);
+        assert_eq!(b.to_vec().unwrap(), vec![2; 64], "{resource}");
+        drop(b);
+        other.synchronize().unwrap();
+        cudrv::flush_deferred_drops().unwrap();
+        assert_eq!(live_streams(), base + 1, "{resource}: only `other` is left");
+        drop((other, flusher));
         all_gone(dev, base);
     });
 }
