@@ -195,6 +195,26 @@ impl Device {
     }
 }
 
+#[cfg(test)]
+impl Context {
+    /// A context that holds no driver context, for the streams of unit tests that make no driver
+    /// call. It lives for the rest of the process: its drop would ask for the driver.
+    pub(crate) fn detached() -> Arc<Context> {
+        static DETACHED: std::sync::OnceLock<Arc<Context>> = std::sync::OnceLock::new();
+        DETACHED
+            .get_or_init(|| {
+                Arc::new(Context {
+                    device: Device::detached(),
+                    raw: std::ptr::null_mut(),
+                    deferred: Mutex::new(Vec::new()),
+                    spare_events: Mutex::new(Vec::new()),
+                    has_deferred: AtomicBool::new(false),
+                })
+            })
+            .clone()
+    }
+}
+
 impl Context {
     pub(crate) fn primary(device: Device) -> Result<Arc<Context>> {
         let mut map = primaries().lock().unwrap_or_else(std::sync::PoisonError::into_inner);

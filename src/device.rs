@@ -27,6 +27,14 @@ pub struct Device {
     raw: CUdevice,
 }
 
+#[cfg(test)]
+impl Device {
+    /// Device 0 without asking the driver, for unit tests that make no driver call.
+    pub(crate) fn detached() -> Device {
+        Device { ordinal: 0, raw: 0 }
+    }
+}
+
 /// How the operating system drives a device.
 ///
 /// On Windows a device runs under WDDM (display and compute), TCC (compute only, the default on

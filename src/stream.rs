@@ -238,44 +238,43 @@ impl StreamPin {
     }
 
     /// Lets go of a buffer's pin that [`StreamPin::for_buffer`] took, in the gate `gate` of its
-    /// stream, which this drops. Where it was the stream's last reference, the stream goes (its
-    /// destruction may be handed to cudrv's thread, see [`Handle::retire`]).
+    /// stream, which this drops. What it returns must be dropped after the call: where the pin was
+    /// the stream's last reference, the stream goes there (its destruction may be handed to
+    /// cudrv's thread, see [`Handle::retire`]). Not in here, where the gate's reference to the
+    /// stream is an argument, which must stay valid until the call returns.
     ///
     /// # Safety
     /// `view` and `owner` must be what [`StreamPin::for_buffer`] returned, `gate` a gate of the
     /// same stream; the pin is let go once, and the view (nor anything borrowed from it) is not
     /// used after.
     #[inline]
-    pub(crate) unsafe fn let_go(view: &ManuallyDrop<Stream>, owner: bool, gate: Gate<'_>) {
-        if owner && gate.owned {
-            let inner = gate.inner;
-            inner.owner_pins.store(inner.owner_pins.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Relaxed);
-            // SeqCst: with the users' count, see [`Handle::retire`].
-            if view.handle.users.load(Ordering::SeqCst) != 0 {
-                return;
-            }
-        } else if owner {
-            gate.inner.pins_let_go_elsewhere.fetch_add(1, Ordering::SeqCst);
-            if view.handle.users.load(Ordering::SeqCst) != 0 {
-                return;
-            }
-        } else {
+    pub(crate) unsafe fn let_go(view: &ManuallyDrop<Stream>, owner: bool, gate: Gate<'_>) -> LetGo {
+        if !owner {
             drop(gate);
             // SAFETY: forwarded: a view of a counted pin, let go once.
-            drop(unsafe { StreamPin::from_view(view) });
-            return;
+            return LetGo { handle: Some(unsafe { StreamPin::from_view(view) }.0), retire: false };
+        }
+        let inner = gate.inner;
+        if gate.owned {
+            inner.owner_pins.store(inner.owner_pins.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Relaxed);
+        } else {
+            inner.pins_let_go_elsewhere.fetch_add(1, Ordering::SeqCst);
+        }
+        // SeqCst: with the users' count, see [`Handle::retire`].
+        if view.handle.users.load(Ordering::SeqCst) != 0 {
+            return LetGo { handle: None, retire: false };
         }
         // SAFETY: forwarded.
         unsafe { Self::retire_after(view, gate) }
     }
 
-    /// The users of the stream of an owner pin that was let go under `gate` are gone: settles
-    /// the stream's bank after the gate.
+    /// The users of the stream of an owner pin that was let go under `gate` are gone: a counted
+    /// reference with which to settle the stream's bank after the gate.
     ///
     /// # Safety
     /// As [`StreamPin::let_go`], whose pin is let go.
     #[cold]
-    unsafe fn retire_after(view: &ManuallyDrop<Stream>, gate: Gate<'_>) {
+    unsafe fn retire_after(view: &ManuallyDrop<Stream>, gate: Gate<'_>) -> LetGo {
         let handle = Arc::as_ptr(&view.handle);
         // SAFETY: while the gate is held the bank cannot be let go, so the handle is valid; a
         // counted reference that outlives the gate.
@@ -284,7 +283,28 @@ impl StreamPin {
             Arc::from_raw(handle)
         };
         drop(gate);
-        handle.retire();
+        LetGo { handle: Some(handle), retire: true }
+    }
+}
+
+/// What [`StreamPin::let_go`] leaves to do after its gate: a counted reference to let go of,
+/// and whether to settle the stream's bank first ([`Handle::retire`]). Dropped by the caller,
+/// which holds no reference into the stream as an argument of its own.
+#[must_use = "the stream's reference is let go when this is dropped"]
+pub(crate) struct LetGo {
+    handle: Option<Arc<Handle>>,
+    retire: bool,
+}
+
+impl Drop for LetGo {
+    #[inline]
+    fn drop(&mut self) {
+        if let Some(handle) = self.handle.take() {
+            if self.retire {
+                handle.retire();
+            }
+            drop(handle);
+        }
     }
 }
 
@@ -1221,5 +1241,108 @@ impl fmt::Debug for Stream {
             .field("device", &self.device().ordinal())
             .field("id", &self.inner().id)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::mem::ManuallyDrop;
+    use std::sync::{Arc, mpsc};
+
+    use super::{Stream, StreamPin};
+    use crate::context::Context;
+
+    /// A stream that makes no driver call (a null handle in a detached context, never destroyed).
+    fn stream() -> Stream {
+        Stream::wrap(std::ptr::null_mut(), Context::detached(), false, 0)
+    }
+
+    /// A buffer's pin of `stream`, taken as a buffer takes it, under the stream's gate.
+    fn pin(stream: &Stream) -> (ManuallyDrop<Stream>, bool) {
+        let gate = stream.key().enter();
+        StreamPin::for_buffer(stream, &gate)
+    }
+
+    /// Lets go of a pin from [`pin`], as a buffer does.
+    fn let_go((view, owner): (ManuallyDrop<Stream>, bool)) {
+        // SAFETY: the pin and its view, as `pin` made them, let go once; the view is not used
+        // after.
+        drop(unsafe { StreamPin::let_go(&view, owner, view.key().enter()) });
+    }
+
+    /// The owner thread takes pins on a view and lets them go, on its thread and on another,
+    /// while the main thread lets go of the last user: the stream lives while a pin does (Miri
+    /// reports a use after free otherwise), and goes with the last one.
+    #[test]
+    fn owner_pins_keep_the_stream_until_the_last_is_let_go() {
+        let (rounds, pins) = if cfg!(miri) { (4, 6) } else { (300, 60) };
+        for round in 0..rounds {
+            let s = stream();
+            let handle = Arc::downgrade(&s.handle);
+            let user = s.clone();
+            let (tx, rx) = mpsc::channel::<(ManuallyDrop<Stream>, bool)>();
+            let owner = std::thread::spawn(move || {
+                let keep = pin(&user);
+                assert!(keep.1, "the first thread in the stream's gate owns it");
+                drop(user);
+                for i in 0..pins {
+                    let p = pin(&keep.0);
+                    if i % 3 == 0 { tx.send(p).unwrap() } else { let_go(p) }
+                }
+                drop(tx);
+                let_go(keep);
+            });
+            let elsewhere = std::thread::spawn(move || rx.into_iter().for_each(let_go));
+            drop(s);
+            owner.join().unwrap();
+            elsewhere.join().unwrap();
+            crate::flush_deferred_drops().unwrap();
+            assert!(handle.upgrade().is_none(), "round {round}: the stream outlived its pins");
+        }
+    }
+
+    /// The owner thread pins on the view of another thread's counted pin, so that no owner pin
+    /// lives between its pins, while the main thread lets go of the last user; then it lets go
+    /// of that counted pin and goes on with its own. A retirement that let go of the bank while
+    /// an owner pin was being taken (new gates must wait for its mark) would free the stream
+    /// under that pin.
+    #[test]
+    fn owner_pins_on_a_counted_pins_view_race_the_last_user() {
+        let (rounds, pins) = if cfg!(miri) { (4, 8) } else { (300, 60) };
+        for round in 0..rounds {
+            let s = stream();
+            let handle = Arc::downgrade(&s.handle);
+            let (owner_user, other_user) = (s.clone(), s.clone());
+            let (tx, rx) = mpsc::channel::<(ManuallyDrop<Stream>, bool)>();
+            let (claimed_tx, claimed_rx) = mpsc::channel::<()>();
+            let owner = std::thread::spawn(move || {
+                let first = pin(&owner_user);
+                assert!(first.1, "the first thread in the stream's gate owns it");
+                let_go(first);
+                claimed_tx.send(()).unwrap();
+                drop(owner_user);
+                let anchor = rx.recv().unwrap();
+                assert!(!anchor.1, "another thread's pin is counted");
+                for _ in 0..pins {
+                    let_go(pin(&anchor.0));
+                }
+                let mine = pin(&anchor.0);
+                let_go(anchor);
+                for _ in 0..pins {
+                    let_go(pin(&mine.0));
+                }
+                let_go(mine);
+            });
+            claimed_rx.recv().unwrap();
+            let other = std::thread::spawn(move || {
+                tx.send(pin(&other_user)).unwrap();
+                drop(other_user);
+            });
+            drop(s);
+            owner.join().unwrap();
+            other.join().unwrap();
+            crate::flush_deferred_drops().unwrap();
+            assert!(handle.upgrade().is_none(), "round {round}: the stream outlived its pins");
+        }
     }
 }

@@ -876,8 +876,9 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
                             report_drop_error(Some(self.stream.context()), e);
                         }
                         // SAFETY: the buffer's own pin, let go once, here, under its stream's
-                        // gate; the view is not used after.
-                        unsafe { StreamPin::let_go(&self.stream, self.owner_pin, gate) };
+                        // gate; the view is not used after. (The stream may go with what the
+                        // call returns, dropped here, after it.)
+                        drop(unsafe { StreamPin::let_go(&self.stream, self.owner_pin, gate) });
                         return;
                     }
                 }
@@ -913,7 +914,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 // valid until it is let go, once, with it.
                 let view = unsafe { std::ptr::read(&self.stream) };
                 // SAFETY: as above.
-                let go = move || unsafe { StreamPin::let_go(&view, true, view.key().enter()) };
+                let go = move || drop(unsafe { StreamPin::let_go(&view, true, view.key().enter()) });
                 if crate::host_fn::in_host_fn() { crate::host_fn::defer(go) } else { go() }
             }
         }
