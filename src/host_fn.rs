@@ -15,7 +15,7 @@
 //! * every other cudrv call that would reach the driver returns
 //!   [`Error::InHostFunction`](crate::Error::InHostFunction) before doing anything.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Duration;
@@ -96,7 +96,6 @@ fn run(q: &'static Queue) {
     // This thread never captures, and its waits and frees are never part of a capture: the
     // driver must not refuse them while another thread captures in global mode.
     let _relaxed = crate::capture::RelaxedCaptureMode::always();
-    let mut retries: Vec<Retry> = Vec::new();
     loop {
         let job = {
             let mut jobs = q.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -104,7 +103,7 @@ fn run(q: &'static Queue) {
                 if let Some(job) = jobs.pop_front() {
                     break Some(job);
                 }
-                if retries.is_empty() {
+                if !retries_pending() {
                     jobs = q.ready.wait(jobs).unwrap_or_else(std::sync::PoisonError::into_inner);
                 } else {
                     let (j, wait) =
@@ -118,7 +117,7 @@ fn run(q: &'static Queue) {
         };
         // What was not done is tried again before each later job (so that a job queued after it,
         // `flush_deferred_drops`'s, runs after one more try), and every `RETRY_EVERY`.
-        retries.retain_mut(|retry| !done(retry));
+        try_retries();
         let retry = match job {
             Some(Job::Once(job)) => {
                 // A panic in a drop must not end the thread that serves every later one.
@@ -132,9 +131,27 @@ fn run(q: &'static Queue) {
         if let Some(mut retry) = retry
             && !done(&mut retry)
         {
-            retries.push(retry);
+            RETRIES.with(|r| r.borrow_mut().push(retry));
         }
     }
+}
+
+thread_local! {
+    /// On cudrv's deferred-work thread: the work that is not done yet ([`defer_until`]).
+    static RETRIES: RefCell<Vec<Retry>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether work waits to be tried again, on the deferred-work thread.
+fn retries_pending() -> bool {
+    RETRIES.with(|r| !r.borrow().is_empty())
+}
+
+/// Tries again the work that was not done, on the deferred-work thread (which may add more
+/// meanwhile: a retry's own drops may defer).
+fn try_retries() {
+    let mut pending = RETRIES.with(|r| std::mem::take(&mut *r.borrow_mut()));
+    pending.retain_mut(|retry| !done(retry));
+    RETRIES.with(|r| r.borrow_mut().append(&mut pending));
 }
 
 /// Tries `retry` once: whether it is done (a panic counts as done, and is reported).
@@ -158,7 +175,12 @@ pub(crate) fn defer(job: impl FnOnce() + Send + 'static) {
 /// deferred work ([`flush_deferred_drops`] runs after one more try of it). Forgotten, as with
 /// [`defer`], if the thread could not be started.
 pub(crate) fn defer_until(job: impl FnMut() -> bool + Send + 'static) {
-    push(Job::Until(Box::new(job)));
+    if ON_DEFERRED_THREAD.with(Cell::get) {
+        // Tried before the next job, queued already or not.
+        RETRIES.with(|r| r.borrow_mut().push(Box::new(job)));
+    } else {
+        push(Job::Until(Box::new(job)));
+    }
 }
 
 fn push(job: Job) {
@@ -177,6 +199,8 @@ fn push(job: Job) {
 /// stream whose last user went while another thread was queueing work on it is destroyed by the
 /// same thread: this waits for one more try at that, which succeeds unless work is being queued
 /// on the stream still (or by the caller, from a custom resource's `allocate` or `deallocate`).
+/// Called on cudrv's own thread (a custom resource's `deallocate`, for a buffer dropped in a
+/// host function, runs there), it returns at once: what was deferred before is done.
 ///
 /// # Errors
 /// [`Error::InHostFunction`](crate::Error::InHostFunction) inside a host function (waiting
@@ -184,6 +208,12 @@ fn push(job: Job) {
 pub fn flush_deferred_drops() -> crate::Result<()> {
     if in_host_fn() {
         return Err(crate::Error::InHostFunction { call: "flush_deferred_drops" });
+    }
+    if ON_DEFERRED_THREAD.with(Cell::get) {
+        // Called by deferred work (a custom resource's `deallocate`, for a drop deferred out of
+        // a host function): what was deferred before it is done, and waiting for what came
+        // after would wait for this thread itself.
+        return Ok(());
     }
     if queue().is_some() {
         let (tx, rx) = std::sync::mpsc::channel();
@@ -232,6 +262,33 @@ mod tests {
         std::thread::sleep(super::RETRY_EVERY * 5);
         flush_deferred_drops().unwrap();
         assert_eq!(tries.load(Ordering::SeqCst), 3, "tried again once done");
+    }
+
+    #[test]
+    fn work_deferred_until_done_by_deferred_work_is_tried_before_the_next_job() {
+        let tries = Arc::new(AtomicUsize::new(0));
+        let (counted, seen) = (tries.clone(), tries.clone());
+        let (queued_tx, queued_rx) = std::sync::mpsc::channel::<()>();
+        // The first job defers work once the second job is queued behind it.
+        super::defer(move || {
+            queued_rx.recv().unwrap();
+            defer_until(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                true
+            })
+        });
+        let (saw_tx, saw_rx) = std::sync::mpsc::channel();
+        super::defer(move || saw_tx.send(seen.load(Ordering::SeqCst)).unwrap());
+        queued_tx.send(()).unwrap();
+        assert_eq!(saw_rx.recv().unwrap(), 1, "the work was not tried before the job queued before it");
+    }
+
+    #[test]
+    fn flushing_on_the_deferred_thread_returns_at_once() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        super::defer(move || tx.send(flush_deferred_drops().is_ok()).unwrap());
+        let flushed = rx.recv_timeout(std::time::Duration::from_secs(10));
+        assert_eq!(flushed, Ok(true), "a flush on cudrv's thread waited for that thread");
     }
 
     #[test]

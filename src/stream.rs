@@ -424,7 +424,8 @@ impl StreamKey {
     /// held: returns true with the mark set and the gate empty. Gates entered before the mark
     /// are seen after a [`barrier::heavy`]; later ones see the mark and wait for it to go. While
     /// gates are held the mark is taken back (`unmark`) so that they finish, and set again once
-    /// they have; after `patience` of that (`None`: for ever) this gives up and returns false.
+    /// they have; after `patience` of that (`None`: for ever) this gives up and returns false
+    /// (with no patience, after one try, and at once, with no barrier, if a gate is seen held).
     ///
     /// The caller must not hold a [`Gate`] of the stream when it waits for ever (it would wait
     /// for itself).
@@ -441,10 +442,26 @@ impl StreamKey {
                 self.0.fetch_sub(1, Ordering::Release);
             }
         }
+        // Whether `patience` has run out since the first time the gate was seen held.
+        let out_of_patience = |since: &mut Option<Instant>| {
+            let since = *since.get_or_insert_with(Instant::now);
+            patience.is_some_and(|p| since.elapsed() >= p)
+        };
         self.0.marking.fetch_add(1, Ordering::SeqCst);
         let _marking = Marking(&self.0.marking);
         let mut since = None;
         loop {
+            // A gate seen held without the barrier is held: wait for it before the mark (which
+            // costs a barrier). Spin first: new work holds back while this thread waits (see
+            // `enter`), so the gate empties once the work under way is queued.
+            let mut spins = 0u32;
+            while self.gated() {
+                if spins.is_multiple_of(1024) && out_of_patience(&mut since) {
+                    return false;
+                }
+                spins += 1;
+                if spins < 4096 { std::hint::spin_loop() } else { std::thread::yield_now() }
+            }
             if !mark() {
                 return false;
             }
@@ -456,20 +473,8 @@ impl StreamKey {
             // Work is under way: take the mark back (the work may look again meanwhile, and waits
             // only this long), let it finish, and try again.
             unmark();
-            let since = *since.get_or_insert_with(Instant::now);
-            // Spin first: new work holds back while this thread waits (see `enter`), so the gate
-            // empties once the work under way is queued.
-            let mut spins = 0u32;
-            while self.gated() {
-                spins += 1;
-                if spins < 4096 {
-                    std::hint::spin_loop();
-                } else {
-                    if patience.is_some_and(|p| since.elapsed() > p) {
-                        return false;
-                    }
-                    std::thread::yield_now();
-                }
+            if out_of_patience(&mut since) {
+                return false;
             }
         }
     }

@@ -601,38 +601,59 @@ fn the_owner_allocates_on_a_view_while_the_last_user_goes() {
     });
 }
 
+/// A `SyncResource` that runs `before` on each of its allocations and frees (true for a free)
+/// before the work: a custom resource, whose calls cudrv makes under the stream's gate.
+struct Hooked {
+    inner: SyncResource,
+    before: Box<dyn Fn(bool) + Send + Sync>,
+}
+
+impl Hooked {
+    fn new(dev: &Device, before: impl Fn(bool) + Send + Sync + 'static) -> Arc<Hooked> {
+        Arc::new(Hooked { inner: SyncResource::new(dev).unwrap(), before: Box::new(before) })
+    }
+}
+
+impl std::fmt::Debug for Hooked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hooked")
+    }
+}
+
+// SAFETY: forwards to a resource that keeps the contract.
+unsafe impl MemoryResource for Hooked {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<cudrv::memory::DevicePtr> {
+        (self.before)(false);
+        self.inner.allocate(bytes, stream)
+    }
+    unsafe fn deallocate(&self, ptr: cudrv::memory::DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
+        (self.before)(true);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+    fn kind(&self) -> cudrv::memory::ResourceKind {
+        cudrv::memory::ResourceKind::Custom
+    }
+}
+
 /// A custom resource whose free lets go of its stream's last user, then waits for cudrv's
 /// deferred work: that runs under the stream's gate, on the owner thread, while the bank must be
 /// let go. Neither this thread nor cudrv's waits for the gate (a deadlock in the first build of
 /// owner pins, found in review), and the stream goes.
 #[test]
 fn the_last_user_dropped_under_the_streams_own_gate() {
-    #[derive(Debug)]
-    struct Dropper {
-        inner: SyncResource,
-        victim: std::sync::Mutex<Option<Stream>>,
-    }
-    // SAFETY: forwards to a resource that keeps the contract.
-    unsafe impl MemoryResource for Dropper {
-        fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<cudrv::memory::DevicePtr> {
-            self.inner.allocate(bytes, stream)
-        }
-        unsafe fn deallocate(&self, ptr: cudrv::memory::DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
-            drop(self.victim.lock().unwrap().take());
-            cudrv::flush_deferred_drops().unwrap();
-            // SAFETY: forwarded from the caller.
-            unsafe { self.inner.deallocate(ptr, bytes, stream) }
-        }
-        fn device(&self) -> Device {
-            self.inner.device()
-        }
-        fn kind(&self) -> cudrv::memory::ResourceKind {
-            cudrv::memory::ResourceKind::Custom
-        }
-    }
     with_resources(PINNING, 60, "last user under the gate", |resource, dev, base| {
         let stream = Stream::new(dev).unwrap();
-        let dropper = Arc::new(Dropper { inner: SyncResource::new(dev).unwrap(), victim: Some(stream.clone()).into() });
+        let victim = std::sync::Mutex::new(Some(stream.clone()));
+        let dropper = Hooked::new(dev, move |free| {
+            if free {
+                drop(victim.lock().unwrap().take());
+                cudrv::flush_deferred_drops().unwrap();
+            }
+        });
         let device_buf = DeviceBuffer::from_slice(&[5u32; 64], &stream).unwrap();
         let custom = DeviceBuffer::from_slice_in(&[6u32; 64], &stream, dropper.clone()).unwrap();
         drop(stream);
@@ -678,39 +699,19 @@ fn a_host_function_lets_go_of_an_owner_pin() {
 /// review), and the stream goes.
 #[test]
 fn deferred_work_does_not_wait_for_a_gate_whose_holder_waits_for_it() {
-    #[derive(Debug)]
-    struct Flusher {
-        inner: SyncResource,
-        wait: std::sync::Mutex<Option<(mpsc::Sender<()>, mpsc::Receiver<()>)>>,
-    }
-    // SAFETY: forwards to a resource that keeps the contract.
-    unsafe impl MemoryResource for Flusher {
-        fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<cudrv::memory::DevicePtr> {
-            if let Some((inside, go)) = self.wait.lock().unwrap().take() {
-                inside.send(()).unwrap();
-                go.recv().unwrap();
-                cudrv::flush_deferred_drops().unwrap();
-            }
-            self.inner.allocate(bytes, stream)
-        }
-        unsafe fn deallocate(&self, ptr: cudrv::memory::DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
-            // SAFETY: forwarded from the caller.
-            unsafe { self.inner.deallocate(ptr, bytes, stream) }
-        }
-        fn device(&self) -> Device {
-            self.inner.device()
-        }
-        fn kind(&self) -> cudrv::memory::ResourceKind {
-            cudrv::memory::ResourceKind::Custom
-        }
-    }
     with_resources(PINNING, 60, "deferred work against a gate's holder", |resource, dev, base| {
         let other = Stream::new(dev).unwrap();
         let stream = Stream::new(dev).unwrap();
         let (go_tx, go_rx) = mpsc::channel();
         let (inside_tx, inside_rx) = mpsc::channel::<()>();
-        let flusher =
-            Arc::new(Flusher { inner: SyncResource::new(dev).unwrap(), wait: Some((inside_tx, go_rx)).into() });
+        let wait = std::sync::Mutex::new(Some((inside_tx, go_rx)));
+        let flusher = Hooked::new(dev, move |free| {
+            if let Some((inside, go)) = wait.lock().unwrap().take().filter(|_| !free) {
+                inside.send(()).unwrap();
+                go.recv().unwrap();
+                cudrv::flush_deferred_drops().unwrap();
+            }
+        });
         let a = DeviceBuffer::from_slice(&[1u32; 64], &stream).unwrap();
         let b = DeviceBuffer::from_slice(&[2u32; 64], &stream).unwrap();
         drop(stream);
@@ -732,6 +733,38 @@ fn deferred_work_does_not_wait_for_a_gate_whose_holder_waits_for_it() {
         cudrv::flush_deferred_drops().unwrap();
         assert_eq!(live_streams(), base + 1, "{resource}: only `other` is left");
         drop((other, flusher));
+        all_gone(dev, base);
+    });
+}
+
+/// A custom resource whose `deallocate` waits for cudrv's deferred work, for a buffer dropped in
+/// a host function: the free runs on cudrv's own thread, where the wait returns at once instead
+/// of waiting for that thread itself (found in review: every later deferred drop hung).
+#[test]
+fn flushing_deferred_drops_on_cudrvs_own_thread_returns() {
+    with_resources(PINNING, 60, "a flush on cudrv's thread", |resource, dev, base| {
+        let stream = Stream::new(dev).unwrap();
+        let flushed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = flushed.clone();
+        let flusher = Hooked::new(dev, move |free| {
+            if free {
+                cudrv::flush_deferred_drops().unwrap();
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        let in_host_fn = DeviceBuffer::from_slice_in(&[3u32; 64], &stream, flusher.clone()).unwrap();
+        let later = DeviceBuffer::from_slice(&[4u32; 64], &stream).unwrap();
+        stream.launch_host_fn(move || drop(in_host_fn)).unwrap();
+        stream.synchronize().unwrap();
+        cudrv::flush_deferred_drops().unwrap();
+        assert_eq!(flushed.load(std::sync::atomic::Ordering::SeqCst), 1, "{resource}: freed on cudrv's thread");
+        // cudrv's thread still serves later drops.
+        stream.launch_host_fn(move || drop(later)).unwrap();
+        stream.synchronize().unwrap();
+        drop(stream);
+        cudrv::flush_deferred_drops().unwrap();
+        assert_eq!(live_streams(), base, "{resource}: the stream went with its last buffer");
+        drop(flusher);
         all_gone(dev, base);
     });
 }
