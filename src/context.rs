@@ -391,11 +391,7 @@ impl Drop for Context {
                 report_drop_error(None, e);
             }
         };
-        if crate::host_fn::in_host_fn() {
-            crate::host_fn::defer(release);
-        } else {
-            release();
-        }
+        crate::host_fn::now_or_deferred(release);
         // Errors kept for a next call that will never come: the hook saw them already.
         if DROP_HOOK.get().is_none() {
             for e in self.deferred.get_mut().map(std::mem::take).unwrap_or_default() {

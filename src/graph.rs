@@ -627,7 +627,7 @@ impl Drop for Graph {
                 report_drop_error(Some(&ctx), e);
             }
         };
-        if host_fn::in_host_fn() { host_fn::defer(destroy) } else { destroy() }
+        host_fn::now_or_deferred(destroy)
     }
 }
 
@@ -945,7 +945,7 @@ impl Drop for GraphExec {
                 }
             }
         };
-        if host_fn::in_host_fn() { host_fn::defer(destroy) } else { destroy() }
+        host_fn::now_or_deferred(destroy)
     }
 }
 

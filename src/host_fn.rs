@@ -169,6 +169,12 @@ pub(crate) fn defer(job: impl FnOnce() + Send + 'static) {
     push(Job::Once(Box::new(job)));
 }
 
+/// Runs `job` now, or on cudrv's deferred-work thread ([`defer`]) inside a host function, where
+/// it must not run: for drops that call the driver or wait.
+pub(crate) fn now_or_deferred(job: impl FnOnce() + Send + 'static) {
+    if in_host_fn() { defer(job) } else { job() }
+}
+
 /// Runs `job` on cudrv's deferred-work thread until it returns true (it is done): first as
 /// [`defer`] does, then again before each later deferred job and every millisecond. For work that
 /// must wait for another thread but must not block that thread, which may itself wait for the

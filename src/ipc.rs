@@ -355,7 +355,7 @@ impl Drop for IpcEvent {
                 report_drop_error(Some(&ctx), e);
             }
         };
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(destroy) } else { destroy() }
+        crate::host_fn::now_or_deferred(destroy)
     }
 }
 
@@ -652,7 +652,7 @@ impl Drop for LegacyMapping {
                 report_drop_error(Some(&ctx), e);
             }
         };
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(close) } else { close() }
+        crate::host_fn::now_or_deferred(close)
     }
 }
 
@@ -1051,7 +1051,7 @@ impl Drop for PoolInner {
                 report_drop_error(Some(&ctx), e);
             }
         };
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(destroy) } else { destroy() }
+        crate::host_fn::now_or_deferred(destroy)
     }
 }
 

@@ -534,7 +534,7 @@ impl Drop for ModuleInner {
                 report_drop_error(Some(&ctx), e);
             }
         };
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(unload) } else { unload() }
+        crate::host_fn::now_or_deferred(unload)
     }
 }
 
@@ -1441,7 +1441,7 @@ impl Drop for Linker {
                 report_drop_error(Some(&ctx), e);
             }
         };
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(destroy) } else { destroy() }
+        crate::host_fn::now_or_deferred(destroy)
     }
 }
 
@@ -1508,7 +1508,7 @@ impl Drop for LibraryInner {
                 report_drop_error(None, e);
             }
         };
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(unload) } else { unload() }
+        crate::host_fn::now_or_deferred(unload)
     }
 }
 

@@ -760,7 +760,7 @@ impl Drop for Handle {
                 a.retire(&key);
             }
         };
-        if host_fn::in_host_fn() { host_fn::defer(retire) } else { retire() }
+        host_fn::now_or_deferred(retire)
     }
 }
 
@@ -1220,7 +1220,7 @@ impl Drop for Inner {
                 report_drop_error(Some(&ctx), e);
             }
         };
-        if host_fn::in_host_fn() { host_fn::defer(destroy) } else { destroy() }
+        host_fn::now_or_deferred(destroy)
     }
 }
 

@@ -915,11 +915,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 let view = unsafe { std::ptr::read(&self.stream) };
                 // SAFETY: as above.
                 let go = move || drop(unsafe { StreamPin::let_go(&view, true, view.key().enter()) });
-                if crate::host_fn::in_host_fn() { crate::host_fn::defer(go) } else { go() }
+                crate::host_fn::now_or_deferred(go)
             }
         }
         let free = Free { resource: self.resource.clone(), ptr: self.ptr, bytes, stream, capture: self.capture, uses };
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(move || free.run()) } else { free.run() }
+        crate::host_fn::now_or_deferred(move || free.run())
     }
 }
 

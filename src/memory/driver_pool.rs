@@ -380,6 +380,6 @@ impl Drop for DriverPool {
                 report_drop_error(Some(&ctx), e);
             }
         };
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(destroy) } else { destroy() }
+        crate::host_fn::now_or_deferred(destroy)
     }
 }

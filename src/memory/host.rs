@@ -264,7 +264,7 @@ impl<T: DeviceRepr> Drop for PinnedBuffer<T> {
             }
             host_free(&ctx, base.get());
         };
-        if crate::host_fn::in_host_fn() { crate::host_fn::defer(free) } else { free() }
+        crate::host_fn::now_or_deferred(free)
     }
 }
 

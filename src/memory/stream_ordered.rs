@@ -400,7 +400,7 @@ impl Drop for PoolEvent {
                 report_drop_error(Some(&ctx), e);
             }
         };
-        if host_fn::in_host_fn() { host_fn::defer(destroy) } else { destroy() }
+        crate::host_fn::now_or_deferred(destroy)
     }
 }
 
@@ -850,7 +850,7 @@ impl Drop for StreamOrderedPool {
         self.shared.dropped.store(true, std::sync::atomic::Ordering::Release);
         let shared = self.shared.clone();
         let release = move || release_pool(&shared);
-        if host_fn::in_host_fn() { host_fn::defer(release) } else { release() }
+        crate::host_fn::now_or_deferred(release)
     }
 }
 
