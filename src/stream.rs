@@ -459,8 +459,7 @@ impl StreamKey {
                 if spins.is_multiple_of(1024) && out_of_patience(&mut since) {
                     return false;
                 }
-                spins += 1;
-                if spins < 4096 { std::hint::spin_loop() } else { std::thread::yield_now() }
+                pause(&mut spins, 4096);
             }
             if !mark() {
                 return false;
@@ -540,11 +539,12 @@ impl StreamKey {
     /// Waits until the stream is marked neither as beginning a capture nor as settling its bank.
     #[cold]
     fn wait_for_marks(&self) {
-        self.settled_capture_id();
+        if self.0.capture.load(Ordering::Acquire) == CAPTURE_STARTING {
+            self.settled_capture_id();
+        }
         let mut spins = 0u32;
         while self.0.retiring.load(Ordering::SeqCst) != 0 {
-            spins += 1;
-            if spins < 64 { std::hint::spin_loop() } else { std::thread::yield_now() }
+            pause(&mut spins, 64);
         }
     }
 
@@ -593,8 +593,7 @@ impl StreamKey {
         let start = Instant::now();
         let mut spins = 0u32;
         while self.0.marking.load(Ordering::Acquire) != 0 && start.elapsed() < MARK_HOLD_BACK {
-            spins += 1;
-            if spins < 64 { std::hint::spin_loop() } else { std::thread::yield_now() }
+            pause(&mut spins, 64);
         }
     }
 
@@ -681,6 +680,14 @@ impl fmt::Debug for Gate<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Gate({})", self.inner.id)
     }
+}
+
+/// One pause of a wait that looks again and again: a spin for the first `spin_first` looks
+/// (`spins` counts them), then a yield of the thread.
+#[inline]
+fn pause(spins: &mut u32, spin_first: u32) {
+    *spins += 1;
+    if *spins < spin_first { std::hint::spin_loop() } else { std::thread::yield_now() }
 }
 
 /// How long a new gate holds back for a thread waiting to mark the stream
