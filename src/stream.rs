@@ -116,7 +116,14 @@ impl Handle {
         // was a release, the look at the gate an acquire).
         let live =
             inner.owner_pins.load(Ordering::Relaxed).wrapping_sub(inner.pins_let_go_elsewhere.load(Ordering::Relaxed));
-        let release = live == 0 && self.users.load(Ordering::SeqCst) == 0 && inner.banked.swap(false, Ordering::SeqCst);
+        let quiet = live == 0 && self.users.load(Ordering::SeqCst) == 0;
+        #[cfg(test)]
+        if quiet {
+            inner.run_settle_hook();
+        }
+        // A user revived meanwhile (a clone of a counted pin's view) pins under a gate that waits
+        // for this mark, and takes the bank again after it.
+        let release = quiet && inner.banked.swap(false, Ordering::SeqCst);
         retiring.fetch_sub(1, Ordering::Release);
         if release {
             // SAFETY: the bank, a counted reference that `bank` forgot; the caller holds another,
@@ -809,6 +816,20 @@ struct Inner {
     /// What other layers keep on the stream (see [`Attachment`]), on cache lines of their own:
     /// threads that allocate on different streams must not share one.
     attachments: CachePadded<Mutex<Attachments>>,
+    /// Run once by the next settling of the bank that finds no pin and no user, between that look
+    /// and its decision ([`Handle::settle_bank`]), so that a test can act there.
+    #[cfg(test)]
+    settle_hook: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+#[cfg(test)]
+impl Inner {
+    fn run_settle_hook(&self) {
+        let hook = self.settle_hook.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
 }
 
 /// A stream's attachments, each with its owner's number.
@@ -935,6 +956,8 @@ impl Stream {
             pins_let_go_elsewhere: AtomicUsize::new(0),
             banked: AtomicBool::new(false),
             attachments: CachePadded(Mutex::new(Vec::new())),
+            #[cfg(test)]
+            settle_hook: Mutex::new(None),
         });
         Stream { handle: Arc::new(Handle { key: StreamKey(inner), users: AtomicUsize::new(1) }) }
     }
@@ -1259,7 +1282,9 @@ impl fmt::Debug for Stream {
 #[cfg(test)]
 mod tests {
     use std::mem::ManuallyDrop;
+    use std::sync::atomic::Ordering;
     use std::sync::{Arc, mpsc};
+    use std::time::Duration;
 
     use super::{Stream, StreamPin};
     use crate::context::Context;
@@ -1356,5 +1381,56 @@ mod tests {
             crate::flush_deferred_drops().unwrap();
             assert!(handle.upgrade().is_none(), "round {round}: the stream outlived its pins");
         }
+    }
+
+    /// A user revived from a counted pin's view while the last user's drop settles the bank,
+    /// after the settling found no pin and no user and before it lets go of the bank, and an
+    /// owner pin taken on that user: the pin's gate waits for the settling's mark, and takes the
+    /// bank again after it. Counted during the settling, the pin would find the bank still held,
+    /// which the settling then lets go: the stream would be freed under the pin once the counted
+    /// pin goes.
+    #[test]
+    fn an_owner_pin_waits_for_the_bank_being_settled() {
+        let s = stream();
+        let handle = Arc::downgrade(&s.handle);
+        let owner_user = s.clone();
+        let (claimed_tx, claimed_rx) = mpsc::channel::<()>();
+        let (anchor_tx, anchor_rx) = mpsc::channel::<(ManuallyDrop<Stream>, bool)>();
+        let (looked_tx, looked_rx) = mpsc::channel::<()>();
+        let (pinned_tx, pinned_rx) = mpsc::channel::<()>();
+        let (settled_tx, settled_rx) = mpsc::channel::<()>();
+        let owner = std::thread::spawn(move || {
+            let first = pin(&owner_user);
+            assert!(first.1, "the first thread in the stream's gate owns it");
+            let_go(first);
+            drop(owner_user);
+            claimed_tx.send(()).unwrap();
+            let anchor = anchor_rx.recv().unwrap();
+            looked_rx.recv().unwrap();
+            let revived: Stream = (*anchor.0).clone();
+            let mine = pin(&revived);
+            assert!(mine.1, "a pin on the owner's thread with a user is an owner pin");
+            let _ = pinned_tx.send(());
+            settled_rx.recv().unwrap();
+            let banked = revived.key().0.banked.load(Ordering::SeqCst);
+            let_go(mine);
+            drop(revived);
+            let_go(anchor);
+            banked
+        });
+        claimed_rx.recv().unwrap();
+        let anchor = pin(&s);
+        assert!(!anchor.1, "a pin off the owner's thread is counted");
+        anchor_tx.send(anchor).unwrap();
+        *s.key().0.settle_hook.lock().unwrap() = Some(Box::new(move || {
+            looked_tx.send(()).unwrap();
+            // Time for the owner's pin, were its gate not to wait for this settling.
+            let _ = pinned_rx.recv_timeout(Duration::from_millis(200));
+        }));
+        drop(s);
+        settled_tx.send(()).unwrap();
+        assert!(owner.join().unwrap(), "an owner pin lived without the bank");
+        crate::flush_deferred_drops().unwrap();
+        assert!(handle.upgrade().is_none(), "the stream outlived its pins");
     }
 }
