@@ -197,24 +197,45 @@ fn round_ns(a: &Alloc, bytes: usize, streams: &[Stream], iters: usize) -> Res<f6
     Ok(t.elapsed().as_nanos() as f64 / iters as f64)
 }
 
-/// ns per pair of `a` and of `b` on stream `s`, measured in alternating rounds of the same number
-/// of pairs (so that drift in clock speed or in the driver's state affects both alike): medians.
-fn interleaved_ns(dev: &Device, a: &Alloc, b: &Alloc, bytes: usize, s: &Stream, rounds: usize) -> Res<(f64, f64)> {
+/// `a` against `b` in adjacent rounds ([`interleaved_ns`]).
+struct Paired {
+    /// Medians of the rounds' ns per pair.
+    a: f64,
+    b: f64,
+    /// The median of the rounds' `b / a`, and of `b - a` (ns): each from two rounds run one right
+    /// after the other, so that a change of the driver's or the clock's state between rounds
+    /// (the raw driver pair moves between 600 and 1,300 ns) moves both alike.
+    ratio: f64,
+    extra: f64,
+}
+
+/// ns per pair of `a` and of `b` on stream `s`, in `rounds` pairs of adjacent rounds of the same
+/// number of pairs, which of the two goes first alternating.
+fn interleaved_ns(dev: &Device, a: &Alloc, b: &Alloc, bytes: usize, s: &Stream, rounds: usize) -> Res<Paired> {
     a.prepare(dev)?;
     b.prepare(dev)?;
-    let iters = if quick() { 20 } else { 20_000 };
+    let iters = if quick() { 20 } else { 5_000 };
     for _ in 0..4 {
         a.pair(bytes, s)?;
         b.pair(bytes, s)?;
     }
     let (mut pa, mut pb) = (Vec::new(), Vec::new());
-    for _ in 0..rounds {
-        for (x, per) in [(a, &mut pa), (b, &mut pb)] {
-            per.push(round_ns(x, bytes, std::slice::from_ref(s), iters)?);
-        }
+    for round in 0..rounds {
+        let one = |x: &Alloc| round_ns(x, bytes, std::slice::from_ref(s), iters);
+        let (ta, tb) = if round % 2 == 0 {
+            let ta = one(a)?;
+            (ta, one(b)?)
+        } else {
+            let tb = one(b)?;
+            (one(a)?, tb)
+        };
+        pa.push(ta);
+        pb.push(tb);
     }
     s.synchronize()?;
-    Ok((median(pa), median(pb)))
+    let ratio = median(pa.iter().zip(&pb).map(|(a, b)| b / a).collect());
+    let extra = median(pa.iter().zip(&pb).map(|(a, b)| b - a).collect());
+    Ok(Paired { a: median(pa), b: median(pb), ratio, extra })
 }
 
 /// A buffer allocated on `a`, used on `b` (`record_use`), dropped: ns per round.
@@ -325,10 +346,13 @@ fn replay_once(a: &Alloc, t: &Trace, streams: &[Stream]) -> Res<f64> {
 /// The argument that runs only [`wraps_table`].
 const WRAPS_ARG: &str = "--wraps";
 
-/// `DeviceBuffer` against what it wraps, in alternating rounds: a row measured minutes after
+/// `DeviceBuffer` against what it wraps, in adjacent rounds ([`interleaved_ns`]): a row measured minutes after
 /// another drifts with the clock speed and the driver's state by as much as the overhead.
 fn wraps_table(dev: &Device, allocs: &[Alloc], sizes: &[(usize, &str)], s: &Stream) -> Res<()> {
-    println!("\n## DeviceBuffer against what it wraps (ns per pair, alternating rounds, median of 15)\n");
+    println!(
+        "\n## DeviceBuffer against what it wraps (ns per pair: medians of 41 rounds; ratio: the median of the \
+         ratios, and differences, of adjacent rounds)\n"
+    );
     print!("| DeviceBuffer on | against |");
     for (_, n) in sizes {
         print!(" {n}: base | buffer | ratio |");
@@ -345,8 +369,8 @@ fn wraps_table(dev: &Device, allocs: &[Alloc], sizes: &[(usize, &str)], s: &Stre
         for base in &bases {
             print!("| {name} | {} |", base.name());
             for (bytes, _) in sizes {
-                let (b_ns, ns) = interleaved_ns(dev, base, buffer, *bytes, s, 15)?;
-                print!(" {b_ns:.0} | {ns:.0} | {:.3}x |", ns / b_ns);
+                let p = interleaved_ns(dev, base, buffer, *bytes, s, 41)?;
+                print!(" {:.0} | {:.0} | {:.3}x (+{:.0} ns) |", p.a, p.b, p.ratio, p.extra);
             }
             println!();
             buffer.reset()?;
@@ -386,11 +410,11 @@ unsafe impl MemoryResource for Nothing {
 fn own_cost(dev: &Device, s: &Stream) -> Res<()> {
     let r: Arc<dyn MemoryResource> = Arc::new(Nothing(*dev));
     let (base, buffer) = (Alloc::Resource { name: "nothing", r: r.clone() }, Alloc::Buffer { name: "nothing", r });
-    let (b_ns, ns) = interleaved_ns(dev, &base, &buffer, 256, s, 15)?;
+    let p = interleaved_ns(dev, &base, &buffer, 256, s, 41)?;
     println!(
-        "\nDeviceBuffer's own cost, over a resource that does nothing: {ns:.1} ns per pair against {b_ns:.1} ns \
-         for the resource's pair (+{:.1} ns)",
-        ns - b_ns
+        "\nDeviceBuffer's own cost, over a resource that does nothing: {:.1} ns per pair against {:.1} ns \
+         for the resource's pair (+{:.1} ns, the median of adjacent rounds' differences)",
+        p.b, p.a, p.extra
     );
     Ok(())
 }
