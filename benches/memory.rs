@@ -317,24 +317,20 @@ fn threads_round(dev: &Device, a: &Alloc, threads: usize, window: Duration) -> R
 
 /// Replays a trace on its streams; returns ns per event (the trace's leftovers freed after).
 fn replay_once(a: &Alloc, t: &Trace, streams: &[Stream]) -> Res<f64> {
-    let mut ptrs = std::collections::HashMap::with_capacity(4096);
+    let mut table = t.replay_table();
     let start = Instant::now();
-    for ev in t.events() {
+    for (i, ev) in t.events().iter().enumerate() {
         match *ev {
-            TraceEvent::Alloc { id, size, stream } => {
-                ptrs.insert(id, (a.alloc(size, &streams[stream])?, size, stream));
-            }
-            TraceEvent::Free { id, size, stream } => {
-                let (p, _, _) = ptrs.remove(&id).ok_or("a free of an unknown id")?;
+            TraceEvent::Alloc { size, stream, .. } => table.allocated(i, a.alloc(size, &streams[stream])?),
+            TraceEvent::Free { size, stream, .. } => {
+                let p = table.freed(i).ok_or("a free of an unknown id")?;
                 a.free(p, size, &streams[stream])?;
             }
         }
     }
     let ns = start.elapsed().as_nanos() as f64 / t.events().len() as f64;
     // In the order of their ids, so that the next replay starts from the same pool every time.
-    let mut left: Vec<_> = ptrs.into_iter().collect();
-    left.sort_unstable_by_key(|&(id, _)| id);
-    for (_, (p, size, stream)) in left {
+    for (p, size, stream) in table.into_live() {
         a.free(p, size, &streams[stream])?;
     }
     for s in streams {

@@ -451,20 +451,18 @@ fn replay_once(
     streams: &[Stream],
     watch: &mut dyn FnMut(usize),
 ) -> Result<(Option<usize>, usize, f64), String> {
-    let mut ptrs: std::collections::HashMap<u64, (u64, usize, usize)> = std::collections::HashMap::new();
+    let mut table = trace.replay_table();
     let mut oom = None;
     let start = Instant::now();
     let mut done = 0;
     for (i, ev) in trace.events().iter().enumerate() {
         match *ev {
-            TraceEvent::Alloc { id, size, stream } => match resource.allocate(size, &streams[stream]) {
-                Ok(p) => {
-                    ptrs.insert(id, (p, size, stream));
-                }
+            TraceEvent::Alloc { size, stream, .. } => match resource.allocate(size, &streams[stream]) {
+                Ok(p) => table.allocated(i, p),
                 Err(err) if err.is_out_of_memory() => {
                     oom = Some(i);
                     // Where the memory was: the pool's and the device's view, for the report.
-                    let live: usize = ptrs.values().map(|&(_, size, _)| size).sum();
+                    let live = table.live_bytes();
                     let st = resource.stats().unwrap_or_default();
                     let free = streams[stream].device().memory_info().map_or(0, |m| m.free);
                     eprintln!(
@@ -476,8 +474,8 @@ fn replay_once(
                 }
                 Err(err) => return Err(format!("event {i}: {err}")),
             },
-            TraceEvent::Free { id, size, stream } => {
-                let (p, _, _) = ptrs.remove(&id).expect("a parsed trace frees only live allocations");
+            TraceEvent::Free { size, stream, .. } => {
+                let p = table.freed(i).ok_or_else(|| format!("event {i}: a free of an allocation not live"))?;
                 // SAFETY: `p` came from this resource with this size; nothing used it.
                 unsafe { resource.deallocate(p, size, &streams[stream]) }.map_err(|e| format!("event {i}: {e}"))?;
             }
@@ -487,9 +485,7 @@ fn replay_once(
     }
     let elapsed = start.elapsed().as_nanos() as f64 / done.max(1) as f64;
     // In the order of their ids, so that the warm replay starts from the same pool every time.
-    let mut left: Vec<_> = ptrs.into_iter().collect();
-    left.sort_unstable_by_key(|&(id, _)| id);
-    for (_, (p, size, stream)) in left {
+    for (p, size, stream) in table.into_live() {
         // SAFETY: as above.
         unsafe { resource.deallocate(p, size, &streams[stream]) }.map_err(|e| e.to_string())?;
     }

@@ -39,7 +39,7 @@ pub use pitched::{DeviceBuffer2D, DeviceBuffer3D, DeviceView2D};
 pub use pool::config::PoolConfig;
 pub use pool::sim::SimulatedPool;
 pub use pool::stats::{Leaked, PoolStats};
-pub use pool::trace::{ReplayReport, Trace, TraceError, TraceEvent};
+pub use pool::trace::{ReplayReport, ReplayTable, Trace, TraceError, TraceEvent};
 pub use resource::{DevicePtr, MemoryResource, MemoryStats, ResourceKind};
 pub use stream_ordered::StreamOrderedPool;
 pub use sync::SyncResource;

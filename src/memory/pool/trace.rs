@@ -49,8 +49,94 @@ pub enum TraceEvent {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Trace {
     events: Vec<TraceEvent>,
+    /// For each allocation, its slot in a [`ReplayTable`] (the last one a free gave back, or a new
+    /// one); for each free, the index of the allocation it frees.
+    links: Vec<u32>,
+    /// The most allocations live at once: the slots a replay needs.
+    most_live: usize,
     streams: usize,
     peak_live: usize,
+}
+
+/// The live allocations of one replay of a [`Trace`] ([`Trace::replay_table`]): their addresses,
+/// found by the slot each allocation of the trace was given when it was read, with no hashing
+/// between the calls a timed replay makes, so that the time it measures is the allocator's.
+///
+/// ```
+/// use cudrv::memory::{Trace, TraceEvent};
+/// let trace = Trace::parse("a,7,1024,0\na,9,4096,1\nf,7,1024,0\n")?;
+/// let mut table = trace.replay_table();
+/// let mut next = 0x1000;
+/// for (i, ev) in trace.events().iter().enumerate() {
+///     match *ev {
+///         TraceEvent::Alloc { .. } => {
+///             table.allocated(i, next);
+///             next += 0x1000;
+///         }
+///         TraceEvent::Free { .. } => assert_eq!(table.freed(i), Some(0x1000)),
+///     }
+/// }
+/// // What the trace leaves live, in the order of its ids: (address, bytes, stream).
+/// assert_eq!(table.live_bytes(), 4096);
+/// assert_eq!(table.into_live(), [(0x2000, 4096, 1)]);
+/// # Ok::<(), cudrv::memory::TraceError>(())
+/// ```
+#[derive(Debug)]
+pub struct ReplayTable<'t> {
+    trace: &'t Trace,
+    /// By slot: the allocation's event and address, while it is live.
+    pub(in crate::memory::pool) live: Vec<Option<(usize, u64)>>,
+    live_bytes: usize,
+}
+
+impl ReplayTable<'_> {
+    /// Notes `ptr` as the address of the allocation that event `event` (an index into
+    /// [`Trace::events`]) made (noted again, the last address counts). Ignored where that event
+    /// is not an allocation.
+    #[inline]
+    pub fn allocated(&mut self, event: usize, ptr: u64) {
+        if let Some(&TraceEvent::Alloc { size, .. }) = self.trace.events.get(event)
+            && self.live[self.trace.links[event] as usize].replace((event, ptr)).is_none()
+        {
+            self.live_bytes += size;
+        }
+    }
+
+    /// Takes out the address of the allocation that event `event` frees: `None` where that
+    /// event is not a free, or the allocation it frees was not noted ([`ReplayTable::allocated`])
+    /// or was taken out already.
+    #[inline]
+    pub fn freed(&mut self, event: usize) -> Option<u64> {
+        let &TraceEvent::Free { size, .. } = self.trace.events.get(event)? else { return None };
+        let alloc = self.trace.links[event] as usize;
+        let entry = &mut self.live[self.trace.links[alloc] as usize];
+        // The slot may hold a later allocation by now (the free was taken out before).
+        let (_, ptr) = (*entry).filter(|&(noted, _)| noted == alloc)?;
+        *entry = None;
+        self.live_bytes -= size;
+        Some(ptr)
+    }
+
+    /// The bytes of the allocations noted and not yet freed.
+    pub fn live_bytes(&self) -> usize {
+        self.live_bytes
+    }
+
+    /// The allocations noted and not freed, in the order of their ids (so that a warm replay
+    /// starts from the same pool every time): (address, bytes, stream index).
+    pub fn into_live(self) -> Vec<(u64, usize, usize)> {
+        let mut live: Vec<(u64, u64, usize, usize)> = self
+            .live
+            .iter()
+            .flatten()
+            .filter_map(|&(event, ptr)| match self.trace.events[event] {
+                TraceEvent::Alloc { id, size, stream } => Some((id, ptr, size, stream)),
+                TraceEvent::Free { .. } => None,
+            })
+            .collect();
+        live.sort_unstable_by_key(|&(id, ..)| id);
+        live.into_iter().map(|(_, ptr, size, stream)| (ptr, size, stream)).collect()
+    }
 }
 
 /// A line of a trace that cannot be read.
@@ -114,7 +200,9 @@ impl Trace {
     /// frees an id that is not live (or with another size).
     pub fn parse(text: &str) -> Result<Trace, TraceError> {
         let mut trace = Trace::default();
-        let mut live: HashMap<u64, usize> = HashMap::new();
+        // Live allocations: id -> (size, slot, event index); and the slots their frees gave back.
+        let mut live: HashMap<u64, (usize, u32, u32)> = HashMap::new();
+        let mut free_slots: Vec<u32> = Vec::new();
         let (mut now, mut header_seen, mut data_seen) = (0usize, false, false);
         for (i, raw) in text.lines().enumerate() {
             let line = raw.trim();
@@ -147,23 +235,36 @@ impl Trace {
             trace.streams = trace.streams.max(stream + 1);
             match op {
                 "a" => {
-                    if live.insert(id, size).is_some() {
+                    if live.contains_key(&id) {
                         return Err(bad(format!("allocation {id} is allocated again while live")));
                     }
                     now = now.checked_add(size).ok_or_else(|| bad("live bytes overflow".into()))?;
+                    let slot = match free_slots.pop() {
+                        Some(slot) => slot,
+                        None => u32::try_from(trace.most_live)
+                            .map_err(|_| bad("more than 4294967295 allocations live at once".into()))?,
+                    };
+                    let event = u32::try_from(trace.events.len())
+                        .map_err(|_| bad("more than 4294967295 events before this allocation".into()))?;
+                    trace.most_live = trace.most_live.max(slot as usize + 1);
+                    live.insert(id, (size, slot, event));
                     trace.peak_live = trace.peak_live.max(now);
                     trace.events.push(TraceEvent::Alloc { id, size, stream });
+                    trace.links.push(slot);
                 }
                 "f" => {
-                    match live.remove(&id) {
+                    let (slot, event) = match live.get(&id) {
                         None => return Err(bad(format!("free of allocation {id}, which is not live"))),
-                        Some(s) if s != size => {
+                        Some(&(s, ..)) if s != size => {
                             return Err(bad(format!("free of allocation {id} with {size} bytes; it has {s}")));
                         }
-                        Some(_) => {}
-                    }
+                        Some(&(_, slot, event)) => (slot, event),
+                    };
+                    live.remove(&id);
+                    free_slots.push(slot);
                     now -= size;
                     trace.events.push(TraceEvent::Free { id, size, stream });
+                    trace.links.push(event);
                 }
                 other => return Err(bad(format!("unknown op {other:?} (expected `a` or `f`)"))),
             }
@@ -174,6 +275,11 @@ impl Trace {
     /// The events, in order.
     pub fn events(&self) -> &[TraceEvent] {
         &self.events
+    }
+
+    /// A table for the live allocations of one replay of the trace ([`ReplayTable`]).
+    pub fn replay_table(&self) -> ReplayTable<'_> {
+        ReplayTable { trace: self, live: vec![None; self.most_live], live_bytes: 0 }
     }
 
     /// The number of streams (the largest stream index plus one).
@@ -257,7 +363,7 @@ impl Trace {
     /// ```
     pub fn replay_watched(&self, pool: &SimulatedPool, mut watch: impl FnMut(usize)) -> ReplayReport {
         let before = pool.stats();
-        let mut ptrs: HashMap<u64, (u64, usize, usize)> = HashMap::with_capacity(1024);
+        let mut table = self.replay_table();
         let mut report = ReplayReport {
             events: 0,
             out_of_memory_at: None,
@@ -269,17 +375,15 @@ impl Trace {
         };
         for (i, ev) in self.events.iter().enumerate() {
             match *ev {
-                TraceEvent::Alloc { id, size, stream } => match pool.allocate(size, stream) {
-                    Ok(p) => {
-                        ptrs.insert(id, (p, size, stream));
-                    }
+                TraceEvent::Alloc { size, stream, .. } => match pool.allocate(size, stream) {
+                    Ok(p) => table.allocated(i, p),
                     Err(_) => {
                         report.out_of_memory_at = Some(i);
                         break;
                     }
                 },
-                TraceEvent::Free { id, size, stream } => {
-                    let (p, _, _) = ptrs.remove(&id).expect("a parsed trace frees only live allocations");
+                TraceEvent::Free { size, stream, .. } => {
+                    let p = table.freed(i).expect("a parsed trace frees only live allocations");
                     pool.deallocate(p, size, stream).expect("a live allocation of the pool");
                 }
             }
@@ -287,11 +391,7 @@ impl Trace {
             report.events = i + 1;
         }
         let st = pool.stats();
-        // In the order of their ids, so that a warm replay starts from the same pool every time
-        // (a hash map's order changes from run to run).
-        let mut left: Vec<_> = ptrs.into_iter().collect();
-        left.sort_unstable_by_key(|&(id, _)| id);
-        for (_, (p, size, stream)) in left {
+        for (p, size, stream) in table.into_live() {
             pool.deallocate(p, size, stream).expect("a live allocation of the pool");
         }
         report.peak_reserved = st.peak_reserved;

@@ -362,13 +362,11 @@ proptest! {
         // The mock checks ordering: replay the synthetic trace on it.
         let trace = synthetic_trace(seed, if cfg!(miri) { 60 } else { 800 }, streams);
         let h = Harness::new(PoolConfig::default(), mock(streams, vmm, usize::MAX));
-        let mut ptrs = std::collections::HashMap::new();
-        for ev in trace.events() {
+        let mut table = trace.replay_table();
+        for (i, ev) in trace.events().iter().enumerate() {
             match *ev {
-                crate::memory::TraceEvent::Alloc { id, size, stream } => {
-                    ptrs.insert(id, h.alloc(size, stream).expect("no limit"));
-                }
-                crate::memory::TraceEvent::Free { id, stream, .. } => h.free(ptrs.remove(&id).unwrap(), stream),
+                crate::memory::TraceEvent::Alloc { size, stream, .. } => table.allocated(i, h.alloc(size, stream).expect("no limit")),
+                crate::memory::TraceEvent::Free { stream, .. } => h.free(table.freed(i).unwrap(), stream),
             }
         }
         h.check();

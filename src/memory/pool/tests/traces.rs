@@ -1,7 +1,8 @@
 //! A tool for explaining where a budgeted trace replay runs out of memory (the trace budgets
-//! themselves are checked by `tests/traces.rs`, with the public API).
+//! themselves are checked by `tests/traces.rs`, with the public API), and the tests of a replay's
+//! table.
 
-use crate::memory::{PoolConfig, Trace};
+use crate::memory::{PoolConfig, Trace, TraceEvent};
 
 /// The traces in `traces/`, by file name, in name order.
 pub(super) fn traces() -> Vec<(String, Trace)> {
@@ -28,7 +29,6 @@ pub(super) fn traces() -> Vec<(String, Trace)> {
 #[ignore]
 fn explain_oom() {
     use super::super::sim::SimulatedPool;
-    use crate::memory::TraceEvent;
     let want = std::env::var("CUDRV_TRACE").unwrap_or_default();
     let factor: f64 = std::env::var("CUDRV_BUDGET").ok().and_then(|v| v.parse().ok()).unwrap_or(1.10);
     // A path (with a '/') names a trace outside `traces/`.
@@ -65,28 +65,72 @@ fn explain_oom() {
             trace.replay_on(&pool);
             eprintln!("{name}: after the cold replay {:?}\n{}", pool.stats(), pool.describe());
         }
-        let mut ptrs = std::collections::HashMap::new();
-        let mut live = 0usize;
+        let mut table = trace.replay_table();
         for (i, ev) in trace.events().iter().enumerate() {
             match *ev {
-                TraceEvent::Alloc { id, size, stream } => match pool.allocate(size, stream) {
-                    Ok(p) => {
-                        ptrs.insert(id, p);
-                        live += size;
-                    }
+                TraceEvent::Alloc { size, stream, .. } => match pool.allocate(size, stream) {
+                    Ok(p) => table.allocated(i, p),
                     Err(e) => {
                         eprintln!("{name}: event {i}: alloc {size} on {stream} failed: {e}");
-                        eprintln!("  live {live}, budget {budget}, stats {:?}", pool.stats());
+                        eprintln!("  live {}, budget {budget}, stats {:?}", table.live_bytes(), pool.stats());
                         eprintln!("{}", pool.describe());
                         break;
                     }
                 },
-                TraceEvent::Free { id, size, stream } => {
-                    pool.deallocate(ptrs.remove(&id).unwrap(), size, stream).unwrap();
-                    live -= size;
+                TraceEvent::Free { size, stream, .. } => {
+                    pool.deallocate(table.freed(i).unwrap(), size, stream).unwrap();
                 }
             }
         }
         eprintln!("{name}: at the end {:?}", pool.stats());
+    }
+}
+
+/// A replay's table: slots are reused as allocations are freed (the table holds the most
+/// allocations live at once, no more), every free finds its allocation's address, an event that
+/// is not a free finds none, and what is left comes back in the order of the ids.
+#[test]
+fn replay_table_finds_each_free_and_returns_the_rest_in_id_order() {
+    let trace = Trace::parse("a,5,100,0\na,3,200,1\nf,5,100,0\na,9,300,0\na,1,400,1\nf,3,200,1\n").unwrap();
+    let mut table = trace.replay_table();
+    assert_eq!(table.freed(0), None, "an allocation is not a free");
+    let mut freed = Vec::new();
+    for (i, ev) in trace.events().iter().enumerate() {
+        match *ev {
+            TraceEvent::Alloc { id, .. } => table.allocated(i, 0x1000 * (id + 1)),
+            TraceEvent::Free { id, .. } => freed.push((id, table.freed(i))),
+        }
+    }
+    assert_eq!(freed, [(5, Some(0x6000)), (3, Some(0x4000))]);
+    assert_eq!(table.freed(2), None, "freed once");
+    assert_eq!(table.live_bytes(), 700);
+    assert_eq!(table.into_live(), [(0x2000, 400, 1), (0xa000, 300, 0)]);
+}
+
+/// Every trace in `traces/` replays through its table as through a map of ids: each free finds the
+/// address its allocation got, and the table needs as many slots as allocations are live at most.
+#[test]
+fn replay_tables_match_a_map_of_ids_on_every_trace() {
+    for (name, trace) in traces() {
+        let mut table = trace.replay_table();
+        let mut map = std::collections::HashMap::new();
+        let (mut live, mut most) = (0usize, 0usize);
+        for (i, ev) in trace.events().iter().enumerate() {
+            match *ev {
+                TraceEvent::Alloc { id, .. } => {
+                    let ptr = i as u64 * 512;
+                    table.allocated(i, ptr);
+                    map.insert(id, ptr);
+                    live += 1;
+                    most = most.max(live);
+                }
+                TraceEvent::Free { id, .. } => {
+                    assert_eq!(table.freed(i), map.remove(&id), "{name}: event {i}");
+                    live -= 1;
+                }
+            }
+        }
+        assert_eq!(table.into_live().len(), map.len(), "{name}");
+        assert_eq!(trace.replay_table().live.len(), most, "{name}: slots");
     }
 }
