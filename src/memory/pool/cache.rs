@@ -153,6 +153,17 @@ impl Cache {
         out
     }
 
+    /// Takes the free blocks cached of more than `limit` bytes (see [`Cache::take_free`]).
+    pub(crate) fn take_free_larger_than(&mut self, limit: usize) -> Vec<(u64, u32)> {
+        let mut out = Vec::new();
+        for (&size, list) in self.free.iter_mut().filter(|(size, _)| **size > limit) {
+            self.stats.free_bytes -= size * list.len();
+            out.append(list);
+        }
+        self.free.retain(|_, list| !list.is_empty());
+        out
+    }
+
     /// Takes every live allocation (the stream is going away; they become the arena's orphans).
     pub(crate) fn take_live(&mut self) -> Vec<(u64, Live)> {
         let s = &mut self.stats;

@@ -17,7 +17,8 @@
 //!
 //! Blocks move from a cache to the arena when the arena would otherwise grow (so that they merge,
 //! and the arena sees what is really live), on out of memory, on `trim`, and when a stream goes
-//! away. Locks are taken in one order only: a stream's cache, then the arena; a thread never takes
+//! away; in segments, also those of the large segment at every miss of the stream's cache (a
+//! segment's placement depends on merging). Locks are taken in one order only: a stream's cache, then the arena; a thread never takes
 //! a cache while holding the arena, and never holds a lock across a blocking driver call.
 //!
 //! # Segments or chunks
@@ -254,11 +255,15 @@ pub(crate) fn allocate_slow<H: Host>(
 ) -> Result<u64, PoolError<ErrorOf<H>>> {
     let b = h.backend();
     let adopt = |handout| h.cache(stream, |c| c.adopt(handout, requested, kept));
-    if h.arena(|a| a.segments.is_some()) {
-        // In segments, the arena places best with every free block in view: the stream's own
-        // cached blocks go back first, to merge with their neighbours.
+    if let Some(small_limit) = h.arena(|a| a.segments.is_some().then_some(a.config.small_limit)) {
+        // In segments, the arena places best with every free block of the large segment in
+        // view: the stream's own cached blocks there go back first, to merge with their
+        // neighbours. Small blocks, in a segment of their own, stay cached for a later request of
+        // their size on the stream (they go back before the arena grows, below). Given back too,
+        // they made only 7-26% of a warm replay's allocations on the traces cache hits (33-91%
+        // kept), for the same memory.
         h.existing_cache(stream, |c| {
-            let blocks = c.take_free();
+            let blocks = c.take_free_larger_than(small_limit);
             h.arena(|a| a.give_back(c.slot, &blocks));
         });
     }

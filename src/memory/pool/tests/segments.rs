@@ -40,6 +40,31 @@ fn growth_maps_what_a_free_top_block_lacks() {
     h.teardown();
 }
 
+/// A miss gives the stream's cached blocks of the large segment back to the arena, where they
+/// serve it, but keeps its small blocks cached: the next request of a small block's size takes it
+/// on the stream's fast path.
+#[test]
+fn a_miss_gives_large_cached_blocks_back_and_keeps_small_ones() {
+    let h = segments(1, usize::MAX);
+    let small = h.alloc(4096, 0).unwrap();
+    let large = h.alloc(8 * MIB, 0).unwrap();
+    let other = h.alloc(8 * MIB, 0).unwrap();
+    h.free(small, 0);
+    h.free(large, 0);
+    let (before, hits) = (figures(&h), h.stats().cache_hits);
+    // A request of another size misses the cache; the freed 8 MiB block, given back, serves it.
+    let six = h.alloc(6 * MIB, 0).unwrap();
+    assert_eq!((six, figures(&h)), (large, before), "served by the block given back, with no growth");
+    // The small block is still cached.
+    let again = h.alloc(4096, 0).unwrap();
+    assert_eq!((again, h.stats().cache_hits), (small, hits + 1));
+    for p in [again, six, other] {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
 #[test]
 fn freed_neighbours_of_any_mapping_serve_a_larger_request_without_growth() {
     let h = segments(1, usize::MAX);
