@@ -366,7 +366,7 @@ fn wraps_table(dev: &Device, allocs: &[Alloc], sizes: &[(usize, &str)], s: &Stre
             print!("| {name} | {} |", base.name());
             for (bytes, _) in sizes {
                 let p = interleaved_ns(dev, base, buffer, *bytes, s, 41)?;
-                print!(" {:.0} | {:.0} | {:.3}x (+{:.0} ns) |", p.a, p.b, p.ratio, p.extra);
+                print!(" {:.0} | {:.0} | {:.3}x ({:+.0} ns) |", p.a, p.b, p.ratio, p.extra);
             }
             println!();
             buffer.reset()?;
@@ -409,7 +409,7 @@ fn own_cost(dev: &Device, s: &Stream) -> Res<()> {
     let p = interleaved_ns(dev, &base, &buffer, 256, s, 41)?;
     println!(
         "\nDeviceBuffer's own cost, over a resource that does nothing: {:.1} ns per pair against {:.1} ns \
-         for the resource's pair (+{:.1} ns, the median of adjacent rounds' differences)",
+         for the resource's pair ({:+.1} ns, the median of adjacent rounds' differences)",
         p.b, p.a, p.extra
     );
     Ok(())

@@ -86,6 +86,9 @@ pub struct ReplayTable<'t> {
     trace: &'t Trace,
     /// By slot: the allocation's event and address, while it is live.
     pub(in crate::memory::pool) live: Vec<Option<(usize, u64)>>,
+    /// Allocations noted whose slot a later allocation took before their free was noted (a
+    /// replay that skipped a free): kept here, so that none is lost.
+    displaced: Vec<(usize, u64)>,
     live_bytes: usize,
 }
 
@@ -95,11 +98,14 @@ impl ReplayTable<'_> {
     /// is not an allocation.
     #[inline]
     pub fn allocated(&mut self, event: usize, ptr: u64) {
-        if let Some(&TraceEvent::Alloc { size, .. }) = self.trace.events.get(event)
-            && self.live[self.trace.links[event] as usize].replace((event, ptr)).is_none()
-        {
-            self.live_bytes += size;
+        let Some(&TraceEvent::Alloc { size, .. }) = self.trace.events.get(event) else { return };
+        match self.live[self.trace.links[event] as usize].replace((event, ptr)) {
+            Some((noted, _)) if noted == event => return,
+            // The slot's earlier allocation, whose free was not noted, stays live.
+            Some(earlier) => self.displaced.push(earlier),
+            None => {}
         }
+        self.live_bytes = self.live_bytes.saturating_add(size);
     }
 
     /// Takes out the address of the allocation that event `event` frees: `None` where that
@@ -110,11 +116,23 @@ impl ReplayTable<'_> {
         let &TraceEvent::Free { size, .. } = self.trace.events.get(event)? else { return None };
         let alloc = self.trace.links[event] as usize;
         let entry = &mut self.live[self.trace.links[alloc] as usize];
-        // The slot may hold a later allocation by now (the free was taken out before).
-        let (_, ptr) = (*entry).filter(|&(noted, _)| noted == alloc)?;
-        *entry = None;
-        self.live_bytes -= size;
+        // The slot may hold a later allocation by now (the free was taken out before, or skipped
+        // and the allocation displaced).
+        let ptr = match *entry {
+            Some((noted, ptr)) if noted == alloc => {
+                *entry = None;
+                ptr
+            }
+            _ => self.take_displaced(alloc)?,
+        };
+        self.live_bytes = self.live_bytes.saturating_sub(size);
         Some(ptr)
+    }
+
+    #[cold]
+    fn take_displaced(&mut self, alloc: usize) -> Option<u64> {
+        let i = self.displaced.iter().position(|&(noted, _)| noted == alloc)?;
+        Some(self.displaced.swap_remove(i).1)
     }
 
     /// The bytes of the allocations noted and not yet freed.
@@ -129,6 +147,7 @@ impl ReplayTable<'_> {
             .live
             .iter()
             .flatten()
+            .chain(&self.displaced)
             .filter_map(|&(event, ptr)| match self.trace.events[event] {
                 TraceEvent::Alloc { id, size, stream } => Some((id, ptr, size, stream)),
                 TraceEvent::Free { .. } => None,
@@ -197,7 +216,8 @@ impl Trace {
     ///
     /// # Errors
     /// [`TraceError`] naming the first line that is malformed, allocates an id that is live, or
-    /// frees an id that is not live (or with another size).
+    /// frees an id that is not live (or with another size), or makes the trace too large: more
+    /// than 2³² − 1 events, or allocations live at once.
     pub fn parse(text: &str) -> Result<Trace, TraceError> {
         let mut trace = Trace::default();
         // Live allocations: id -> (size, slot, event index); and the slots their frees gave back.
@@ -279,7 +299,7 @@ impl Trace {
 
     /// A table for the live allocations of one replay of the trace ([`ReplayTable`]).
     pub fn replay_table(&self) -> ReplayTable<'_> {
-        ReplayTable { trace: self, live: vec![None; self.most_live], live_bytes: 0 }
+        ReplayTable { trace: self, live: vec![None; self.most_live], displaced: Vec::new(), live_bytes: 0 }
     }
 
     /// The number of streams (the largest stream index plus one).

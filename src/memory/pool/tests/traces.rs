@@ -107,6 +107,27 @@ fn replay_table_finds_each_free_and_returns_the_rest_in_id_order() {
     assert_eq!(table.into_live(), [(0x2000, 400, 1), (0xa000, 300, 0)]);
 }
 
+/// A replay that skips a free loses nothing: the allocation whose slot a later one takes stays in
+/// the table, its free (noted late) still finds it, and what is left comes back whole.
+#[test]
+fn replay_table_keeps_an_allocation_whose_free_was_skipped() {
+    let trace = Trace::parse("a,1,4096,0\nf,1,4096,0\na,2,8192,0\nf,2,8192,0\na,3,100,0\n").unwrap();
+    let mut table = trace.replay_table();
+    table.allocated(0, 0x1000);
+    // The free of allocation 1 (event 1) is skipped; allocation 2 takes its slot.
+    table.allocated(2, 0x2000);
+    assert_eq!(table.live_bytes(), 4096 + 8192);
+    assert_eq!(table.freed(3), Some(0x2000));
+    table.allocated(4, 0x3000);
+    assert_eq!(table.live_bytes(), 4096 + 100);
+    assert_eq!(table.into_live(), [(0x1000, 4096, 0), (0x3000, 100, 0)]);
+    // Noted late, the skipped free finds its allocation.
+    let mut table = trace.replay_table();
+    table.allocated(0, 0x1000);
+    table.allocated(2, 0x2000);
+    assert_eq!((table.freed(1), table.freed(1), table.live_bytes()), (Some(0x1000), None, 8192));
+}
+
 /// Every trace in `traces/` replays through its table as through a map of ids: each free finds the
 /// address its allocation got, and the table needs as many slots as allocations are live at most.
 #[test]
