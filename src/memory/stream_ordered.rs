@@ -221,7 +221,7 @@ const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl Shared {
     fn new_cache(&self, stream: &StreamKey) -> StreamCache {
-        StreamCache { cache: Cache::new(self.arena(|a| a.register(stream))), pool: self.me.clone(), pin: None }
+        StreamCache { cache: self.arena(|a| a.new_cache(stream)), pool: self.me.clone(), pin: None }
     }
 }
 

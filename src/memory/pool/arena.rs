@@ -169,6 +169,11 @@ impl<B: Backend> Arena<B> {
         s
     }
 
+    /// A cache for `stream`, registered ([`Arena::register`]).
+    pub(crate) fn new_cache(&mut self, stream: &B::Stream) -> super::cache::Cache {
+        super::cache::Cache::new(self.register(stream), self.config.small_limit)
+    }
+
     /// A number that tells a stream state from any earlier one in the same slot.
     pub(crate) fn new_epoch(&mut self) -> u64 {
         self.next_epoch += 1;

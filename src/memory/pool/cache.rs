@@ -42,8 +42,14 @@ pub(crate) enum Found {
 pub(crate) struct Cache {
     /// The stream's slot in the arena.
     pub(crate) slot: u32,
-    /// Free blocks by size, most recently freed last: (pointer, arena block).
+    /// Free blocks of up to `small_limit` bytes by size, most recently freed last: (pointer,
+    /// arena block).
     free: FastMap<usize, Vec<(u64, u32)>>,
+    /// The same for larger blocks, apart so that they can be given back alone
+    /// ([`Cache::take_free_large`]) without going through the small ones.
+    free_large: FastMap<usize, Vec<(u64, u32)>>,
+    /// The pool's [`PoolConfig::small_limit`](super::config::PoolConfig::small_limit).
+    small_limit: usize,
     /// Live allocations made on, or moved to, this stream.
     live: FastMap<u64, Live>,
     /// How many of them are *kept*: buffers' allocations whose buffer refers to the stream through
@@ -54,15 +60,31 @@ pub(crate) struct Cache {
 }
 
 impl Cache {
-    pub(crate) fn new(slot: u32) -> Self {
-        Cache { slot, free: FastMap::default(), live: FastMap::default(), kept: 0, stats: CacheStats::default() }
+    /// The cache of the stream in arena slot `slot`, of a pool whose small requests are up to
+    /// `small_limit` bytes.
+    pub(crate) fn new(slot: u32, small_limit: usize) -> Self {
+        Cache {
+            slot,
+            free: FastMap::default(),
+            free_large: FastMap::default(),
+            small_limit,
+            live: FastMap::default(),
+            kept: 0,
+            stats: CacheStats::default(),
+        }
+    }
+
+    /// The free list for blocks of `size` bytes.
+    #[inline]
+    fn free_of(&mut self, size: usize) -> &mut FastMap<usize, Vec<(u64, u32)>> {
+        if size > self.small_limit { &mut self.free_large } else { &mut self.free }
     }
 
     /// A cached block of exactly `size` rounded bytes, for a request of `requested` bytes
     /// (`kept`: see [`Cache::kept`]).
     #[inline]
     pub(crate) fn take(&mut self, size: usize, requested: usize, kept: bool) -> Option<u64> {
-        let (ptr, blk) = self.free.get_mut(&size)?.pop()?;
+        let (ptr, blk) = self.free_of(size).get_mut(&size)?.pop()?;
         self.stats.free_bytes -= size;
         self.stats.hits += 1;
         self.adopt_block(ptr, Live { blk, size, requested, kept });
@@ -139,12 +161,12 @@ impl Cache {
     #[inline]
     pub(crate) fn put_free(&mut self, ptr: u64, live: Live) {
         self.stats.free_bytes += live.size;
-        self.free.entry(live.size).or_default().push((ptr, live.blk));
+        self.free_of(live.size).entry(live.size).or_default().push((ptr, live.blk));
     }
 
     /// Takes every cached free block, to give back to the arena.
     pub(crate) fn take_free(&mut self) -> Vec<(u64, u32)> {
-        let mut out = Vec::new();
+        let mut out = self.take_free_large();
         for (_, list) in self.free.iter_mut() {
             out.append(list);
         }
@@ -153,14 +175,14 @@ impl Cache {
         out
     }
 
-    /// Takes the free blocks cached of more than `limit` bytes (see [`Cache::take_free`]).
-    pub(crate) fn take_free_larger_than(&mut self, limit: usize) -> Vec<(u64, u32)> {
+    /// Takes the cached free blocks of more than `small_limit` bytes.
+    pub(crate) fn take_free_large(&mut self) -> Vec<(u64, u32)> {
         let mut out = Vec::new();
-        for (&size, list) in self.free.iter_mut().filter(|(size, _)| **size > limit) {
+        for (&size, list) in self.free_large.iter_mut() {
             self.stats.free_bytes -= size * list.len();
             out.append(list);
         }
-        self.free.retain(|_, list| !list.is_empty());
+        self.free_large.clear();
         out
     }
 
@@ -175,7 +197,7 @@ impl Cache {
     /// The cached free blocks and the live allocations, as (pointer, block) pairs.
     #[cfg(test)]
     pub(crate) fn contents_for_tests(&self) -> (BlockList, BlockList) {
-        let free = self.free.values().flatten().copied().collect();
+        let free = self.free.values().chain(self.free_large.values()).flatten().copied().collect();
         let live = self.live.iter().map(|(&p, l)| (p, l.blk)).collect();
         (free, live)
     }

@@ -255,7 +255,7 @@ pub(crate) fn allocate_slow<H: Host>(
 ) -> Result<u64, PoolError<ErrorOf<H>>> {
     let b = h.backend();
     let adopt = |handout| h.cache(stream, |c| c.adopt(handout, requested, kept));
-    if let Some(small_limit) = h.arena(|a| a.segments.is_some().then_some(a.config.small_limit)) {
+    if h.arena(|a| a.segments.is_some()) {
         // In segments, the arena places best with every free block of the large segment in
         // view: the stream's own cached blocks there go back first, to merge with their
         // neighbours. Small blocks (in a segment of their own, but for a last resort) stay cached
@@ -264,7 +264,7 @@ pub(crate) fn allocate_slow<H: Host>(
         // they made only 7-26% of a warm replay's allocations on the traces cache hits (33-91%
         // kept), for the same memory.
         h.existing_cache(stream, |c| {
-            let blocks = c.take_free_larger_than(small_limit);
+            let blocks = c.take_free_large();
             h.arena(|a| a.give_back(c.slot, &blocks));
         });
     }

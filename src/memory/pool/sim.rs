@@ -139,7 +139,7 @@ impl Host for SimHost {
 
     fn cache<R>(&self, stream: &usize, f: impl FnOnce(&mut Cache) -> R) -> R {
         let mut caches = self.caches.borrow_mut();
-        let cache = caches.entry(*stream).or_insert_with(|| Cache::new(self.arena(|a| a.register(stream))));
+        let cache = caches.entry(*stream).or_insert_with(|| self.arena(|a| a.new_cache(stream)));
         f(cache)
     }
 

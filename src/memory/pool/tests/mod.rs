@@ -83,7 +83,7 @@ impl Host for Harness {
             match map.get(stream) {
                 Some(c) => c.clone(),
                 None => {
-                    let c = Arc::new(Mutex::new(Cache::new(self.arena(|a| a.register(stream)))));
+                    let c = Arc::new(Mutex::new(self.arena(|a| a.new_cache(stream))));
                     map.insert(stream.clone(), c.clone());
                     c
                 }
