@@ -18,8 +18,9 @@
 //! Blocks move from a cache to the arena when the arena would otherwise grow (so that they merge,
 //! and the arena sees what is really live), on out of memory, on `trim`, and when a stream goes
 //! away; in segments, also those of the large segment at every miss of the stream's cache (a
-//! segment's placement depends on merging). Locks are taken in one order only: a stream's cache, then the arena; a thread never takes
-//! a cache while holding the arena, and never holds a lock across a blocking driver call.
+//! segment's placement depends on merging). Locks are taken in one order only: a stream's cache,
+//! then the arena; a thread never takes a cache while holding the arena, and never holds a lock
+//! across a blocking driver call.
 //!
 //! # Segments or chunks
 //!
@@ -260,9 +261,8 @@ pub(crate) fn allocate_slow<H: Host>(
         // view: the stream's own cached blocks there go back first, to merge with their
         // neighbours. Small blocks (in a segment of their own, but for a last resort) stay cached
         // for a later request of their size on the stream (they go back before the arena grows,
-        // below). Given back too,
-        // they made only 7-26% of a warm replay's allocations on the traces cache hits (33-91%
-        // kept), for the same memory.
+        // below). Given back too, they made only 7-26% of a warm replay's allocations on the
+        // traces cache hits (33-91% kept), for the same memory.
         h.existing_cache(stream, |c| {
             let blocks = c.take_free_large();
             h.arena(|a| a.give_back(c.slot, &blocks));

@@ -255,10 +255,6 @@ impl Trace {
             trace.streams = trace.streams.max(stream + 1);
             match op {
                 "a" => {
-                    if live.contains_key(&id) {
-                        return Err(bad(format!("allocation {id} is allocated again while live")));
-                    }
-                    now = now.checked_add(size).ok_or_else(|| bad("live bytes overflow".into()))?;
                     let slot = match free_slots.pop() {
                         Some(slot) => slot,
                         None => u32::try_from(trace.most_live)
@@ -266,21 +262,23 @@ impl Trace {
                     };
                     let event = u32::try_from(trace.events.len())
                         .map_err(|_| bad("more than 4294967295 events before this allocation".into()))?;
+                    if live.insert(id, (size, slot, event)).is_some() {
+                        return Err(bad(format!("allocation {id} is allocated again while live")));
+                    }
+                    now = now.checked_add(size).ok_or_else(|| bad("live bytes overflow".into()))?;
                     trace.most_live = trace.most_live.max(slot as usize + 1);
-                    live.insert(id, (size, slot, event));
                     trace.peak_live = trace.peak_live.max(now);
                     trace.events.push(TraceEvent::Alloc { id, size, stream });
                     trace.links.push(slot);
                 }
                 "f" => {
-                    let (slot, event) = match live.get(&id) {
+                    let (slot, event) = match live.remove(&id) {
                         None => return Err(bad(format!("free of allocation {id}, which is not live"))),
-                        Some(&(s, ..)) if s != size => {
+                        Some((s, ..)) if s != size => {
                             return Err(bad(format!("free of allocation {id} with {size} bytes; it has {s}")));
                         }
-                        Some(&(_, slot, event)) => (slot, event),
+                        Some((_, slot, event)) => (slot, event),
                     };
-                    live.remove(&id);
                     free_slots.push(slot);
                     now -= size;
                     trace.events.push(TraceEvent::Free { id, size, stream });
