@@ -4,6 +4,7 @@
 
 mod api;
 mod basics;
+mod faults;
 mod graph;
 #[path = "../graph_cases/mod.rs"]
 mod graph_cases;

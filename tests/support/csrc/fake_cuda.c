@@ -293,7 +293,8 @@
  *
  * Fake-only exports: cudrvFakeReport, cudrvFakeViolation, cudrvFakeResetViolations, cudrvFakeShutdown,
  * cudrvFakePerThreadStreams, cudrvFakeLiveGraphs, cudrvFakeLiveGraphExecs (fake_graph.c),
- * cudrvFakeLastLaunch (the record of the last successful launch: struct CudrvFakeLaunch).
+ * cudrvFakeLastLaunch (the record of the last successful launch: struct CudrvFakeLaunch),
+ * cudrvFakeFaultsInjected (how many calls CUDRV_FAKE_FAIL has failed so far).
  * cudrvFakeReport first waits until every stream is idle. Its
  * live_allocations also counts VMM physical allocations (until freed, see above, with their bytes)
  * and address reservations (until cuMemAddressFree; they add no bytes).
@@ -855,6 +856,7 @@ typedef struct {
     int plus;
     int code;
     uint64_t calls;
+    uint64_t injected;
 } fk_fault;
 
 static struct {
@@ -1059,6 +1061,7 @@ static int parse_faults(const char *s) {
         if (errno || code == 0 || code < -2147483647L - 1 || code > 2147483647L) return 0;
         f->code = (int)code;
         f->calls = 0;
+        f->injected = 0;
         G.nfaults++;
         p = end;
         if (*p == 0) return 1;
@@ -1237,7 +1240,7 @@ static CUresult fk_enter(const char *name, int need_init) {
         fk_fault *f = &G.faults[i];
         if (name_matches(f->name, name)) {
             f->calls++;
-            if (f->calls == f->n || (f->plus && f->calls > f->n)) r = f->code;
+            if (f->calls == f->n || (f->plus && f->calls > f->n)) r = f->code, f->injected++;
         }
     }
     if (r) goto out;
@@ -6018,6 +6021,17 @@ FK_EXPORT uint64_t cudrvFakePerThreadStreams(void) {
     uint64_t n;
     fk_lock(&G.lock);
     n = G.ptds_live;
+    fk_unlock(&G.lock);
+    return n;
+}
+
+/* How many calls CUDRV_FAKE_FAIL has failed so far: whether a fault was reached. */
+FK_EXPORT uint64_t cudrvFakeFaultsInjected(void) {
+    uint64_t n = 0;
+    int i;
+    fk_lock(&G.lock);
+    read_env_locked();
+    for (i = 0; i < G.nfaults; i++) n += G.faults[i].injected;
     fk_unlock(&G.lock);
     return n;
 }

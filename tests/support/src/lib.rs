@@ -557,6 +557,14 @@ pub fn fake_per_thread_streams() -> u64 {
     unsafe { f() }
 }
 
+/// How many calls `CUDRV_FAKE_FAIL` has failed so far in this process: whether the faults it names
+/// were reached.
+pub fn fake_faults_injected() -> u64 {
+    let f: unsafe extern "C" fn() -> u64 = fake_fn("cudrvFakeFaultsInjected");
+    // SAFETY: cudrvFakeFaultsInjected takes no arguments and reads counters under the fake's lock.
+    unsafe { f() }
+}
+
 /// How many CUDA graphs the fake holds: made by `cuGraphCreate`, `cuGraphClone` or a stream capture
 /// (ended or not) and not destroyed. [`assert_no_leaks`] checks it is 0.
 pub fn live_graphs() -> u64 {

@@ -1,0 +1,214 @@
+//! Driver faults, swept: a workload of buffers on two streams, with cross-stream uses, copies,
+//! reads back and trims, runs once for each injected failure of each driver function it calls
+//! (its n-th call, then every call from the n-th on). Whatever fails, cudrv must not panic, the
+//! fake driver must record no access to freed memory, every read that succeeds must return
+//! what the operations that succeeded wrote, and the memory must still serve afterwards.
+//!
+//! The sweep was checked against faults planted in the pool by hand: a failed
+//! `cuStreamWaitEvent`, `cuEventRecord` or `cuEventQuery` taken for a success, and no wait at all
+//! before another stream reuses a block. Each made it fail (a buffer read back another's data).
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+
+use cudrv::memory::DeviceBuffer;
+use cudrv::{Device, Stream};
+use cudrv_test_support::{fake_faults_injected, fake_report, run_with_fake};
+
+use super::oldest;
+
+/// Element counts of the workload's buffers (of `u32`): small, medium and large requests, so
+/// that the pool's small blocks, shared chunks and chunks of their own all take part.
+const LENS: [usize; 6] = [64, 16 << 10, (1 << 18) + 128, 3 << 18, (2 << 20) + 64, (3 << 20) + 4096];
+
+/// A buffer the workload keeps, and the value every element holds if everything that wrote it
+/// succeeded (`None`: some write failed, and its contents are not checked).
+struct Kept {
+    buf: DeviceBuffer<u32>,
+    value: Option<u32>,
+}
+
+/// The workload: returns how many buffers it read back and checked, and how many operations
+/// failed. Never panics on a driver error: it notes it and goes on, as an application that
+/// handles errors would. It panics on a wrong value read back by a read that succeeded.
+fn workload(rounds: u32) -> (usize, usize) {
+    let mut checked = 0;
+    let failed = Cell::new(0);
+    let fail = || failed.set(failed.get() + 1);
+    let note = |r: &cudrv::Result<()>| {
+        if r.is_err() {
+            fail();
+        }
+        r.is_ok()
+    };
+    let Ok(dev) = Device::get(0) else { return (0, 1) };
+    let (Ok(s1), Ok(s2)) = (Stream::new(&dev), Stream::new(&dev)) else { return (0, 1) };
+    let mut kept: VecDeque<Kept> = VecDeque::new();
+    for i in 0..rounds {
+        let len = LENS[i as usize % LENS.len()];
+        let value = 0x1000_0000 | i;
+        // Written on one stream, copied on the other after a wait, used there, read back later.
+        let Ok(mut a) = DeviceBuffer::<u32>::zeroed(len, &s1) else {
+            fail();
+            continue;
+        };
+        let mut ok = note(&a.fill(value));
+        match DeviceBuffer::<u32>::zeroed(len, &s2) {
+            Ok(mut b) => {
+                ok &= note(&s2.wait_stream(&s1));
+                ok &= note(&b.copy_from(&a));
+                kept.push_back(Kept { buf: b, value: ok.then_some(value) });
+            }
+            Err(_) => fail(),
+        }
+        // `a` is freed while its copy may still run on s2: the pool must not hand its block out
+        // before that copy is done.
+        if i % 3 == 0 {
+            kept.push_back(Kept { buf: a, value: ok.then_some(value) });
+        } else {
+            drop(a);
+        }
+        // A new buffer on s1 likely reuses `a`'s block at once: written with another value.
+        if let Ok(mut c) = DeviceBuffer::<u32>::zeroed(len, &s1) {
+            note(&c.fill(!value));
+            drop(c);
+        } else {
+            fail();
+        }
+        // A buffer freed on s1 behind writes still queued there, and one of its size made on s2
+        // at once, which may get its block: the pool must order s2's writes after s1's.
+        if let Ok(mut x) = DeviceBuffer::<u32>::zeroed(len, &s1) {
+            for k in 0..4 {
+                note(&x.fill(k));
+            }
+        } else {
+            fail();
+        }
+        match DeviceBuffer::<u32>::zeroed(len, &s2) {
+            Ok(mut y) => {
+                if note(&y.fill(value)) {
+                    kept.push_back(Kept { buf: y, value: Some(value) });
+                }
+            }
+            Err(_) => fail(),
+        }
+        // Read back the oldest buffers, out of the order they were made in.
+        while kept.len() > 4 {
+            let k = kept.swap_remove_front(i as usize % kept.len()).expect("a kept buffer");
+            if let Some(value) = k.value {
+                match k.buf.to_vec() {
+                    Ok(v) => {
+                        let wrong = v.iter().position(|&x| x != value);
+                        assert_eq!(
+                            wrong,
+                            None,
+                            "round {i}: a buffer of {len} u32 reads {:#x}, not {value:#x}",
+                            v[wrong.unwrap_or(0)]
+                        );
+                        checked += 1;
+                    }
+                    Err(_) => fail(),
+                }
+            }
+        }
+        if i % 7 == 6 {
+            note(&dev.memory_resource().and_then(|r| r.trim(0)));
+        }
+    }
+    drop(kept);
+    note(&s1.synchronize());
+    note(&s2.synchronize());
+    (checked, failed.get())
+}
+
+/// After the workload: the device's memory still serves, and reads back what was written.
+fn still_serves() {
+    let dev = Device::get(0).unwrap();
+    let s = Stream::new(&dev).unwrap();
+    for len in LENS {
+        let mut b = DeviceBuffer::<u32>::zeroed(len, &s).unwrap();
+        b.fill(7).unwrap();
+        assert!(b.to_vec().unwrap().iter().all(|&x| x == 7));
+    }
+}
+
+/// What every mode's workload calls besides its memory resource's own functions: the streams'
+/// ordering (events, waits), the buffers' memsets and copies, and the reads back.
+const COMMON: [&str; 9] = [
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuStreamWaitEvent",
+    "cuStreamSynchronize",
+    "cuMemsetD32Async",
+    "cuMemcpyDtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuEventQuery",
+    "cuEventSynchronize",
+];
+
+/// Which calls fail: the n-th only, or the n-th and every one after (a sticky error, or a driver
+/// that stops answering).
+const NTH: [&str; 6] = ["1", "2", "3", "8", "1+", "3+"];
+
+/// Runs the workload once per fault: each of `functions` failing with CUDA_ERROR_UNKNOWN (999) at
+/// each of [`NTH`], and each of `allocations` with CUDA_ERROR_OUT_OF_MEMORY (2) too. Checks that
+/// every fault was reached at its first call (so that the sweep tests what it names), that no
+/// freed memory was accessed, that a single fault leaves reads to check and the memory serving.
+fn sweep(mode: &[(&str, &str)], functions: &[&str], allocations: &[&str]) {
+    let faults = functions
+        .iter()
+        .flat_map(|f| NTH.iter().map(move |n| (*f, *n, "999")))
+        .chain(allocations.iter().flat_map(|f| NTH.iter().map(move |n| (*f, *n, "2"))));
+    for (f, n, code) in faults {
+        let fail = format!("{f}:{n}:{code}");
+        let mut env = mode.to_vec();
+        // Work waits a little on the device, so that a free not ordered after it would be seen.
+        env.extend([("CUDRV_FAKE_FAIL", fail.as_str()), ("CUDRV_FAKE_DELAY_US", "200")]);
+        run_with_fake(&env, || {
+            if oldest() {
+                return;
+            }
+            let (checked, failed) = workload(24);
+            let report = fake_report();
+            assert!(report.violations.is_empty(), "{fail}: {report}");
+            let injected = fake_faults_injected();
+            if n == "1" {
+                assert!(injected >= 1, "{fail}: the workload never called {f}");
+            }
+            if !n.ends_with('+') {
+                // One failed call leaves the rest of the workload to run and check.
+                assert!(checked >= 20, "{fail}: only {checked} buffers read back ({failed} errors)");
+                still_serves();
+            }
+        });
+    }
+}
+
+#[test]
+fn pool_in_segments_survives_every_driver_fault() {
+    let vmm = [
+        "cuMemCreate",
+        "cuMemMap",
+        "cuMemSetAccess",
+        "cuMemUnmap",
+        "cuMemRelease",
+        "cuMemAddressReserve",
+        "cuMemGetInfo_v2",
+    ];
+    let functions: Vec<&str> = vmm.into_iter().chain(COMMON).collect();
+    sweep(&[("CUDRV_FAKE_MODE", "tcc")], &functions, &["cuMemCreate"]);
+}
+
+#[test]
+fn pool_in_chunks_survives_every_driver_fault() {
+    let functions: Vec<&str> = ["cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2"].into_iter().chain(COMMON).collect();
+    sweep(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_VMM", "0")], &functions, &["cuMemAlloc_v2"]);
+}
+
+#[test]
+fn driver_pool_survives_every_driver_fault() {
+    // The driver's pool orders its frees itself: no event is queried or waited for on the host.
+    let functions: Vec<&str> =
+        ["cuMemAllocFromPoolAsync", "cuMemFreeAsync"].into_iter().chain(COMMON.into_iter().take(7)).collect();
+    sweep(&[("CUDRV_FAKE_MODE", "linux")], &functions, &["cuMemAllocFromPoolAsync"]);
+}
