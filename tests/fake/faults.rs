@@ -4,14 +4,21 @@
 //! fake driver must record no access to freed memory, every read that succeeds must return
 //! what the operations that succeeded wrote, and the memory must still serve afterwards.
 //!
-//! The sweep was checked against faults planted in the pool by hand: a failed
+//! A second workload does the same for a captured graph that allocates inside the capture.
+//!
+//! The sweeps were checked against faults planted by hand: in the pool, a failed
 //! `cuStreamWaitEvent`, `cuEventRecord` or `cuEventQuery` taken for a success, and no wait at all
-//! before another stream reuses a block. Each made it fail (a buffer read back another's data).
+//! before another stream reuses a block (a buffer read back another's data); in graphs, a failed
+//! wait before the first launch taken for a success (the launch read its input before it was
+//! written). Each made a sweep fail.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
 
+use cudrv::graph::CaptureMode;
+use cudrv::launch::LaunchConfig;
 use cudrv::memory::DeviceBuffer;
+use cudrv::module::Module;
 use cudrv::{Device, Stream};
 use cudrv_test_support::{fake_faults_injected, fake_report, run_with_fake};
 
@@ -150,6 +157,23 @@ const COMMON: [&str; 9] = [
 /// that stops answering).
 const NTH: [&str; 6] = ["1", "2", "3", "8", "1+", "3+"];
 
+/// Runs `body` in a child process on the fake driver in `mode`, with the fault `fail`
+/// (`CUDRV_FAKE_FAIL`) injected and each operation on the device delayed a little, so that a
+/// free not ordered after the work on its memory would be seen. After `body`, no freed memory may
+/// have been accessed.
+fn with_fault(mode: &[(&str, &str)], fail: &str, body: impl FnOnce()) {
+    let mut env = mode.to_vec();
+    env.extend([("CUDRV_FAKE_FAIL", fail), ("CUDRV_FAKE_DELAY_US", "200")]);
+    run_with_fake(&env, || {
+        if oldest() {
+            return;
+        }
+        body();
+        let report = fake_report();
+        assert!(report.violations.is_empty(), "{fail}: {report}");
+    });
+}
+
 /// Runs the workload once per fault: each of `functions` failing with CUDA_ERROR_UNKNOWN (999) at
 /// each of [`NTH`], and each of `allocations` with CUDA_ERROR_OUT_OF_MEMORY (2) too. Checks that
 /// every fault was reached at its first call (so that the sweep tests what it names), that no
@@ -161,16 +185,8 @@ fn sweep(mode: &[(&str, &str)], functions: &[&str], allocations: &[&str]) {
         .chain(allocations.iter().flat_map(|f| NTH.iter().map(move |n| (*f, *n, "2"))));
     for (f, n, code) in faults {
         let fail = format!("{f}:{n}:{code}");
-        let mut env = mode.to_vec();
-        // Work waits a little on the device, so that a free not ordered after it would be seen.
-        env.extend([("CUDRV_FAKE_FAIL", fail.as_str()), ("CUDRV_FAKE_DELAY_US", "200")]);
-        run_with_fake(&env, || {
-            if oldest() {
-                return;
-            }
+        with_fault(mode, &fail, || {
             let (checked, failed) = workload(24);
-            let report = fake_report();
-            assert!(report.violations.is_empty(), "{fail}: {report}");
             let injected = fake_faults_injected();
             if n == "1" {
                 assert!(injected >= 1, "{fail}: the workload never called {f}");
@@ -211,4 +227,146 @@ fn driver_pool_survives_every_driver_fault() {
     let functions: Vec<&str> =
         ["cuMemAllocFromPoolAsync", "cuMemFreeAsync"].into_iter().chain(COMMON.into_iter().take(7)).collect();
     sweep(&[("CUDRV_FAKE_MODE", "linux")], &functions, &["cuMemAllocFromPoolAsync"]);
+}
+
+const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
+
+/// The graph workload: captures a step that allocates a temporary from the device's resource,
+/// fills it with a kernel (`tmp = x + y`) and copies it back (`x = tmp`); launches the graph
+/// `launches` times, with buffers of the temporary's size made, written and read back between
+/// launches (they must never get the graph's block); then checks that `x` holds `x0 + k * y` for
+/// one `k` that counts every launch that succeeded. Returns how many reads it checked and how many
+/// operations failed; never panics on a driver error.
+fn graph_workload(launches: usize) -> (usize, usize) {
+    let n = 4096;
+    let (mut checked, mut failed) = (0, 0);
+    let Ok(dev) = Device::get(0) else { return (0, 1) };
+    let Ok(module) = Module::from_ptx(&dev, PTX) else { return (0, 1) };
+    let (Ok(add), Ok(s)) = (module.function("add_f32"), Stream::new(&dev)) else { return (0, 1) };
+    // `x` is written on another stream, still queued there when the graph is captured: its first
+    // launch must wait for it.
+    let Ok(s0) = Stream::new(&dev) else { return (0, 1) };
+    let x0 = 5.0;
+    let y: Vec<f32> = (0..n).map(|i| (i % 17 + 1) as f32).collect();
+    let (Ok(dy), Ok(mut x)) = (DeviceBuffer::from_slice(&y, &s), DeviceBuffer::<f32>::zeroed(n, &s0)) else {
+        return (0, 1);
+    };
+    if (0..8).any(|k| x.fill(x0 - 7.0 + k as f32).is_err()) {
+        return (0, 1);
+    }
+    let (mut launched, mut tried) = (0, 0);
+    if s.begin_capture(CaptureMode::ThreadLocal).is_ok() {
+        let step = (|| -> cudrv::Result<()> {
+            // SAFETY: the kernel writes every element before the copy reads it.
+            let mut tmp = unsafe { DeviceBuffer::<f32>::uninit(n, &s) }?;
+            // SAFETY: add_f32(const f32*, const f32*, f32*, u64) touches [0..n] of each buffer.
+            unsafe { add.launch(LaunchConfig::for_num_elems(n), &s, (&x, &dy, &mut tmp, n as u64)) }?;
+            x.copy_from_view(0, &tmp.as_view(), &s)
+        })();
+        // The capture ends whatever happened in it; a graph of a step that failed is dropped.
+        let graph = s.end_capture();
+        failed += usize::from(step.is_err()) + usize::from(graph.is_err());
+        if let (Ok(()), Ok(graph)) = (step, graph) {
+            match graph.instantiate() {
+                Ok(exec) => {
+                    for round in 0..launches {
+                        tried += 1;
+                        match exec.launch(&s) {
+                            Ok(()) => launched += 1,
+                            Err(_) => failed += 1,
+                        }
+                        let Ok(mut other) = DeviceBuffer::<f32>::zeroed(n, &s) else {
+                            failed += 1;
+                            continue;
+                        };
+                        let value = -(round as f32) - 1.0;
+                        if other.fill(value).is_err() {
+                            failed += 1;
+                            continue;
+                        }
+                        match other.to_vec() {
+                            Ok(v) => {
+                                assert!(
+                                    v.iter().all(|&e| e == value),
+                                    "round {round}: a buffer made between launches changed"
+                                );
+                                checked += 1;
+                            }
+                            Err(_) => failed += 1,
+                        }
+                    }
+                }
+                Err(_) => failed += 1,
+            }
+        }
+    } else {
+        failed += 1;
+    }
+    match x.to_vec() {
+        Ok(got) => {
+            // Every launch that succeeded ran; one that failed may have run before its error.
+            let k = (got[1] - x0) / y[1];
+            assert!(k >= launched as f32 && k <= tried as f32, "x shows {k} launches: {launched} succeeded of {tried}");
+            for i in 0..n {
+                assert_eq!(got[i], x0 + k * y[i], "element {i} after {k} launches");
+            }
+            checked += 1;
+        }
+        Err(_) => failed += 1,
+    }
+    (checked, failed)
+}
+
+/// Runs the graph workload once per fault, as [`sweep`] does the buffer workload; after a single
+/// fault, a second run must succeed in full.
+fn graph_sweep(mode: &[(&str, &str)], functions: &[&str]) {
+    for f in functions {
+        for n in ["1", "2", "1+"] {
+            let fail = format!("{f}:{n}:999");
+            with_fault(mode, &fail, || {
+                graph_workload(6);
+                let injected = fake_faults_injected();
+                if n == "1" {
+                    assert!(injected >= 1, "{fail}: the workload never called {f}");
+                }
+                assert!(fake_report().violations.is_empty(), "{fail}: {}", fake_report());
+                if !n.ends_with('+') && injected == 1 {
+                    let (checked, failed) = graph_workload(6);
+                    assert_eq!((checked, failed), (7, 0), "{fail}: the run after the fault");
+                    still_serves();
+                }
+            });
+        }
+    }
+}
+
+/// What capturing, instantiating and launching a graph calls, in every mode.
+const GRAPH: [&str; 9] = [
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuStreamGetCaptureInfo_v3",
+    "cuGraphInstantiateWithFlags",
+    "cuGraphLaunch",
+    "cuLaunchKernel",
+    "cuMemcpyDtoDAsync_v2",
+    "cuEventRecord",
+    "cuStreamWaitEvent",
+];
+
+#[test]
+fn graphs_on_the_pool_in_segments_survive_every_driver_fault() {
+    let functions: Vec<&str> = GRAPH.into_iter().chain(["cuMemCreate", "cuMemMap"]).collect();
+    graph_sweep(&[("CUDRV_FAKE_MODE", "tcc")], &functions);
+}
+
+#[test]
+fn graphs_on_the_pool_in_chunks_survive_every_driver_fault() {
+    let functions: Vec<&str> = GRAPH.into_iter().chain(["cuMemAlloc_v2"]).collect();
+    graph_sweep(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_VMM", "0")], &functions);
+}
+
+#[test]
+fn graphs_on_the_driver_pool_survive_every_driver_fault() {
+    let functions: Vec<&str> = GRAPH.into_iter().chain(["cuMemAllocFromPoolAsync", "cuMemFreeAsync"]).collect();
+    graph_sweep(&[("CUDRV_FAKE_MODE", "linux")], &functions);
 }
