@@ -370,3 +370,39 @@ fn graphs_on_the_driver_pool_survive_every_driver_fault() {
     let functions: Vec<&str> = GRAPH.into_iter().chain(["cuMemAllocFromPoolAsync", "cuMemFreeAsync"]).collect();
     graph_sweep(&[("CUDRV_FAKE_MODE", "linux")], &functions);
 }
+
+/// Four threads run the buffer workload at once, each on its own streams and all on the device's
+/// one pool, while a fault hits one call, or every call from some point on (a sticky error):
+/// the threads must all finish (no lock is left held, no thread waits forever on another's
+/// failed work), with the same checks as [`sweep`].
+fn threaded_sweep(mode: &[(&str, &str)], functions: &[&str]) {
+    for f in functions {
+        for n in ["7", "7+"] {
+            let fail = format!("{f}:{n}:999");
+            with_fault(mode, &fail, || {
+                let results: Vec<(usize, usize)> = std::thread::scope(|scope| {
+                    let threads: Vec<_> = (0..4).map(|_| scope.spawn(|| workload(12))).collect();
+                    threads.into_iter().map(|t| t.join().expect("a workload thread panicked")).collect()
+                });
+                assert!(fake_faults_injected() >= 1, "{fail}: the workload never called {f} 7 times");
+                if n == "7" {
+                    let checked: usize = results.iter().map(|r| r.0).sum();
+                    assert!(checked >= 4 * 8, "{fail}: only {checked} buffers read back: {results:?}");
+                    still_serves();
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn threads_on_the_pool_in_segments_survive_driver_faults() {
+    let functions = ["cuMemCreate", "cuMemMap", "cuMemUnmap", "cuEventRecord", "cuEventQuery", "cuStreamWaitEvent"];
+    threaded_sweep(&[("CUDRV_FAKE_MODE", "tcc")], &functions);
+}
+
+#[test]
+fn threads_on_the_pool_in_chunks_survive_driver_faults() {
+    let functions = ["cuMemAlloc_v2", "cuMemFree_v2", "cuEventRecord", "cuEventQuery", "cuStreamWaitEvent"];
+    threaded_sweep(&[("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_VMM", "0")], &functions);
+}
