@@ -10,7 +10,7 @@
 //!    `SyncResource`, each through the resource and through `DeviceBuffer` (uninit + drop); then
 //!    `DeviceBuffer` against what it wraps (its resource, and for `DriverPool` the raw
 //!    `cuMemAllocFromPoolAsync` pair), measured in alternating rounds in a process of its own,
-//!    each pair of rounds with the stack at another of 64 places across a page (the ratio is the
+//!    each pair of rounds with the stack at another of 63 places 64 bytes apart (the ratio is the
 //!    median, with the 90th percentile), and `DeviceBuffer`'s own cost over a resource that does
 //!    nothing;
 //! 2. cross-stream reuse: the pair alternating between two streams; and a buffer allocated on one
@@ -214,20 +214,21 @@ struct Paired {
     p90: f64,
 }
 
-/// How many stack placements [`interleaved_ns`] measures, [`STACK_STEP`] bytes apart: one per
-/// pair of rounds.
-const PLACEMENTS: usize = 64;
+/// How many stack placements the wraps table measures ([`interleaved_ns`]), [`STACK_STEP`] bytes
+/// apart, one per pair of rounds: nearly a page. (Odd, so that the median is one of them.)
+const PLACEMENTS: usize = 63;
 
-/// The step between two stack placements, in bytes: [`PLACEMENTS`] of them span a page.
+/// The step between two stack placements, in bytes.
 const STACK_STEP: usize = 64;
 
 /// Runs `f` with the stack `k % PLACEMENTS` steps of [`STACK_STEP`] bytes lower. On the H200's
 /// host, with the same binary and address-space randomisation off, the stack's place alone moved
-/// `DeviceBuffer`'s ratio to its pool's pair between 1.01 and 1.24 (BENCHMARKS.md, run 40): the
-/// buffer on the stack and the pool's blocks on the heap then share, or not, the low 12 bits
-/// of their addresses, which the CPU compares to order loads after stores. A process measures one
-/// placement; each pair of rounds here measures another, so that the table shows the spread
-/// rather than the luck of one process.
+/// `DeviceBuffer`'s ratio to its pool's pair between 1.01 and 1.24 (BENCHMARKS.md, run 40), most
+/// likely because the CPU compares the low 12 bits of addresses to order a load after earlier
+/// stores, and the buffer's fields on the stack then match, or not, the pool's on the heap (that
+/// machine has no counters to confirm it). A process measures one placement; each pair of rounds
+/// here measures another, so that the table shows the spread rather than the luck of one
+/// process.
 fn at_stack_placement<R>(k: usize, f: &mut dyn FnMut() -> R) -> R {
     #[inline(never)]
     fn lower<const N: usize, R>(f: &mut dyn FnMut() -> R) -> R {
@@ -245,7 +246,7 @@ fn at_stack_placement<R>(k: usize, f: &mut dyn FnMut() -> R) -> R {
         };
     }
     placements!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
-        32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63)
+        32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62)
 }
 
 /// ns per pair of `a` and of `b` on stream `s`, in `rounds` pairs of adjacent rounds of the same
@@ -262,7 +263,9 @@ fn interleaved_ns(dev: &Device, a: &Alloc, b: &Alloc, bytes: usize, s: &Stream, 
     let (mut pa, mut pb) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let one = |x: &Alloc| round_ns(x, bytes, std::slice::from_ref(s), iters);
-        let (ta, tb) = at_stack_placement(round, &mut || -> Res<(f64, f64)> {
+        // Placements in a scrambled order (17 is prime to PLACEMENTS), so that which of the two
+        // goes first does not follow the placement.
+        let (ta, tb) = at_stack_placement(round * 17, &mut || -> Res<(f64, f64)> {
             Ok(if round % 2 == 0 {
                 let ta = one(a)?;
                 (ta, one(b)?)

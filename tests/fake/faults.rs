@@ -17,7 +17,9 @@ use std::collections::VecDeque;
 
 use cudrv::graph::CaptureMode;
 use cudrv::launch::LaunchConfig;
-use cudrv::memory::DeviceBuffer;
+use std::sync::Arc;
+
+use cudrv::memory::{DeviceBuffer, MemoryResource, SyncResource};
 use cudrv::module::Module;
 use cudrv::{Device, Stream};
 use cudrv_test_support::{fake_faults_injected, fake_report, run_with_fake};
@@ -154,8 +156,12 @@ const COMMON: [&str; 9] = [
 ];
 
 /// Which calls fail: the n-th only, or the n-th and every one after (a sticky error, or a driver
-/// that stops answering).
-const NTH: [&str; 6] = ["1", "2", "3", "8", "1+", "3+"];
+/// that stops answering). Under Wine (CI's Windows lane), where a child process takes about a
+/// second to start, the first only and every one from the third: the pool's logic is the same
+/// there, and the other lanes sweep the rest.
+fn nth() -> &'static [&'static str] {
+    if cfg!(windows) { &["1", "3+"] } else { &["1", "2", "3", "8", "1+", "3+"] }
+}
 
 /// Runs `body` in a child process on the fake driver in `mode`, with the fault `fail`
 /// (`CUDRV_FAKE_FAIL`) injected and each operation on the device delayed a little, so that a
@@ -175,14 +181,14 @@ fn with_fault(mode: &[(&str, &str)], fail: &str, body: impl FnOnce()) {
 }
 
 /// Runs the workload once per fault: each of `functions` failing with CUDA_ERROR_UNKNOWN (999) at
-/// each of [`NTH`], and each of `allocations` with CUDA_ERROR_OUT_OF_MEMORY (2) too. Checks that
+/// each of [`nth`], and each of `allocations` with CUDA_ERROR_OUT_OF_MEMORY (2) too. Checks that
 /// every fault was reached at its first call (so that the sweep tests what it names), that no
 /// freed memory was accessed, that a single fault leaves reads to check and the memory serving.
 fn sweep(mode: &[(&str, &str)], functions: &[&str], allocations: &[&str]) {
     let faults = functions
         .iter()
-        .flat_map(|f| NTH.iter().map(move |n| (*f, *n, "999")))
-        .chain(allocations.iter().flat_map(|f| NTH.iter().map(move |n| (*f, *n, "2"))));
+        .flat_map(|f| nth().iter().map(move |n| (*f, *n, "999")))
+        .chain(allocations.iter().flat_map(|f| nth().iter().map(move |n| (*f, *n, "2"))));
     for (f, n, code) in faults {
         let fail = format!("{f}:{n}:{code}");
         with_fault(mode, &fail, || {
@@ -194,7 +200,10 @@ fn sweep(mode: &[(&str, &str)], functions: &[&str], allocations: &[&str]) {
             if !n.ends_with('+') {
                 // One failed call leaves the rest of the workload to run and check.
                 assert!(checked >= 20, "{fail}: only {checked} buffers read back ({failed} errors)");
-                still_serves();
+                // Once the fault is spent (a fault not reached would still be armed).
+                if injected >= 1 {
+                    still_serves();
+                }
             }
         });
     }
@@ -248,7 +257,13 @@ fn graph_workload(launches: usize) -> (usize, usize) {
     let Ok(s0) = Stream::new(&dev) else { return (0, 1) };
     let x0 = 5.0;
     let y: Vec<f32> = (0..n).map(|i| (i % 17 + 1) as f32).collect();
-    let (Ok(dy), Ok(mut x)) = (DeviceBuffer::from_slice(&y, &s), DeviceBuffer::<f32>::zeroed(n, &s0)) else {
+    // Made with `cuMemAlloc` directly, so that the device's resource meets its first driver call
+    // (and its faults) at the allocation inside the capture.
+    let Ok(sync) = SyncResource::new(&dev) else { return (0, 1) };
+    let sync: Arc<dyn MemoryResource> = Arc::new(sync);
+    let (Ok(dy), Ok(mut x)) =
+        (DeviceBuffer::from_slice_in(&y, &s, sync.clone()), DeviceBuffer::<f32>::zeroed_in(n, &s0, sync))
+    else {
         return (0, 1);
     };
     if (0..8).any(|k| x.fill(x0 - 7.0 + k as f32).is_err()) {
@@ -302,6 +317,10 @@ fn graph_workload(launches: usize) -> (usize, usize) {
     } else {
         failed += 1;
     }
+    // The launches ran on `s`, `x`'s reads are ordered on its own stream: order them after.
+    if s0.wait_stream(&s).is_err() {
+        return (checked, failed + 1);
+    }
     match x.to_vec() {
         Ok(got) => {
             // Every launch that succeeded ran; one that failed may have run before its error.
@@ -321,7 +340,8 @@ fn graph_workload(launches: usize) -> (usize, usize) {
 /// fault, a second run must succeed in full.
 fn graph_sweep(mode: &[(&str, &str)], functions: &[&str]) {
     for f in functions {
-        for n in ["1", "2", "1+"] {
+        let nth: &[&str] = if cfg!(windows) { &["1", "1+"] } else { &["1", "2", "3", "1+"] };
+        for &n in nth {
             let fail = format!("{f}:{n}:999");
             with_fault(mode, &fail, || {
                 graph_workload(6);
