@@ -44,7 +44,9 @@ pub struct PoolConfig {
     /// size (8: classes about 9% apart). A tensor that grows a little at each step (a KV cache
     /// grown by concatenation) then reuses the chunk it freed two steps before, until it crosses
     /// into the next class, instead of needing a new chunk every step. 0 rounds to
-    /// `large_granule` only. Near the headroom or out of memory the pool grows exactly instead, and
+    /// `large_granule` only. Where the class would pass the headroom, the chunk takes what the
+    /// headroom leaves (at least the request's pages), so that the buffer a step later, a little
+    /// larger, still fits it. Near the device's capacity the pool grows exactly instead, and
     /// so it does while what the rounding leaves unused in the blocks that are out adds up to
     /// 0.25% of the device's memory (so that a device filled with live buffers is filled as
     /// tightly as the driver's own pool fills it). Default 8.
@@ -71,7 +73,11 @@ pub struct PoolConfig {
     /// the pool releases free memory instead of caching more: when a new chunk would take it
     /// past that, the pool first gives the free blocks cached per stream back to its shared
     /// layer (where they merge), releases whole free chunks whose frees the GPU has completed,
-    /// and grows by exactly the request. `None` caches everything (up to `release_threshold`).
+    /// and grows by exactly the request. (In chunks, a medium request first takes a whole free
+    /// chunk of another kind, if one is at most the chunk it would grow or it fills
+    /// [`large_fit_percent`](Self::large_fit_percent) of it: reserved memory stays as it is,
+    /// with no driver call.) `None` caches
+    /// everything (up to `release_threshold`).
     /// Near the device's capacity the device's free memory is the bound instead. Live memory
     /// counts the blocks handed out, not the tails of their chunks, so this bounds what the
     /// driver's 2 MiB pages and the size classes add as well. Default `Some(20)`.
