@@ -51,9 +51,6 @@ pub(crate) struct ArenaStats {
     /// less than `large_fit_percent`, instead of releasing memory to grow
     /// ([`Arena::reuse_past_headroom`]).
     pub(crate) loose_fits: u64,
-    /// Medium requests served past the headroom by a whole free chunk of another kind, instead of
-    /// releasing memory to grow ([`Arena::adopt_free_chunk`]).
-    pub(crate) adoptions: u64,
     /// Allocations and cache hits of streams that were forgotten (their caches are gone).
     pub(crate) retired_allocations: u64,
     pub(crate) retired_hits: u64,
@@ -510,9 +507,11 @@ impl<B: Backend> Arena<B> {
         let (_, limit) = self.growth_limits(peak, headroom, tight, free);
         if self.stats.reserved.saturating_add(chunk) > limit {
             // A large chunk rounded up to its size class would pass the headroom: it takes what
-            // the headroom leaves, if that is more than the request, so that a request of the
-            // same kind that grows a little (a logits buffer from step to step) still reuses it.
-            // Near capacity, exactly the request.
+            // the headroom leaves, if that is more than the request's pages, so that the same
+            // buffer a step later, a little larger, still fits it. (serving_batching's logits,
+            // 780-886 MiB, traded a chunk with the driver at every step that grew them: its
+            // replay without a budget made 255 driver allocations cold and 124 warm, 197 and 82
+            // so.) Near capacity, exactly the request's pages.
             let room =
                 limit.saturating_sub(self.stats.reserved) / self.config.large_granule * self.config.large_granule;
             chunk = if kind == Kind::Large && !tight { room.min(chunk).max(exact) } else { exact };
@@ -529,12 +528,6 @@ impl<B: Backend> Arena<B> {
             if kind == Kind::Large
                 && !tight
                 && let Some(handout) = self.reuse_past_headroom(b, s, size, free)?
-            {
-                return Ok(Grow::Block(handout));
-            }
-            if kind == Kind::Medium
-                && !tight
-                && let Some(handout) = self.adopt_free_chunk(b, s, size, exact)?
             {
                 return Ok(Grow::Block(handout));
             }
@@ -555,51 +548,6 @@ impl<B: Backend> Arena<B> {
             }
         }
         Ok(Grow::OutOfMemory)
-    }
-
-    /// Past the headroom, where growing would mean giving a free chunk back and allocating anew, a
-    /// medium request of `size` rounded bytes (`exact` in whole pages) takes a whole free chunk
-    /// of another kind instead: the smallest that holds it and is no larger than the chunk it
-    /// would grow there ([`Arena::packed_medium_chunk`]), or that it fills to
-    /// [`PoolConfig::large_fit_percent`]. The chunk becomes a medium chunk, whose rest serves other
-    /// medium requests. Reserved memory stays as it is, where giving back and growing would have
-    /// cost two driver calls and left it at most a fourth lower.
-    ///
-    /// A workload that sits at its headroom otherwise trades chunks between kinds with the driver:
-    /// mixed_images replayed warm without a budget gave back a free 12 MiB chunk of a large
-    /// request to grow 8 MiB for a medium one, and later the reverse, 24 times (10 with this).
-    /// Never near capacity, where giving back and growing exactly is what fits.
-    fn adopt_free_chunk(&mut self, b: &B, s: u32, size: usize, exact: usize) -> Result<Option<Handout>, B::Error> {
-        let most = self.packed_medium_chunk(size);
-        let percent = self.config.large_fit_percent.clamp(1, 100) as u128;
-        let fits = |chunk: usize| chunk >= exact && (chunk <= most || size as u128 * 100 >= chunk as u128 * percent);
-        let mut best: Option<(usize, u32)> = None;
-        for (_, c) in self.chunks.iter() {
-            if c.out != 0 || c.releasing || c.segment.is_some() || !fits(c.size) {
-                continue;
-            }
-            // Whole and free: a single free block.
-            let block = &self.blocks[c.first];
-            if block.next != NIL
-                || matches!(block.kind, Kind::Medium | Kind::Reservoir)
-                || !matches!(block.state, State::Free { .. })
-            {
-                continue;
-            }
-            if best.is_none_or(|(bytes, _)| c.size < bytes) {
-                best = Some((c.size, c.first));
-            }
-        }
-        let Some((bytes, blk)) = best else { return Ok(None) };
-        self.unlist(blk);
-        self.blocks[blk].kind = Kind::Medium;
-        self.list(blk);
-        // Taken as any free medium block is (after a wait where another stream freed it); a
-        // stream in a capture cannot take another's block that is not yet host-safe, and the
-        // chunk then stays free, a medium one.
-        let Some(taken) = self.take_kind(b, s, Kind::Medium, size, bytes)? else { return Ok(None) };
-        self.stats.adoptions += 1;
-        Ok(Some(self.handout(taken, size)))
     }
 
     /// The chunk for a medium request of `size` rounded bytes where a whole medium chunk would

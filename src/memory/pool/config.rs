@@ -73,11 +73,7 @@ pub struct PoolConfig {
     /// the pool releases free memory instead of caching more: when a new chunk would take it
     /// past that, the pool first gives the free blocks cached per stream back to its shared
     /// layer (where they merge), releases whole free chunks whose frees the GPU has completed,
-    /// and grows by exactly the request. (In chunks, a medium request first takes a whole free
-    /// chunk of another kind, if one is at most the chunk it would grow or it fills
-    /// [`large_fit_percent`](Self::large_fit_percent) of it: reserved memory stays as it is,
-    /// with no driver call.) `None` caches
-    /// everything (up to `release_threshold`).
+    /// and grows by exactly the request. `None` caches everything (up to `release_threshold`).
     /// Near the device's capacity the device's free memory is the bound instead. Live memory
     /// counts the blocks handed out, not the tails of their chunks, so this bounds what the
     /// driver's 2 MiB pages and the size classes add as well. Default `Some(20)`.

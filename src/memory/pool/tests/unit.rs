@@ -617,50 +617,6 @@ fn past_the_headroom_a_large_request_takes_a_free_block_then_a_tail_within_the_h
 }
 
 #[test]
-fn past_the_headroom_a_medium_request_takes_a_whole_free_chunk_of_another_kind() {
-    // 10 and 50 MiB live (a headroom of 10%: 66 MiB), then the 10 MiB freed: its chunk is whole
-    // and free. A medium request of 8 MiB would pass the headroom by growing (68 MiB): it takes
-    // the free chunk (filled to 80%) instead of giving it back and growing 8 MiB, and the chunk's
-    // rest serves the next medium request. One of 7 MiB (8 MiB of pages, 70% of the chunk) does
-    // not: the chunk goes back and 8 MiB are grown. Near the device's capacity neither happens:
-    // the pool grows exactly, into what the device has left.
-    for (request, capacity, adopted) in [(8, usize::MAX, true), (7, usize::MAX, false), (8, 72 * MIB, false)] {
-        let config = PoolConfig { headroom_percent: Some(10), ..plain() };
-        let h = Harness::new(config, Mock::new(1));
-        h.mock.st().capacity = capacity;
-        let a = h.alloc(10 * MIB, 0).unwrap();
-        let b = h.alloc(50 * MIB, 0).unwrap();
-        h.free(a, 0);
-        let m = h.alloc(request * MIB, 0).unwrap();
-        h.check();
-        let st = h.stats();
-        let adoptions = h.arena(|a| a.stats.adoptions);
-        let mut more = Vec::new();
-        if adopted {
-            assert_eq!(m, a, "the free chunk serves the medium request");
-            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved, adoptions), (2, 0, 60 * MIB, 1));
-            // The chunk is a medium one now: its last 2 MiB serve a medium request of that size.
-            let n = h.alloc(2 * MIB, 0).unwrap();
-            assert_eq!(n, a + 8 * MIB as u64);
-            assert_eq!(h.stats().driver_allocs, 2);
-            more.push(n);
-        } else if capacity == usize::MAX {
-            assert_ne!(m, a);
-            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved, adoptions), (3, 1, 58 * MIB, 0));
-        } else {
-            assert_ne!(m, a);
-            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved, adoptions), (3, 0, 68 * MIB, 0));
-        }
-        h.check();
-        for p in more.into_iter().chain([m, b]) {
-            h.free(p, 0);
-        }
-        h.check();
-        h.teardown();
-    }
-}
-
-#[test]
 fn a_large_chunk_whose_size_class_passes_the_headroom_takes_what_the_headroom_leaves() {
     // A headroom of 5%. 100 MiB take a chunk of their size class (104 MiB). A 66 MiB request
     // lifts the peak of live memory to 166 MiB (headroom: 174.3 MiB); its class (72 MiB) would
