@@ -13,7 +13,11 @@
 //!   reporting ns per event of each.
 //! * `--memory`: the memory the pool may use: bytes (`3G`, `512M`, `1048576`), or a factor of each
 //!   trace's peak of live bytes (`1.10x`). Simulated: the emulated device's size. On the GPU: the
-//!   rest of the device's free memory is taken first by one raw `cuMemAlloc`.
+//!   rest of the device's free memory is taken first by one raw `cuMemAlloc`. Simulated without
+//!   it, the pool does not know the device's free memory, and some of its decisions (how much
+//!   size-class rounding may leave unused, how much a loose reuse may pin) are then unbounded; to
+//!   predict a replay on a GPU without a budget, give the GPU's free memory (`--memory 139G` for
+//!   an H200; BENCHMARKS.md, runs 43–44, has a rule that the two told apart).
 //!
 //! * `--config name=value,...`: `PoolConfig` fields for `--simulate` and `--resource pool`: sizes
 //!   (`small_limit`, `small_chunk`, `medium_limit`, `medium_chunk`, `large_granule`,
