@@ -307,6 +307,40 @@ fn training_steps(seed: u64, steps: usize) -> Trace {
     trace.finish()
 }
 
+/// A synthetic continuous-batching server: weights (0.5 to 2 GB in 16 to 40 tensors), then
+/// `steps` steps whose batch of tokens drifts by up to 8% either way from the step before (256
+/// to 2,048-4,096 tokens), each running every layer with an activation and a workspace four times
+/// its size freed within the layer, then a logits buffer (tokens x a vocabulary of 32,000 to
+/// 132,000, in `f32`) freed before the next step: large buffers whose size changes a little at
+/// every step.
+fn serving_steps(seed: u64, steps: usize) -> Trace {
+    let mut unit = uniform(seed);
+    let mut trace = TraceWriter::new();
+    let layers = 16 + (unit() * 24.0) as usize;
+    let weights = (0.5 + 1.5 * unit()) * 1e9 / layers as f64;
+    for _ in 0..layers {
+        trace.alloc((weights * (0.5 + unit())) as usize, 0);
+    }
+    let hidden = 2048.0 + 4096.0 * unit();
+    let vocab = 32000.0 + 100000.0 * unit();
+    let (fewest, most) = (256.0, 2048.0 + 2048.0 * unit());
+    let mut tokens = fewest + (most - fewest) * unit();
+    for _ in 0..steps {
+        tokens = (tokens * (0.92 + 0.16 * unit())).clamp(fewest, most);
+        for _ in 0..layers {
+            let bytes = (tokens * hidden * 2.0) as usize;
+            let activation = trace.alloc(bytes, 0);
+            let workspace = trace.alloc(bytes * 4, 0);
+            trace.free(activation, bytes, 0);
+            trace.free(workspace, bytes * 4, 0);
+        }
+        let bytes = (tokens * vocab * 4.0) as usize;
+        let logits = trace.alloc(bytes, 0);
+        trace.free(logits, bytes, 0);
+    }
+    trace.finish()
+}
+
 /// A synthetic variable-length inference server: weights (0.3 to 0.8 GB in 20 to 40 tensors) and
 /// one long-lived cache of 1.5 to 3 GB, then `requests` requests of 16 to 4,096 tokens, each
 /// running every layer with activations linear and quadratic in its length (attention scores),
@@ -779,6 +813,30 @@ fn kv_caches_grown_by_concatenation_stay_close_to_live_memory_in_segments() {
     assert!(sum / 60.0 <= 1.10, "mean reserved/live {:.3} (worst {worst:.3})", sum / 60.0);
 }
 
+/// Continuous-batching servers (a logits buffer and activations whose sizes drift from step to
+/// step) replayed cold and then warm on the same pool fit in 1.10x their peak of live memory and
+/// a MiB or two more, in segments and in chunks; without a budget they stay within the headroom.
+#[test]
+#[cfg_attr(miri, ignore)]
+fn serving_loops_fit_under_budgets_in_segments_and_chunks() {
+    for expandable in [true, false] {
+        let config = PoolConfig { expandable, ..PoolConfig::default() };
+        for seed in 1..=12u64 {
+            let trace = serving_steps(seed * 7919, 100);
+            let r = trace.replay_simulated(config.clone(), None);
+            assert!(r.ratio() <= 1.25, "seed {seed}, expandable {expandable}: reserved/live {:.3}", r.ratio());
+            for extra in [0, 1, 2] {
+                let pool = SimulatedPool::new(config.clone(), Some(trace.peak_live() / 100 * 110 + extra * MIB));
+                let (_, out) = replay_cold_then_warm(&trace, &pool);
+                assert_eq!(
+                    out, None,
+                    "seed {seed}, expandable {expandable}, {extra} MiB more: the pass that ran out of memory"
+                );
+            }
+        }
+    }
+}
+
 /// KV-cache decoders replayed cold and then warm on the same pool in segments fit in 1.10x their
 /// peak of live memory and a few MiB more (a GPU budget is the factor's plus up to 2 MiB of whole
 /// pages; on the H200, kv20 of these ran out of memory warm with 1.6 MiB more, as the simulator
@@ -838,12 +896,13 @@ fn budget_robustness_figures() {
     };
     let files = super::traces::traces();
     type Family<'a> = (&'a str, u64, &'a dyn Fn(u64) -> Trace);
-    let families: [Family; 5] = [
+    let families: [Family; 6] = [
         ("traces/", files.len() as u64, &|s| files[s as usize - 1].1.clone()),
         ("kv-cache decoding", 60, &|s| kv_cache_decoding(s * 7919, 100)),
         ("heavy-tailed", 40, &|s| synthetic_trace(s * 104_729, 20_000, 1 + s as usize % 3)),
         ("training", 20, &|s| training_steps(s * 7919, 20)),
         ("inference", 20, &|s| inference_requests(s * 7919, 40)),
+        ("serving", 20, &|s| serving_steps(s * 7919, 200)),
     ];
     // `CUDRV_SWEEP=segments` or `chunks` runs one mode only.
     let only = std::env::var("CUDRV_SWEEP").ok();
