@@ -815,7 +815,7 @@ fn kv_caches_grown_by_concatenation_stay_close_to_live_memory_in_segments() {
 
 /// Continuous-batching servers (a logits buffer and activations whose sizes drift from step to
 /// step) replayed cold and then warm on the same pool fit in 1.10x their peak of live memory and
-/// a MiB or two more, in segments and in chunks; without a budget they stay within the headroom.
+/// a MiB or two more, in segments and in chunks; without a budget they reserve at most 1.25x it.
 #[test]
 #[cfg_attr(miri, ignore)]
 fn serving_loops_fit_under_budgets_in_segments_and_chunks() {
