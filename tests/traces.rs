@@ -255,3 +255,23 @@ fn warm_replays_in_segments_take_their_blocks_from_the_cache() {
         assert!(hits >= 30.0, "{name}: {hits:.1}% of a warm replay's allocations hit the cache");
     }
 }
+
+/// In chunks without a budget, on an emulated device of an H200's free memory (139 GiB, so that
+/// the pool bounds what rounding leaves unused as it does on the GPU), serving_batching's logits
+/// (780-886 MiB, larger at some steps than the step before) reuse their chunk: where a large
+/// chunk's size class would pass the headroom it takes what the headroom leaves, not exactly the
+/// request's pages. Replayed warm it then makes 82 driver allocations; with exact chunks there it
+/// made 124, one logits chunk traded with the driver at most steps that grew them.
+#[test]
+fn in_chunks_a_growing_logits_buffer_reuses_its_chunk_at_the_headroom() {
+    let (_, trace) = traces().into_iter().find(|(name, _)| name == "serving_batching.csv").expect("the trace");
+    let pool = SimulatedPool::new(PoolConfig { expandable: false, ..PoolConfig::default() }, Some(139 << 30));
+    let cold = trace.replay_on(&pool);
+    let warm = trace.replay_on(&pool);
+    assert!(cold.ratio() <= 1.25 && warm.ratio() <= 1.25, "reserved/live {:.3}, {:.3}", cold.ratio(), warm.ratio());
+    assert!(
+        warm.driver_allocs <= 100,
+        "{} driver allocations warm (82 expected, 124 with exact chunks)",
+        warm.driver_allocs
+    );
+}

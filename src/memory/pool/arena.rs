@@ -506,12 +506,14 @@ impl<B: Backend> Arena<B> {
         }
         let (_, limit) = self.growth_limits(peak, headroom, tight, free);
         if self.stats.reserved.saturating_add(chunk) > limit {
-            // A large chunk rounded up to its size class would pass the headroom: it takes what
-            // the headroom leaves, if that is more than the request's pages, so that the same
-            // buffer a step later, a little larger, still fits it. (serving_batching's logits,
-            // 780-886 MiB, traded a chunk with the driver at every step that grew them: its
-            // replay without a budget made 255 driver allocations cold and 124 warm, 197 and 82
-            // so.) Near capacity, exactly the request's pages.
+            // A large chunk rounded up to its size class would pass the headroom (or, with
+            // `headroom` off, the release threshold): it takes what the bound leaves, if that is
+            // more than the request's pages, so that the same buffer a step later, a little
+            // larger, still fits it. (serving_batching's logits, 780-886 MiB, traded a chunk with
+            // the driver at most steps that grew them: its replay without a budget made 255
+            // driver allocations cold and 124 warm; now 197 and 82.) Where even the request's
+            // pages pass the bound, they are what is grown, after the reuse and release below;
+            // near capacity, exactly the request's pages.
             let room =
                 limit.saturating_sub(self.stats.reserved) / self.config.large_granule * self.config.large_granule;
             chunk = if kind == Kind::Large && !tight { room.min(chunk).max(exact) } else { exact };

@@ -45,7 +45,7 @@ pub struct PoolConfig {
     /// grown by concatenation) then reuses the chunk it freed two steps before, until it crosses
     /// into the next class, instead of needing a new chunk every step. 0 rounds to
     /// `large_granule` only. Where the class would pass the headroom, the chunk takes what the
-    /// headroom leaves (at least the request's pages), so that the buffer a step later, a little
+    /// headroom leaves where the request's pages still fit, so that the buffer a step later, a little
     /// larger, still fits it. Near the device's capacity the pool grows exactly instead, and
     /// so it does while what the rounding leaves unused in the blocks that are out adds up to
     /// 0.25% of the device's memory (so that a device filled with live buffers is filled as

@@ -67,7 +67,7 @@
 //! * *Headroom*: the arena grows freely while reserved memory stays within
 //!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (20%) of the most
 //!   memory live at once. A large chunk whose size class would pass it takes what the headroom
-//!   leaves (at least the request's pages), so that the same buffer a step later, a little
+//!   leaves where the request's pages still fit, so that the same buffer a step later, a little
 //!   larger, still fits it. Past it, a large request first takes cached memory it passes over
 //!   otherwise: a free tail that holds it, else any free large block that holds it, while what
 //!   blocks leave unused stays within the headroom's share of the most memory live at once and
