@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use cudrv::graph::CaptureMode;
 use cudrv::launch::LaunchConfig;
-use cudrv::memory::{DeviceBuffer, MemoryResource, SyncResource};
+use cudrv::memory::{DeviceBuffer, MemoryResource, StreamOrderedPool, SyncResource};
 use cudrv::module::Module;
 use cudrv::{Device, Stream};
 use cudrv_test_support::{fake_faults_injected, fake_report, run_with_fake};
@@ -222,6 +222,28 @@ fn pool_in_segments_survives_every_driver_fault() {
     ];
     let functions: Vec<&str> = vmm.into_iter().chain(COMMON).collect();
     sweep(&[("CUDRV_FAKE_MODE", "tcc")], &functions, &["cuMemCreate"]);
+}
+
+/// A driver that reports virtual memory management but refuses every `cuMemCreate` with
+/// `CUDA_ERROR_NOT_SUPPORTED` (as an interposer or a driver model that keeps the virtual memory
+/// calls from the process would) leaves the device's pool growing in chunks: every size is
+/// served and reads back what was written.
+#[test]
+fn pool_grows_in_chunks_where_the_driver_refuses_every_mapping() {
+    with_fault(&[("CUDRV_FAKE_MODE", "tcc")], "cuMemCreate:1+:801", || {
+        let dev = Device::get(0).unwrap();
+        let stream = Stream::new(&dev).unwrap();
+        let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        assert!(pool.grows_in_segments(), "the fake's device reports virtual memory management");
+        for (i, len) in LENS.into_iter().enumerate() {
+            let data: Vec<u32> = (0..len as u32).map(|x| x ^ (i as u32) << 24).collect();
+            let buf = DeviceBuffer::from_slice_in(&data, &stream, pool.clone()).unwrap();
+            assert_eq!(buf.to_vec().unwrap(), data, "{len} elements");
+        }
+        assert!(fake_faults_injected() >= 1, "cuMemCreate was never called");
+        assert!(!pool.grows_in_segments());
+        assert!(pool.pool_stats().driver_allocs >= 3, "{:?}", pool.pool_stats());
+    });
 }
 
 #[test]

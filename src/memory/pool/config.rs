@@ -86,7 +86,8 @@ pub struct PoolConfig {
     /// across what each growth added, so requests whose sizes keep changing reuse memory instead
     /// of growing the pool: reserved memory stays close to live memory, and a warm workload makes
     /// no driver call. The chunk settings above then apply only where the device has no virtual
-    /// memory management.
+    /// memory management, or where the driver refuses the pool's first address range or first
+    /// mapping (it then grows in chunks for good).
     ///
     /// Memory in segments cannot be shared with legacy IPC (`cuIpcGetMemHandle` takes only
     /// `cuMemAlloc` memory): [`DeviceBuffer::ipc_handle`](crate::memory::DeviceBuffer::ipc_handle)

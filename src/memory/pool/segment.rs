@@ -252,6 +252,18 @@ impl<B: Backend> Arena<B> {
                 }
                 Err(e) => {
                     self.free_empty_segment(b, c);
+                    // A driver that reports virtual memory management but refuses the first
+                    // mapping the pool ever makes (an interposer, or a driver model that keeps
+                    // `cuMemCreate` from the process) leaves chunks, as one that refuses the
+                    // address range does: `cuMemAlloc` serves where the virtual memory calls
+                    // do not.
+                    if self.stats.driver_allocs == 0 {
+                        self.free_empty_segments(b);
+                        if self.chunks.iter().next().is_none() {
+                            self.segments = None;
+                            return self.grow(b, s, size, headroom, may_release);
+                        }
+                    }
                     return Err(PoolError::Backend(e));
                 }
             }

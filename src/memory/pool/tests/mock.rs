@@ -99,7 +99,7 @@ pub(super) struct State {
     /// Whether every address reservation fails.
     pub(super) refuse_reserve: bool,
     /// Reserved address ranges: start -> bytes.
-    reservations: BTreeMap<u64, usize>,
+    pub(super) reservations: BTreeMap<u64, usize>,
     /// Mappings (also in `chunks`): start -> handle.
     mappings: BTreeMap<u64, u64>,
     next_handle: u64,

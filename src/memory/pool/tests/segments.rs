@@ -198,6 +198,26 @@ fn a_refused_address_range_gives_a_smaller_one_then_chunks() {
     h.teardown();
 }
 
+/// A driver that reports virtual memory management but refuses the pool's first mapping (an
+/// error other than out of memory) leaves the pool growing in chunks, as a refused address range
+/// does; one that mapped before and refuses later is an error (the next test).
+#[test]
+fn a_refused_first_mapping_leaves_chunks() {
+    let h = segments(1, usize::MAX);
+    h.mock.st().fail = Some(Call::Alloc);
+    let a = h.alloc(3 * MIB, 0).unwrap();
+    assert!(h.arena(|a| a.segments.is_none()), "still in segments");
+    let st = h.mock.st();
+    assert!(st.reservations.is_empty(), "the address ranges reserved were kept: {:?}", st.reservations);
+    drop(st);
+    assert_eq!(figures(&h), (32 * MIB, 1, 0), "a medium chunk");
+    let b = h.alloc(16 * MIB, 0).unwrap();
+    h.free(a, 0);
+    h.free(b, 0);
+    h.check();
+    h.teardown();
+}
+
 #[test]
 fn a_failed_map_is_an_error_that_loses_nothing() {
     let h = segments(1, usize::MAX);
