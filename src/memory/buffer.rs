@@ -564,12 +564,17 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if src.len == 0 {
             return Ok(());
         }
-        self.record_use(stream)?;
-        src.buffer.record_use(stream)?;
+        // The uses' gates are held until the copy is queued (as in `copy_from`): a capture begun
+        // by another thread in between would take the copy into its graph unseen, and the
+        // buffers could be freed before the graph runs.
+        let _dst_use = self.use_on(stream)?;
+        let _src_use = src.buffer.use_on(stream)?;
         let dst = self.ptr + (offset * size_of::<T>()) as u64;
         let _b = stream.context().bind()?;
         // SAFETY: both ranges lie in live buffers of this device (checked above), ordered on
-        // `stream` after both buffers' allocation (record_use); `&mut self` and `&src` do not alias.
+        // `stream` after both buffers' allocation (`use_on`, whose gates keep a capture from
+        // beginning on either stream before the copy is queued); `&mut self` and `&src` do not
+        // alias.
         unsafe { drv!(cuMemcpyDtoDAsync_v2(dst, src.ptr, src.len * size_of::<T>(), stream.as_raw())) }
     }
 

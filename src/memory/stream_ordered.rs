@@ -178,6 +178,10 @@ fn retire_when_not_capturing(shared: Arc<Shared>, stream: StreamKey, cache: Cach
 impl Host for Shared {
     type B = CudaBackend;
 
+    fn report(&self, error: Error) {
+        report_drop_error(Some(&self.backend.ctx), error);
+    }
+
     #[inline]
     fn backend(&self) -> &CudaBackend {
         &self.backend
@@ -266,6 +270,10 @@ impl<'a> Op<'a> {
 
 impl Host for Op<'_> {
     type B = CudaBackend;
+
+    fn report(&self, error: Error) {
+        self.shared.report(error);
+    }
 
     #[inline]
     fn backend(&self) -> &CudaBackend {

@@ -127,3 +127,4 @@ pub fn ipc_refused_on_oldest(dev: &Device, stream: &Stream) -> bool {
     }
     true
 }
+mod review_faults21;

@@ -222,6 +222,11 @@ pub(crate) trait Host {
 
     /// Wakes the threads in [`Host::wait_for_release`]: releases were settled.
     fn released(&self) {}
+
+    /// Reports an error of the pool's housekeeping (a free, an unmapping or a wait made to make
+    /// room) that does not decide the request it was made for: the request goes on without that
+    /// room. The CUDA pool hands it to the drop-error hook; the simulator's backend has none.
+    fn report(&self, _error: ErrorOf<Self>) {}
 }
 
 pub(crate) type StreamOf<H> = <<H as Host>::B as Backend>::Stream;
@@ -284,7 +289,12 @@ pub(crate) fn allocate_slow<H: Host>(
     // Out of memory: wait for every free (with no lock held) so that all free blocks merge, look
     // again; then give every whole free chunk back and retry the driver at exactly the request.
     h.arena(|a| a.stats.oom_recoveries += 1);
-    settle(h)?;
+    // A failed wait or free here leaves less room, not the request failed: it goes on, and ends in
+    // out of memory if nothing serves (an error of the driver's own, such as its shutdown, comes
+    // back from the growth).
+    if let Err(e) = settle(h) {
+        h.report(e);
+    }
     if let Some(handout) = h.arena(|a| a.take(b, slot, size))? {
         return Ok(adopt(handout));
     }
@@ -292,7 +302,9 @@ pub(crate) fn allocate_slow<H: Host>(
     // keeping), then everything.
     let keep = h.arena(|a| a.reserved_after_making_room(b, size));
     for keep in [keep, 0] {
-        release_settled(h, keep)?;
+        if let Err(e) = release_settled(h, keep) {
+            h.report(e);
+        }
         if let Some(handout) = grow(h, slot, size)? {
             return Ok(adopt(handout));
         }
@@ -316,10 +328,19 @@ fn grow<H: Host>(h: &H, slot: u32, size: usize) -> Result<Option<Handout>, PoolE
     while round < 5 {
         match h.arena(|a| a.grow(b, slot, size, round < 4, true))? {
             Grow::Block(handout) => return Ok(Some(handout)),
-            Grow::Release(chunks) => free_chunks(h, &chunks)?,
+            Grow::Release(chunks) => {
+                if let Err(e) = free_chunks(h, &chunks) {
+                    // The chunks went back to the arena, and would be taken out again: the next
+                    // round grows past the headroom instead.
+                    h.report(e);
+                    round = round.max(3);
+                }
+            }
             Grow::OutOfMemory => return Ok(None),
             Grow::Refused(undo) => {
-                free_chunks(h, &undo)?;
+                if let Err(e) = free_chunks(h, &undo) {
+                    h.report(e);
+                }
                 return Ok(None);
             }
             // Another thread unmaps memory of the segment, with no lock held: wait for it.

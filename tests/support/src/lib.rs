@@ -337,7 +337,8 @@ fn run_in_child(env: &[(&str, &str)], fake: bool, body: impl FnOnce()) -> Option
     }
     let exe = std::env::current_exe().expect("current_exe");
     let mut cmd = Command::new(&exe);
-    cmd.args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"]);
+    // `--include-ignored`: an ignored test run by hand (`-- --ignored`) runs its body there too.
+    cmd.args([name.as_str(), "--exact", "--nocapture", "--test-threads=1", "--include-ignored"]);
     let mut shown: Vec<(String, String)> = Vec::new();
     if fake && !env.iter().any(|(k, _)| *k == DRIVER_PATH_ENV) {
         let path = fake_driver_path().to_string_lossy().into_owned();
