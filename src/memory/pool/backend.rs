@@ -89,6 +89,10 @@ pub(crate) trait Backend {
     fn synchronize(&self, event: &Self::Event) -> Result<(), Self::Error>;
     /// Whether `event` has completed (`cuEventQuery`), without blocking.
     fn query(&self, event: &Self::Event) -> Result<bool, Self::Error>;
+    /// Blocks the host until all work queued on `stream` completes (`cuStreamSynchronize`).
+    /// Called only where an event could not be recorded on a stream being forgotten, and never
+    /// with a lock held.
+    fn synchronize_stream(&self, stream: &Self::Stream) -> Result<(), Self::Error>;
     /// Whether `stream` is capturing a graph: then nothing may be recorded, waited or queried on
     /// it (it would be captured, not run), and its frees are not ordered before anything outside
     /// the capture. The real backend answers for the captures cudrv tracks.
