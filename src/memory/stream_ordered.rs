@@ -178,10 +178,6 @@ fn retire_when_not_capturing(shared: Arc<Shared>, stream: StreamKey, cache: Cach
 impl Host for Shared {
     type B = CudaBackend;
 
-    fn report(&self, error: Error) {
-        report_drop_error(Some(&self.backend.ctx), error);
-    }
-
     #[inline]
     fn backend(&self) -> &CudaBackend {
         &self.backend
@@ -270,10 +266,6 @@ impl<'a> Op<'a> {
 
 impl Host for Op<'_> {
     type B = CudaBackend;
-
-    fn report(&self, error: Error) {
-        self.shared.report(error);
-    }
 
     #[inline]
     fn backend(&self) -> &CudaBackend {
@@ -561,6 +553,10 @@ impl Backend for CudaBackend {
         let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: valid event.
         unsafe { drv!(cuEventSynchronize(event.raw)) }
+    }
+
+    fn report(&self, error: Error) {
+        report_drop_error(Some(&self.ctx), error);
     }
 
     fn synchronize_stream(&self, stream: &StreamKey) -> Result<()> {

@@ -93,6 +93,12 @@ pub(crate) trait Backend {
     /// Called only where an event could not be recorded on a stream being forgotten, and never
     /// with a lock held.
     fn synchronize_stream(&self, stream: &Self::Stream) -> Result<(), Self::Error>;
+    /// Reports an error of the pool's housekeeping that decides nothing for the caller (a free,
+    /// an unmapping or a wait made to make room, an address range that could not be given back):
+    /// the CUDA backend hands it to the drop-error hook, which runs once no lock is held.
+    fn report(&self, error: Self::Error) {
+        let _ = error;
+    }
     /// Whether `stream` is capturing a graph: then nothing may be recorded, waited or queried on
     /// it (it would be captured, not run), and its frees are not ordered before anything outside
     /// the capture. The real backend answers for the captures cudrv tracks.

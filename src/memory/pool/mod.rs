@@ -225,8 +225,10 @@ pub(crate) trait Host {
 
     /// Reports an error of the pool's housekeeping (a free, an unmapping or a wait made to make
     /// room) that does not decide the request it was made for: the request goes on without that
-    /// room. The CUDA pool hands it to the drop-error hook; the simulator's backend has none.
-    fn report(&self, _error: ErrorOf<Self>) {}
+    /// room. See [`Backend::report`].
+    fn report(&self, error: ErrorOf<Self>) {
+        self.backend().report(error);
+    }
 }
 
 pub(crate) type StreamOf<H> = <<H as Host>::B as Backend>::Stream;

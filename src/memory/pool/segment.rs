@@ -600,8 +600,10 @@ impl<B: Backend> Arena<B> {
         if seg.mapped > 0 || seg.unmapping > 0 {
             return;
         }
-        // `cuMemAddressFree` does not wait for the device: allowed with the lock held.
-        if b.free_reserve(chunk.ptr, seg.reserved).is_err() {
+        // `cuMemAddressFree` does not wait for the device: allowed with the lock held. On error
+        // the range stays, empty, and a later release tries again.
+        if let Err(e) = b.free_reserve(chunk.ptr, seg.reserved) {
+            b.report(e);
             return;
         }
         let kind = seg.kind;
