@@ -251,7 +251,6 @@ impl<B: Backend> Arena<B> {
                     goal = missing;
                 }
                 Err(e) => {
-                    self.free_empty_segment(b, c);
                     // A driver that reports virtual memory management but refuses the first
                     // mapping the pool ever makes (an interposer, or a driver model that keeps
                     // `cuMemCreate` from the process) leaves chunks, as one that refuses the
@@ -263,6 +262,8 @@ impl<B: Backend> Arena<B> {
                             self.segments = None;
                             return self.grow(b, s, size, headroom, may_release);
                         }
+                    } else {
+                        self.free_empty_segment(b, c);
                     }
                     return Err(PoolError::Backend(e));
                 }
