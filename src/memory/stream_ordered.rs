@@ -321,9 +321,42 @@ struct CudaBackend {
     /// Who may read and write what segments map: the device, and every device that can access
     /// it peer to peer (as `cuMemAlloc` memory, which peers reach once peer access is enabled).
     access: Vec<cudrv_sys::CUmemAccessDesc>,
+    /// Ranges that a failed [`Backend::map`] left mapped (its undo, `cuMemUnmap`, failed too),
+    /// as (address, bytes). The pool never handed them out; they are unmapped again before
+    /// anything is mapped over them or their address range is given back
+    /// ([`CudaBackend::unstick`]).
+    stuck: Mutex<Vec<(u64, usize)>>,
 }
 
 impl CudaBackend {
+    /// Unmaps the ranges left mapped ([`CudaBackend::stuck`]) that overlap `[va, end)`: those that
+    /// the driver still refuses to unmap stay, and the first refusal is returned.
+    fn unstick(&self, va: u64, end: u64) -> Result<()> {
+        let mut stuck = self.stuck.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if stuck.is_empty() {
+            return Ok(());
+        }
+        let d = driver()?;
+        let mut first = Ok(());
+        stuck.retain(|&(at, bytes)| {
+            if at.saturating_add(bytes as u64) <= va || at >= end {
+                return true;
+            }
+            // SAFETY: a range mapped whole by `map`, which the pool never handed out (the map
+            // failed), unmapped whole; the context is current (the caller bound it).
+            match check("cuMemUnmap", unsafe { d.cuMemUnmap(at, bytes) }) {
+                Ok(()) => false,
+                Err(e) => {
+                    if first.is_ok() {
+                        first = Err(e);
+                    }
+                    true
+                }
+            }
+        });
+        first
+    }
+
     /// What segments need on `device`: its mapping granularity and its memory. `None` where it has
     /// no virtual memory management, or the driver cannot tell.
     fn segments_on(device: &Device) -> Option<Segments> {
@@ -449,7 +482,9 @@ impl Backend for CudaBackend {
     fn free_reserve(&self, va: u64, bytes: usize) -> Result<()> {
         let _b = self.ctx.bind()?;
         let _relaxed = RelaxedCaptureMode::enter();
-        // SAFETY: a range from `reserve`, given back once, with nothing mapped in it.
+        self.unstick(va, va.saturating_add(bytes as u64))?;
+        // SAFETY: a range from `reserve`, given back once, with nothing mapped in it (the arena's
+        // mappings are unmapped, and what a failed map left behind was just unmapped).
         unsafe { drv!(cuMemAddressFree(va, bytes)) }
     }
 
@@ -457,6 +492,8 @@ impl Backend for CudaBackend {
         let _b = self.ctx.bind()?;
         // Never part of a capture: allowed whatever captures are active.
         let _relaxed = RelaxedCaptureMode::enter();
+        // What a failed map left behind there goes first.
+        self.unstick(va, va.saturating_add(bytes as u64))?;
         let device = self.ctx.device();
         let prop = Self::allocation_prop(&device);
         let mut handle = 0;
@@ -470,7 +507,8 @@ impl Backend for CudaBackend {
             e
         };
         // SAFETY: `[va, va + bytes)` lies in a range from `reserve`, and nothing is mapped there
-        // (the pool maps above what it mapped before, and unmaps before it maps there again).
+        // (the pool maps above what it mapped before, and unmaps before it maps there again;
+        // what a failed map left there was unmapped above).
         unsafe { drv!(cuMemMap(va, bytes, 0, handle, 0)) }.map_err(undo_create)?;
         // SAFETY: the range just mapped; valid descriptors, as many as passed.
         let mut granted = unsafe { drv!(cuMemSetAccess(va, bytes, self.access.as_ptr(), self.access.len())) };
@@ -482,9 +520,10 @@ impl Backend for CudaBackend {
         if let Err(e) = granted {
             // SAFETY: the range just mapped, which nothing has used.
             if let Err(unmapped) = unsafe { drv!(cuMemUnmap(va, bytes)) } {
-                // The range stays mapped (the memory is freed when the context goes), and a
-                // later growth into it fails with the driver's error: reported, never hidden.
+                // The range stays mapped (its memory goes once it is unmapped, or with the
+                // context): reported, and unmapped again before the pool maps over it.
                 report_drop_error(Some(&self.ctx), unmapped);
+                self.stuck.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((va, bytes));
             }
             return Err(undo_create(e));
         }
@@ -518,6 +557,10 @@ impl Backend for CudaBackend {
 
     fn is_out_of_memory(&self, err: &Error) -> bool {
         err.code() == Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    }
+
+    fn is_unsupported(&self, err: &Error) -> bool {
+        matches!(err.code(), Some(CUresult::CUDA_ERROR_NOT_SUPPORTED | CUresult::CUDA_ERROR_NOT_PERMITTED))
     }
 
     fn create_event(&self) -> Result<Arc<PoolEvent>> {
@@ -602,7 +645,7 @@ impl StreamOrderedPool {
         let ctx = device.primary_context()?;
         let segments = if config.expandable { CudaBackend::segments_on(device) } else { None };
         let access = if segments.is_some() { CudaBackend::access_on(device) } else { Vec::new() };
-        let backend = CudaBackend { ctx, segments, access };
+        let backend = CudaBackend { ctx, segments, access, stuck: Mutex::new(Vec::new()) };
         let mut arena = Arena::new(config);
         arena.use_segments(backend.segments());
         let shared = Arc::new_cyclic(|me| Shared {

@@ -369,9 +369,13 @@ fn a_mapping_refused_access_and_then_its_undo_is_an_error_reported_twice() {
         assert_eq!(err.code(), Some(CUresult::CUDA_ERROR_UNKNOWN), "{err}");
         let Err(Error::Deferred(unmap)) = ctx.take_deferred() else { panic!("the failed undo was not reported") };
         assert_eq!(unmap.code(), Some(CUresult::CUDA_ERROR_INVALID_HANDLE), "{unmap}");
-        // The driver kept the range mapped: a growth into it is refused, with the driver's error.
-        let again = DeviceBuffer::<u8>::zeroed(1 << 20, &s).unwrap_err();
-        assert!(matches!(again, Error::Driver { call: "cuMemMap", .. }), "{again}");
+        // The driver kept the range mapped; the pool unmaps it again (the fault is spent) before
+        // it maps there or gives the range back, and the next growth serves.
+        let again = DeviceBuffer::from_slice(&[7u8; 1 << 20], &s).unwrap();
+        assert!(again.to_vec().unwrap().iter().all(|&x| x == 7));
+        drop(again);
+        dev.memory_resource().unwrap().trim(0).unwrap();
+        assert!(ctx.take_deferred().is_ok(), "nothing more to report");
     });
 }
 
@@ -391,9 +395,7 @@ fn the_drop_error_hook_may_use_the_pool_whose_lock_met_the_error() {
         let s = Stream::new(&dev).unwrap();
         let err = DeviceBuffer::<u8>::zeroed(1 << 20, &s).unwrap_err();
         assert_eq!(err.code(), Some(CUresult::CUDA_ERROR_UNKNOWN), "{err}");
-        // The failed undo, then the range the pool could not give back: the driver kept it mapped.
-        let seen = [(Some(CUresult::CUDA_ERROR_INVALID_HANDLE), 0), (Some(CUresult::CUDA_ERROR_INVALID_VALUE), 0)];
-        assert_eq!(*SEEN.lock().unwrap(), seen);
+        assert_eq!(*SEEN.lock().unwrap(), [(Some(CUresult::CUDA_ERROR_INVALID_HANDLE), 0)]);
     });
 }
 

@@ -297,13 +297,11 @@ fn headroom_segments_case() {
 }
 
 /// `CudaBackend::map`: when `cuMemSetAccess` fails and the `cuMemUnmap` that undoes the mapping
-/// fails too, the range stays mapped (its handle released: the memory is freed only when it is
-/// unmapped, which never happens), and the arena does not know it. The code's comment says "a
-/// later growth into it fails with the driver's error"; but every growth of the segment maps at
-/// the same place (its top), so *every* later growth of that segment fails, for the pool's life:
-/// from a double fault on, the pool serves no request it has no free block for.
+/// fails too, the range stays mapped (its handle released: the memory is freed only once it is
+/// unmapped). The backend unmaps it again before it maps over it or gives its address range
+/// back, so that once the fault is spent every growth serves. (Every later growth of the segment
+/// failed: it mapped at the same place, its top.)
 #[test]
-#[ignore = "bug: a mapping left behind by a failed cuMemSetAccess + cuMemUnmap makes every later growth of the segment fail"]
 fn a_mapping_left_behind_does_not_stop_growth_for_good() {
     run(&with(&SEGMENTS, &[("CUDRV_FAKE_FAIL", "cuMemSetAccess:1:999,cuMemUnmap:1:999")]), stuck_mapping_case);
 }

@@ -78,6 +78,13 @@ pub(crate) trait Backend {
     fn free_memory(&self) -> Option<usize>;
     /// Whether `err` means that the device is out of memory.
     fn is_out_of_memory(&self, err: &Self::Error) -> bool;
+    /// Whether `err` says that the driver does not offer what was asked
+    /// (`CUDA_ERROR_NOT_SUPPORTED`, `CUDA_ERROR_NOT_PERMITTED`): a refusal that lasts, unlike a
+    /// call that failed once.
+    fn is_unsupported(&self, err: &Self::Error) -> bool {
+        let _ = err;
+        false
+    }
     /// Creates an event (`cuEventCreate` with `CU_EVENT_DISABLE_TIMING`).
     fn create_event(&self) -> Result<Self::Event, Self::Error>;
     /// Records `event` on `stream` (`cuEventRecord`), replacing its previous recording.

@@ -251,12 +251,12 @@ impl<B: Backend> Arena<B> {
                     goal = missing;
                 }
                 Err(e) => {
-                    // A driver that reports virtual memory management but refuses the first
-                    // mapping the pool ever makes (an interposer, or a driver model that keeps
-                    // `cuMemCreate` from the process) leaves chunks, as one that refuses the
-                    // address range does: `cuMemAlloc` serves where the virtual memory calls
-                    // do not.
-                    if self.stats.driver_allocs == 0 {
+                    // A driver that reports virtual memory management but does not offer it
+                    // for the first mapping the pool ever makes (an interposer, or a driver model
+                    // that keeps `cuMemCreate` from the process) leaves chunks, as one that
+                    // refuses the address range does: `cuMemAlloc` serves where the virtual
+                    // memory calls do not. (A call that failed once is only an error.)
+                    if self.stats.driver_allocs == 0 && b.is_unsupported(&e) {
                         self.free_empty_segments(b);
                         if self.chunks.iter().next().is_none() {
                             self.segments = None;

@@ -19,6 +19,8 @@ pub(super) struct S(pub(super) usize);
 pub(super) enum MockErr {
     Oom,
     Injected,
+    /// Injected, saying that the driver does not offer the call ([`State::unsupported`]).
+    Unsupported,
 }
 
 impl fmt::Display for MockErr {
@@ -98,6 +100,9 @@ pub(super) struct State {
     pub(super) vmm: Option<(usize, usize)>,
     /// Whether every address reservation fails.
     pub(super) refuse_reserve: bool,
+    /// The fault injected by `fail` says the driver does not offer the call
+    /// ([`MockErr::Unsupported`]) instead of failing once.
+    pub(super) unsupported: bool,
     /// Reserved address ranges: start -> bytes.
     pub(super) reservations: BTreeMap<u64, usize>,
     /// Mappings (also in `chunks`): start -> handle.
@@ -153,6 +158,7 @@ impl Mock {
             frees: Vec::new(),
             vmm: None,
             refuse_reserve: false,
+            unsupported: false,
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
             next_handle: 1,
@@ -297,7 +303,7 @@ impl Mock {
         st.calls += 1;
         if st.fail == Some(which) {
             st.fail = None;
-            return Err(MockErr::Injected);
+            return Err(if st.unsupported { MockErr::Unsupported } else { MockErr::Injected });
         }
         Ok(st)
     }
@@ -463,6 +469,10 @@ impl Backend for Mock {
 
     fn is_out_of_memory(&self, err: &MockErr) -> bool {
         *err == MockErr::Oom
+    }
+
+    fn is_unsupported(&self, err: &MockErr) -> bool {
+        *err == MockErr::Unsupported
     }
 
     fn create_event(&self) -> Result<Arc<MockEvent>, MockErr> {

@@ -198,12 +198,19 @@ fn a_refused_address_range_gives_a_smaller_one_then_chunks() {
     h.teardown();
 }
 
-/// A driver that reports virtual memory management but refuses the pool's first mapping (an
-/// error other than out of memory) leaves the pool growing in chunks, as a refused address range
-/// does; one that mapped before and refuses later is an error (the next test).
+/// A driver that reports virtual memory management but does not offer it for the pool's first
+/// mapping leaves the pool growing in chunks, as a refused address range does; a first mapping
+/// that merely failed, or one that fails after others mapped (the next test), is an error.
 #[test]
-fn a_refused_first_mapping_leaves_chunks() {
+fn a_first_mapping_the_driver_does_not_offer_leaves_chunks() {
     let h = segments(1, usize::MAX);
+    h.mock.st().fail = Some(Call::Alloc);
+    assert_eq!(h.alloc(3 * MIB, 0), Err(PoolError::Backend(MockErr::Injected)));
+    assert!(h.arena(|a| a.segments.is_some()), "a failure that may pass left segments");
+    h.check();
+    h.teardown();
+    let h = segments(1, usize::MAX);
+    h.mock.st().unsupported = true;
     h.mock.st().fail = Some(Call::Alloc);
     let a = h.alloc(3 * MIB, 0).unwrap();
     assert!(h.arena(|a| a.segments.is_none()), "still in segments");
