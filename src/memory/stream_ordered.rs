@@ -602,14 +602,6 @@ impl Backend for CudaBackend {
         report_drop_error(Some(&self.ctx), error);
     }
 
-    fn synchronize_stream(&self, stream: &StreamKey) -> Result<()> {
-        // Under the stream's gate no capture begins before the wait (which a capture refuses).
-        let _gate = stream.refuse_in_capture(CAPTURED_MEANWHILE)?;
-        let _b = self.ctx.bind()?;
-        // SAFETY: valid stream (the pool holds a clone of it).
-        unsafe { drv!(cuStreamSynchronize(stream.as_raw())) }
-    }
-
     fn is_capturing(&self, stream: &StreamKey) -> bool {
         // The captures cudrv tracks. Raw-driver captures of a cudrv stream are the caller's to
         // keep apart from the pool's work (they go through `unsafe` code). Asked with the arena

@@ -96,10 +96,6 @@ pub(crate) trait Backend {
     fn synchronize(&self, event: &Self::Event) -> Result<(), Self::Error>;
     /// Whether `event` has completed (`cuEventQuery`), without blocking.
     fn query(&self, event: &Self::Event) -> Result<bool, Self::Error>;
-    /// Blocks the host until all work queued on `stream` completes (`cuStreamSynchronize`).
-    /// Called only where an event could not be recorded on a stream being forgotten, and never
-    /// with a lock held.
-    fn synchronize_stream(&self, stream: &Self::Stream) -> Result<(), Self::Error>;
     /// Reports an error of the pool's housekeeping that decides nothing for the caller (a free,
     /// an unmapping or a wait made to make room, an address range that could not be given back):
     /// the CUDA backend hands it to the drop-error hook, which runs once no lock is held.

@@ -539,10 +539,10 @@ pub(crate) fn orphan_live<H: Host>(h: &H, cache: &mut Cache) {
 
 /// Forgets `stream`, whose last user let go of it; `cache` is its cache, already taken off the
 /// stream. Its free blocks go to the arena with a last event recorded on the stream, and its live
-/// allocations become orphans that any stream may free. Where the record fails, the host waits
-/// for the stream instead (with no lock held), the stream is forgotten all the same, and the
-/// record's error is reported ([`Host::report`]). An error means the wait failed too: the arena
-/// keeps the stream.
+/// allocations become orphans that any stream may free. Where the record fails, the arena keeps
+/// the stream (and the error is returned). Waiting for it on the host instead is not sound for a
+/// per-thread stream retired off its thread (its handle there is the legacy stream, whose wait
+/// does not cover the owner's work), and would block under the stream's attachments lock.
 ///
 /// The blocks go back under the stream's state as the arena knows it now (a fresh one if it has
 /// none), not the cache's slot: the retirement may run late (a capture defers it), after a
@@ -560,13 +560,6 @@ pub(crate) fn retire<H: Host>(h: &H, stream: &StreamOf<H>, mut cache: Cache) -> 
         a.stats.retired_allocations += stats.allocations;
         a.stats.retired_hits += stats.hits;
         a.forget_stream(h.backend(), stream)
-    })
-    .or_else(|e| {
-        // Kept, the stream's state (and the stream with it) would stay for the pool's life.
-        h.backend().synchronize_stream(stream)?;
-        h.arena(|a| a.forget_synchronized_stream(stream));
-        h.report(e);
-        Ok(())
     })
 }
 

@@ -196,18 +196,6 @@ impl<B: Backend> Arena<B> {
         Ok(())
     }
 
-    /// Forgets `stream` as [`Arena::forget_stream`] does, once the host has waited for all the
-    /// work queued on it (after a failed last record): its frees are complete, and its free blocks
-    /// serve any stream without an event.
-    pub(crate) fn forget_synchronized_stream(&mut self, stream: &B::Stream) {
-        let Some(s) = self.stream_slots.remove(stream) else { return };
-        let st = &mut self.streams[s];
-        st.recorded = st.seq;
-        st.completed = st.seq;
-        st.key = None;
-        self.coalesce_all();
-    }
-
     /// Drops the state of every forgotten stream that holds no free block any more.
     pub(crate) fn reap_forgotten(&mut self) {
         for s in self.streams.indices() {

@@ -117,10 +117,6 @@ impl Backend for SimDevice {
     fn query(&self, _event: &()) -> Result<bool, SimOom> {
         Ok(true)
     }
-
-    fn synchronize_stream(&self, _stream: &usize) -> Result<(), SimOom> {
-        Ok(())
-    }
 }
 
 /// The pool's state on the emulated device.

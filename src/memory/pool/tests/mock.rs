@@ -511,15 +511,6 @@ impl Backend for Mock {
         Ok(())
     }
 
-    fn synchronize_stream(&self, stream: &S) -> Result<(), MockErr> {
-        assert_no_lock("synchronize_stream");
-        let mut st = self.call(Call::Sync)?;
-        let c = st.clocks[stream.0].clone();
-        join(&mut st.host, &c);
-        st.syncs += 1;
-        Ok(())
-    }
-
     fn query(&self, ev: &Arc<MockEvent>) -> Result<bool, MockErr> {
         let mut st = self.call(Call::Query)?;
         let (c, at) = st.event_clock(ev).clone();
