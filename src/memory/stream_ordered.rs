@@ -329,9 +329,10 @@ struct CudaBackend {
 }
 
 impl CudaBackend {
-    /// Unmaps the ranges left mapped ([`CudaBackend::stuck`]) that overlap `[va, end)`: those that
-    /// the driver still refuses to unmap stay, and the first refusal is returned.
-    fn unstick(&self, va: u64, end: u64) -> Result<()> {
+    /// Unmaps the ranges left mapped ([`CudaBackend::stuck`]) that overlap the `bytes` from `va`:
+    /// those that the driver still refuses to unmap stay, and the first refusal is returned.
+    fn unstick(&self, va: u64, bytes: usize) -> Result<()> {
+        let end = va.saturating_add(bytes as u64);
         let mut stuck = self.stuck.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if stuck.is_empty() {
             return Ok(());
@@ -482,7 +483,7 @@ impl Backend for CudaBackend {
     fn free_reserve(&self, va: u64, bytes: usize) -> Result<()> {
         let _b = self.ctx.bind()?;
         let _relaxed = RelaxedCaptureMode::enter();
-        self.unstick(va, va.saturating_add(bytes as u64))?;
+        self.unstick(va, bytes)?;
         // SAFETY: a range from `reserve`, given back once, with nothing mapped in it (the arena's
         // mappings are unmapped, and what a failed map left behind was just unmapped).
         unsafe { drv!(cuMemAddressFree(va, bytes)) }
@@ -493,7 +494,7 @@ impl Backend for CudaBackend {
         // Never part of a capture: allowed whatever captures are active.
         let _relaxed = RelaxedCaptureMode::enter();
         // What a failed map left behind there goes first.
-        self.unstick(va, va.saturating_add(bytes as u64))?;
+        self.unstick(va, bytes)?;
         let device = self.ctx.device();
         let prop = Self::allocation_prop(&device);
         let mut handle = 0;
