@@ -105,6 +105,8 @@ pub(crate) struct Arena<B: Backend> {
     /// Streams not forgotten, to their state's slot.
     pub(crate) stream_slots: FastMap<B::Stream, u32>,
     next_epoch: u64,
+    /// Streams whose forgetting failed, flagged `retired` (see [`Arena::retry_forgets`]).
+    pub(crate) unforgotten: usize,
     /// Live allocations whose stream was forgotten before they were freed.
     pub(crate) orphans: FastMap<u64, Live>,
     /// Blocks reserved for graphs (see [`super::graph`]).
@@ -137,6 +139,7 @@ impl<B: Backend> Arena<B> {
             chunks: Slots::default(),
             streams: Slots::default(),
             stream_slots: FastMap::default(),
+            unforgotten: 0,
             next_epoch: 1,
             orphans: FastMap::default(),
             graphs: super::graph::GraphBlocks::default(),
@@ -161,6 +164,8 @@ impl<B: Backend> Arena<B> {
     /// The slot of `stream`'s state, created if new.
     pub(crate) fn register(&mut self, stream: &B::Stream) -> u32 {
         if let Some(&s) = self.stream_slots.get(stream) {
+            // A stream the arena could not forget has a user again.
+            self.unretire(s);
             return s;
         }
         let epoch = self.new_epoch();

@@ -30,6 +30,9 @@ pub(crate) struct StreamState<B: Backend> {
     /// they come to this state, at the `seq` of their free, when it is. Until then the state is
     /// kept, and a forgotten stream's last record covers them.
     pub(crate) graph_frees: usize,
+    /// Its last user went, but the last record that would let the arena forget it failed: the
+    /// arena forgets it at a later chance ([`Arena::retry_forgets`]), unless a new user comes.
+    pub(crate) retired: bool,
 }
 
 impl<B: Backend> StreamState<B> {
@@ -45,6 +48,7 @@ impl<B: Backend> StreamState<B> {
             completed: 0,
             free: std::array::from_fn(|_| FreeList::new()),
             graph_frees: 0,
+            retired: false,
         }
     }
 

@@ -494,7 +494,9 @@ pub(crate) fn flush_caches<H: Host>(h: &H) -> usize {
 /// and whole free chunks are freed, smallest sufficient first, then largest first.
 pub(crate) fn trim_to<H: Host>(h: &H, keep_bytes: usize) -> Result<(), ErrorOf<H>> {
     let waited = settle(h);
-    release_settled(h, keep_bytes)?;
+    let released = release_settled(h, keep_bytes);
+    h.arena(|a| a.retry_forgets(h.backend()));
+    released?;
     waited
 }
 
@@ -540,9 +542,10 @@ pub(crate) fn orphan_live<H: Host>(h: &H, cache: &mut Cache) {
 /// Forgets `stream`, whose last user let go of it; `cache` is its cache, already taken off the
 /// stream. Its free blocks go to the arena with a last event recorded on the stream, and its live
 /// allocations become orphans that any stream may free. Where the record fails, the arena keeps
-/// the stream (and the error is returned). Waiting for it on the host instead is not sound for a
-/// per-thread stream retired off its thread (its handle there is the legacy stream, whose wait
-/// does not cover the owner's work), and would block under the stream's attachments lock.
+/// the stream and the error is returned; the next trim, or the next stream to retire, forgets it
+/// ([`Arena::retry_forgets`]). (Waiting for the stream on the host instead would not be sound for
+/// a per-thread stream retired off its thread: its handle there is the legacy stream, whose wait
+/// does not cover the owner's work. It would also block under the stream's attachments lock.)
 ///
 /// The blocks go back under the stream's state as the arena knows it now (a fresh one if it has
 /// none), not the cache's slot: the retirement may run late (a capture defers it), after a
@@ -559,6 +562,7 @@ pub(crate) fn retire<H: Host>(h: &H, stream: &StreamOf<H>, mut cache: Cache) -> 
         }
         a.stats.retired_allocations += stats.allocations;
         a.stats.retired_hits += stats.hits;
+        a.retry_forgets(h.backend());
         a.forget_stream(h.backend(), stream)
     })
 }

@@ -180,20 +180,63 @@ impl<B: Backend> Arena<B> {
     /// Forgets `stream`, which its owner is about to destroy: call it while the stream is still
     /// valid. Its free blocks stay in the arena: one last event is recorded on the stream to cover
     /// them, and other streams reuse them after waiting on it. Later calls with an equal stream
-    /// value start afresh, so a recycled handle is safe. Unknown streams are ignored. On error
-    /// nothing changes.
+    /// value start afresh, so a recycled handle is safe. Unknown streams are ignored.
+    ///
+    /// Where the record fails, the arena keeps the stream (its key keeps the handle valid),
+    /// flagged `retired`, and returns the error: [`Arena::retry_forgets`] forgets it later.
     pub(crate) fn forget_stream(&mut self, b: &B, stream: &B::Stream) -> Result<(), B::Error> {
         let Some(&s) = self.stream_slots.get(stream) else { return Ok(()) };
+        self.forget_slot(b, s)
+    }
+
+    /// [`Arena::forget_stream`] of the stream in slot `s`.
+    fn forget_slot(&mut self, b: &B, s: u32) -> Result<(), B::Error> {
         let st = &self.streams[s];
-        if st.has_free_blocks() && st.seq > st.recorded {
-            self.record(b, s)?;
+        if st.has_free_blocks()
+            && st.seq > st.recorded
+            && let Err(e) = self.record(b, s)
+        {
+            if !self.streams[s].retired {
+                self.streams[s].retired = true;
+                self.unforgotten += 1;
+            }
+            return Err(e);
         }
+        self.unretire(s);
         // Frees filed on the stream after this point would be covered by no record; nothing files
         // any: its cache was given back before this call.
-        self.stream_slots.remove(stream);
-        self.streams[s].key = None;
+        if let Some(key) = self.streams[s].key.take() {
+            self.stream_slots.remove(&key);
+        }
         self.maybe_reap(s);
         Ok(())
+    }
+
+    /// Clears the `retired` flag of stream `s` (forgotten now, or a user came back).
+    pub(crate) fn unretire(&mut self, s: u32) {
+        if std::mem::take(&mut self.streams[s].retired) {
+            self.unforgotten -= 1;
+        }
+    }
+
+    /// Tries again to forget the streams whose last record failed when their last user went
+    /// ([`Arena::forget_stream`]), except those capturing a graph (a record there would be
+    /// captured). Each one's frees are then covered by a record that succeeded, its own now or
+    /// one made since (a trim records on every stream with frees to wait for).
+    ///
+    /// The pool calls this where it already touches every stream (a trim, a teardown) and when
+    /// another stream retires, so a failure that passes costs no stream for long. Errors are not
+    /// reported again: the first one was, and the stream stays flagged.
+    pub(crate) fn retry_forgets(&mut self, b: &B) {
+        if self.unforgotten == 0 {
+            return;
+        }
+        for s in self.streams.indices() {
+            let st = &self.streams[s];
+            if st.retired && !st.key.as_ref().is_some_and(|k| b.is_capturing(k)) {
+                let _ = self.forget_slot(b, s);
+            }
+        }
     }
 
     /// Drops the state of every forgotten stream that holds no free block any more.

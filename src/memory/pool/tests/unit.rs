@@ -432,6 +432,74 @@ fn retired_streams_blocks_are_reused_after_their_event() {
     h.teardown();
 }
 
+/// Frees four 512 KiB blocks on stream 0, then retires it with its last record failing: the
+/// arena keeps the stream (the harness does not destroy it). Returns the freed blocks.
+fn retire_with_a_failed_record(h: &Harness) -> Vec<u64> {
+    let ps: Vec<u64> = (0..4).map(|_| h.alloc(512 * KIB, 0).unwrap()).collect();
+    for &p in &ps {
+        h.free(p, 0);
+    }
+    h.mock.st().fail = Some(Call::Record);
+    h.retire(0);
+    assert!(h.mock.st().fail.is_none(), "the last record was tried");
+    assert!(!h.mock.is_destroyed(0));
+    assert_eq!(h.arena(|a| (a.unforgotten, a.stream_slots.contains_key(&S(0)))), (1, true), "kept");
+    ps
+}
+
+#[test]
+fn a_stream_whose_last_record_failed_is_forgotten_by_the_next_trim() {
+    let h = harness(2);
+    retire_with_a_failed_record(&h);
+    trim_to(&h, 0).unwrap();
+    assert_eq!(h.arena(|a| (a.unforgotten, a.stream_slots.contains_key(&S(0)))), (0, false));
+    h.mock.destroy_stream(0);
+    let st = h.stats();
+    assert_eq!((st.reserved, st.streams), (0, 0), "{st:?}");
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn a_stream_whose_last_record_failed_is_forgotten_when_another_retires() {
+    let h = harness(3);
+    let ps = retire_with_a_failed_record(&h);
+    let records = h.mock.st().records;
+    let q = h.alloc(512 * KIB, 1).unwrap();
+    h.free(q, 1);
+    h.retire(1);
+    assert_eq!(h.arena(|a| (a.unforgotten, a.stream_slots.len())), (0, 0), "both forgotten");
+    assert_eq!(h.mock.st().records, records + 2, "stream 0's record, then stream 1's");
+    h.mock.destroy_stream(0);
+    // Stream 0's blocks are reused after a wait on the record made for it (the mock checks the
+    // order of every reuse against the frees).
+    let waits = h.mock.st().waits;
+    let r: Vec<u64> = (0..4).map(|_| h.alloc(512 * KIB, 2).unwrap()).collect();
+    assert!(r.iter().any(|p| ps.contains(p)), "{r:x?} {ps:x?}");
+    assert!(h.mock.st().waits > waits);
+    for p in r {
+        h.free(p, 2);
+    }
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn a_stream_kept_after_a_failed_record_that_gets_a_user_again_is_not_forgotten_under_it() {
+    let h = harness(2);
+    retire_with_a_failed_record(&h);
+    // A new user (a per-thread stream can have one): the stream is the arena's again.
+    let p = h.alloc(512 * KIB, 0).unwrap();
+    assert_eq!(h.arena(|a| (a.unforgotten, a.stream_slots.contains_key(&S(0)))), (0, true));
+    trim_to(&h, 0).unwrap();
+    assert!(h.arena(|a| a.stream_slots.contains_key(&S(0))), "a trim forgets no stream in use");
+    h.free(p, 0);
+    h.retire(0);
+    assert!(h.mock.is_destroyed(0));
+    h.check();
+    h.teardown();
+}
+
 #[test]
 fn teardown_reports_live_allocations() {
     let h = harness(1);
