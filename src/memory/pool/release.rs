@@ -286,6 +286,9 @@ impl<B: Backend> Arena<B> {
         for s in self.streams.indices() {
             if !self.streams[s].has_free_blocks() && !self.owns_releasing_block(s) {
                 let st = self.streams.remove(s).expect("listed above");
+                if st.retired {
+                    self.unforgotten -= 1;
+                }
                 if let Some(key) = st.key {
                     self.stream_slots.remove(&key);
                 }

@@ -168,7 +168,7 @@ impl Harness {
         assert_eq!((st.reserved, st.chunks, st.in_use), (0, 0, 0));
         self.caches.lock().unwrap().clear();
         self.arena(|a| a.forget_idle_streams());
-        assert_eq!(self.arena(|a| a.streams.len()), 0);
+        assert_eq!(self.arena(|a| (a.streams.len(), a.unforgotten)), (0, 0));
         self.mock.assert_clean();
     }
 
@@ -189,6 +189,8 @@ impl Harness {
             }
         }
         self.arena(|a| {
+            let retired = a.streams.iter().filter(|(_, st)| st.retired).count();
+            assert_eq!(a.unforgotten, retired, "streams flagged retired");
             for (&p, l) in &a.orphans {
                 assert!(live.insert(p, l.blk).is_none(), "an orphan also live in a cache");
             }
