@@ -248,6 +248,32 @@ impl Error {
         self.code() == Some(CUresult::CUDA_ERROR_DEINITIALIZED)
     }
 
+    /// Whether the driver can run no more work of the context: a sticky error (a kernel's fault,
+    /// which the driver reports from then on), or a driver or context that is gone. Work queued
+    /// before it will not run (on), so memory it used may be let go.
+    pub(crate) fn ends_all_work(&self) -> bool {
+        use CUresult as R;
+        matches!(
+            self.code(),
+            Some(
+                R::CUDA_ERROR_DEINITIALIZED
+                    | R::CUDA_ERROR_NOT_INITIALIZED
+                    | R::CUDA_ERROR_CONTEXT_IS_DESTROYED
+                    | R::CUDA_ERROR_INVALID_CONTEXT
+                    | R::CUDA_ERROR_ECC_UNCORRECTABLE
+                    | R::CUDA_ERROR_ILLEGAL_ADDRESS
+                    | R::CUDA_ERROR_LAUNCH_TIMEOUT
+                    | R::CUDA_ERROR_ASSERT
+                    | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+                    | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+                    | R::CUDA_ERROR_MISALIGNED_ADDRESS
+                    | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+                    | R::CUDA_ERROR_INVALID_PC
+                    | R::CUDA_ERROR_LAUNCH_FAILED
+            )
+        )
+    }
+
     /// Whether this is an out-of-memory error, from cudrv or from the driver.
     pub fn is_out_of_memory(&self) -> bool {
         matches!(self, Error::OutOfMemory { .. }) || self.code() == Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY)

@@ -617,6 +617,25 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 }
 
+/// The address `offset` bytes into the allocation that starts at `base`, if `bytes` from there lie
+/// inside it (`cuMemGetAddressRange`; the allocation's context must be current).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a range past the allocation; the driver's error.
+fn within_allocation(base: DevicePtr, offset: u64, bytes: u64) -> Result<DevicePtr> {
+    let (mut start, mut size) = (0, 0);
+    // SAFETY: valid out-pointers; `base` was mapped or imported by the caller; the context is
+    // current.
+    unsafe { drv!(cuMemGetAddressRange_v2(&mut start, &mut size, base)) }?;
+    let end = start.checked_add(size as u64);
+    match base.checked_add(offset) {
+        Some(ptr) if ptr.checked_add(bytes).zip(end).is_some_and(|(last, end)| last <= end) => Ok(ptr),
+        _ => Err(Error::InvalidArgument(format!(
+            "the IPC handle claims {bytes} bytes at offset {offset}, past the end of the {size}-byte allocation it opens"
+        ))),
+    }
+}
+
 /// What an [`IpcBuffer`] maps, and how it is let go.
 enum Mapping {
     /// A legacy mapping, shared by every buffer of this process opened from handles of the same
@@ -739,8 +758,14 @@ impl<T: DeviceRepr> IpcBuffer<T> {
                 }
             }
         };
+        // The handle is bytes from another process: its offset and size are checked against the
+        // allocation mapped (a buffer past it would reach other memory of this process).
+        let ptr = {
+            let _b = stream.context().bind()?;
+            within_allocation(mapping.base, handle.offset, handle.bytes)?
+        };
         Ok(IpcBuffer {
-            ptr: mapping.base + handle.offset,
+            ptr,
             len,
             stream: stream.clone(),
             used_on: StreamUses::default(),
@@ -785,15 +810,12 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// # Errors
     /// [`Error::DeviceMismatch`] for a stream of another device; the driver's error.
     pub fn record_use(&self, stream: &Stream) -> Result<()> {
+        if stream.id() != self.stream.id() {
+            crate::memory::check_stream("IpcBuffer::record_use", self.device(), stream)?;
+        }
         // A graph could not keep the mapping alive: refused in a capture (see crate::graph), on
         // the use's stream and on the buffer's (ordering the one after the other would join it).
-        let _gate = stream.refuse_in_capture(CAPTURE)?;
-        let _own_gate = self.stream.refuse_in_capture(CAPTURE)?;
-        if stream.id() == self.stream.id() {
-            return Ok(());
-        }
-        crate::memory::check_stream("IpcBuffer::record_use", self.device(), stream)?;
-        self.used_on.record(&self.stream, stream)
+        self.used_on.use_on(&self.stream, stream, CAPTURE).map(drop)
     }
 
     /// Copies `src` into the buffer (on its stream) and waits.
@@ -872,8 +894,9 @@ impl<T: DeviceRepr> IpcBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.record_use(&self.stream)?;
-        src.record_use(&self.stream)?;
+        // Both held until the copy is queued: a capture begun meanwhile would take it unseen.
+        let _gate = self.stream.refuse_in_capture(CAPTURE)?;
+        let _src = src.use_on(&self.stream)?;
         let _b = self.stream.context().bind()?;
         // SAFETY: both ranges are live device memory of `byte_len` bytes, ordered on the stream.
         unsafe { drv!(cuMemcpyDtoDAsync_v2(self.ptr, src.as_raw(), self.byte_len(), self.stream.as_raw())) }
@@ -887,7 +910,8 @@ impl<T: DeviceRepr> IpcBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.record_use(&self.stream)?;
+        // Held until the memset is queued: a capture begun meanwhile would take it unseen.
+        let _gate = self.stream.refuse_in_capture(CAPTURE)?;
         let _b = self.stream.context().bind()?;
         // SAFETY: the mapped buffer, held mutably; ordered on its stream.
         unsafe { drv!(cuMemsetD8Async(self.ptr, byte, self.byte_len(), self.stream.as_raw())) }
@@ -1298,6 +1322,14 @@ impl ImportedPool {
             let _b = self.inner.ctx.bind()?;
             // SAFETY: valid out-pointer; an imported pool; export data the driver validates.
             unsafe { drv!(cuMemPoolImportPointer(&mut ptr, self.inner.raw, &mut data)) }?;
+            // The size is the handle's claim: checked against the allocation imported.
+            if let Err(e) = within_allocation(ptr, 0, handle.bytes) {
+                // SAFETY: imported just above, unused, freed once.
+                if let Err(free) = unsafe { drv!(cuMemFree_v2(ptr)) } {
+                    report_drop_error(Some(&self.inner.ctx), free);
+                }
+                return Err(e);
+            }
         }
         Ok(IpcBuffer {
             ptr,

@@ -1084,10 +1084,12 @@ impl Stream {
         self.inner().ctx.take_deferred()
     }
 
-    /// Waits until all work queued on the stream is done, for memory that the work touches: if
-    /// `cuStreamSynchronize` fails, it polls the stream until the driver reports it idle or
-    /// failed (a failed stream runs nothing more), so that it never returns while the work may
-    /// still run. Reports no kept `Drop` error.
+    /// Waits until all work queued on the stream is done, for memory that the work touches. If
+    /// `cuStreamSynchronize` fails, it polls the stream (and, where that query fails too, an event
+    /// recorded on it) until the work is done or an error says that the context runs nothing
+    /// more ([`Error::ends_all_work`]): it never returns while the work may still run. Under a
+    /// driver that fails every query with a passing error, it waits as long as that lasts.
+    /// Reports no kept `Drop` error; returns `cuStreamSynchronize`'s error when it failed.
     pub(crate) fn wait_for_memory(&self) -> Result<()> {
         // A capturing stream cannot be waited for (the driver would refuse, and invalidate the
         // capture): the caller keeps the memory (leaks it), which is sound.
@@ -1100,17 +1102,40 @@ impl Stream {
         if matches!(e, Error::InHostFunction { .. }) {
             return Err(e);
         }
+        if e.ends_all_work() {
+            return Err(e);
+        }
         let Some(d) = crate::result::loaded_driver() else { return Err(e) };
+        // Until the work is seen done (or the context dead), the memory is not the caller's: the
+        // stream is asked, and where that fails too, an event recorded on it. Errors that end
+        // nothing are passing, or say nothing of the work: asked again, with a growing pause.
+        let mut event: Option<crate::Event> = None;
         let mut pause = Duration::from_micros(10);
         loop {
-            let _b = self.inner().ctx.bind();
-            // SAFETY: the stream is valid while `self` lives.
-            match unsafe { d.cuStreamQuery(self.as_raw()) } {
-                Ok(CUresult::CUDA_ERROR_NOT_READY) => {
+            let asked = {
+                let _b = self.inner().ctx.bind();
+                // SAFETY: the stream is valid while `self` lives.
+                match unsafe { d.cuStreamQuery(self.as_raw()) } {
+                    Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
+                    other => crate::error::check("cuStreamQuery", other).map(|()| true),
+                }
+            };
+            let done = match asked {
+                Err(q) if !q.ends_all_work() => {
+                    if event.is_none() {
+                        event = crate::Event::new(&self.device()).ok().filter(|ev| ev.record(self).is_ok());
+                    }
+                    event.as_ref().map_or(Err(q), crate::Event::query)
+                }
+                other => other,
+            };
+            match done {
+                Ok(true) => return Err(e),
+                Err(q) if q.ends_all_work() => return Err(e),
+                Ok(false) | Err(_) => {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_millis(10));
                 }
-                _ => return Err(e),
             }
         }
     }

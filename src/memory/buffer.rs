@@ -755,7 +755,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// caller holds them until its work is queued, so that no capture begins on either stream
     /// between this look at their captures and that work.
     #[inline]
-    fn use_on<'s>(&'s self, stream: &'s Stream) -> Result<Gates<'s>> {
+    pub(crate) fn use_on<'s>(&'s self, stream: &'s Stream) -> Result<Gates<'s>> {
         let gates = (stream.key().enter(), (stream.id() != self.stream.id()).then(|| self.stream.key().enter()));
         let capture = stream.key().capture_id();
         let owner = if stream.id() == self.stream.id() { capture } else { self.stream.key().capture_id() };

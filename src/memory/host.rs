@@ -79,7 +79,13 @@ impl Pending {
         }
         match &self.event {
             Some(ev) => stream.wait_event_untracked(ev),
-            None => stream.wait_stream_in_gate(&self.stream),
+            None => {
+                // Held until the wait is queued: ordering `stream` after a capturing stream would
+                // make it join the capture, and the copy queued next with it.
+                let _gate =
+                    self.stream.refuse_in_capture("a copy with a PinnedBuffer whose earlier copy's stream captures")?;
+                stream.wait_stream_in_gate(&self.stream)
+            }
         }
     }
 }
@@ -405,16 +411,21 @@ impl<T: DeviceRepr> Drop for HostRegistration<'_, T> {
         if self.slice.is_empty() {
             return;
         }
-        // A registration borrows its slice, so it cannot be moved into a host function ('static):
-        // this never runs inside one.
-        let ptr = self.slice.as_mut_ptr().cast();
-        let result = self.ctx.bind().and_then(|_b| {
-            // SAFETY: the memory was registered by `register_host` and is unregistered once.
-            unsafe { drv!(cuMemHostUnregister(ptr)) }
+        // Inside a host function, where the driver may not be called, the unregistration is
+        // deferred. Only a registration of a `'static` slice can be there (a host function is
+        // `'static`), so the memory outlives the deferral; elsewhere it runs now, before the
+        // borrow of the slice ends.
+        let (ptr, ctx) =
+            (crate::host_fn::SendHandle(self.slice.as_mut_ptr().cast::<std::ffi::c_void>()), self.ctx.clone());
+        crate::host_fn::now_or_deferred(move || {
+            let result = ctx.bind().and_then(|_b| {
+                // SAFETY: the memory was registered by `register_host` and is unregistered once.
+                unsafe { drv!(cuMemHostUnregister(ptr.get())) }
+            });
+            if let Err(e) = result {
+                report_drop_error(Some(&ctx), e);
+            }
         });
-        if let Err(e) = result {
-            report_drop_error(Some(&self.ctx), e);
-        }
     }
 }
 

@@ -166,6 +166,9 @@ pub enum Advice {
 
 /// What a capture refuses of managed buffers: their free does not wait for graphs.
 const CAPTURE: &str = "ManagedBuffer during a capture (capture work on DeviceBuffers, which graphs keep alive)";
+/// A host copy of a buffer used on a stream that captures now: ordering the copy after that
+/// stream would make the buffer's stream join the capture.
+const USED_IN_CAPTURE: &str = "a ManagedBuffer host copy while a stream it was used on captures";
 
 /// `CU_MEM_ATTACH_GLOBAL`-managed memory for `len` elements of `T` (`cuMemAllocManaged`),
 /// addressable by the host and every device, migrated on demand.
@@ -290,9 +293,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     pub fn record_use(&self, stream: &Stream) -> Result<()> {
         // A graph could not keep this memory alive: refused in a capture (see crate::graph), on
         // the use's stream and on the buffer's (ordering the one after the other would join it).
-        let _gate = stream.refuse_in_capture(CAPTURE)?;
-        let _own_gate = self.stream.refuse_in_capture(CAPTURE)?;
-        self.used_on.record(&self.stream, stream)
+        self.used_on.use_on(&self.stream, stream, CAPTURE).map(drop)
     }
 
     /// Waits on the host for the buffer's stream and every stream its use was recorded on.
@@ -348,7 +349,8 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     /// # Errors
     /// The driver's error.
     pub fn memset(&mut self, byte: u8) -> Result<()> {
-        self.record_use(&self.stream)?;
+        // Held until the memset is queued: a capture begun meanwhile would take it unseen.
+        let _gate = self.stream.refuse_in_capture(CAPTURE)?;
         super::buffer::memset_range(self.ptr, self.byte_len(), byte, &self.stream)
     }
 
@@ -362,7 +364,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.record_use(&self.stream)?;
+        let _gate = self.stream.refuse_in_capture(CAPTURE)?;
         super::buffer::memset_async_range(self.ptr, self.len, bits, size_of::<T>(), &self.stream)
     }
 
@@ -378,7 +380,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.wait_uses_but_own()?;
+        self.used_on.order_after_all(&self.stream, USED_IN_CAPTURE)?;
         {
             let _b = self.stream.context().bind()?;
             // SAFETY: the destination is this buffer, held mutably; `src` stays borrowed until the
@@ -401,7 +403,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.wait_uses_but_own()?;
+        self.used_on.order_after_all(&self.stream, USED_IN_CAPTURE)?;
         {
             let _b = self.stream.context().bind()?;
             // SAFETY: `dst` is valid for the whole copy and stays borrowed until the stream is
@@ -411,12 +413,6 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
             }?;
         }
         self.stream.wait_for_memory()
-    }
-
-    /// Orders the buffer's stream after every other stream its use was recorded on (on the GPU),
-    /// for a copy that must see their work.
-    fn wait_uses_but_own(&self) -> Result<()> {
-        self.used_on.snapshot().iter().try_for_each(|s| self.stream.wait_stream_in_gate(s))
     }
 
     /// The contents in a `Vec`, copied through the driver.
@@ -458,10 +454,11 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        self.record_use(stream)?;
+        // Held until the prefetch is queued: a capture begun meanwhile would take it unseen.
+        let _gates = self.used_on.use_on(&self.stream, stream, CAPTURE)?;
         let _b = stream.context().bind()?;
         // SAFETY: the range is this live managed allocation; the prefetch is ordered on `stream`,
-        // which the buffer's free waits for (record_use); the stream's context is current.
+        // which the buffer's free waits for (its use is recorded); the stream's context is current.
         unsafe { prefetch(self.ptr, self.byte_len(), location, stream.as_raw()) }
     }
 

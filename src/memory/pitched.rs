@@ -23,7 +23,7 @@ use cudrv_sys::{CUDA_MEMCPY2D, CUDA_MEMCPY3D, CUmemorytype};
 
 use super::buffer::{DeviceBuffer, DeviceRepr, byte_len, element_bits};
 use super::host::PinnedBuffer;
-use super::{DevicePtr, StreamUses, check_len, check_stream, free_after_waiting};
+use super::{DevicePtr, StreamUses, UseGates, check_len, check_stream, free_after_waiting};
 use crate::context::Context;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -91,15 +91,18 @@ impl Pitched {
     /// Records a use on `stream` (any stream of the device), as [`DeviceBuffer::record_use`]:
     /// the stream first waits for the buffer's stream, and the free waits for the stream.
     fn record_use(&self, stream: &Stream) -> Result<()> {
+        self.use_on(stream).map(drop)
+    }
+
+    /// [`Pitched::record_use`], with the gates of both streams, to be held until the use's work
+    /// is queued ([`StreamUses::use_on`]).
+    fn use_on<'s>(&'s self, stream: &'s Stream) -> Result<UseGates<'s>> {
+        if stream.id() != self.stream.id() {
+            check_stream("DeviceBuffer2D::record_use", self.device(), stream)?;
+        }
         // A graph could not keep this memory alive: refused in a capture (see crate::graph), on
         // the use's stream and on the buffer's (ordering the one after the other would join it).
-        let _gate = stream.refuse_in_capture(CAPTURE)?;
-        let _own_gate = self.stream.refuse_in_capture(CAPTURE)?;
-        if stream.id() == self.stream.id() {
-            return Ok(());
-        }
-        check_stream("DeviceBuffer2D::record_use", self.device(), stream)?;
-        self.used_on.record(&self.stream, stream)
+        self.used_on.use_on(&self.stream, stream, CAPTURE)
     }
 
     /// The address of byte `x_bytes` of row `row`.
@@ -547,7 +550,8 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
             )));
         }
         same_device("DeviceBuffer2D::copy_rect_from", self.device(), src.mem.device())?;
-        src.mem.record_use(&self.mem.stream)?;
+        // Held until the copy is queued: a capture begun meanwhile would take it unseen.
+        let _gates = src.mem.use_on(&self.mem.stream)?;
         let dst = Side::Device { ptr: self.mem.at(x * size_of::<T>(), y), pitch: self.mem.pitch, height: self.height };
         let from = Side::Device { ptr: src.ptr, pitch: src.mem.pitch, height: src.height };
         // SAFETY: both rectangles lie in live allocations (checked); the destination is held
@@ -575,7 +579,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     pub fn copy_from_buffer(&mut self, src: &DeviceBuffer<T>) -> Result<()> {
         check_len("the pitched buffer", self.len(), src.len())?;
         same_device("DeviceBuffer2D::copy_from_buffer", self.device(), src.device())?;
-        src.record_use(&self.mem.stream)?;
+        let _gates = src.use_on(&self.mem.stream)?;
         let dst = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         let from = Side::Device { ptr: src.as_raw(), pitch: self.mem.row_bytes, height: self.height };
         // SAFETY: the source holds `height` tight rows (checked); the destination is held
@@ -591,7 +595,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     pub fn copy_to_buffer(&self, dst: &mut DeviceBuffer<T>) -> Result<()> {
         check_len("the pitched buffer", self.len(), dst.len())?;
         same_device("DeviceBuffer2D::copy_to_buffer", self.device(), dst.device())?;
-        self.mem.record_use(dst.stream())?;
+        let _gates = self.mem.use_on(dst.stream())?;
         let to = Side::Device { ptr: dst.as_raw(), pitch: self.mem.row_bytes, height: self.height };
         let from = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: the destination holds `height` tight rows (checked) and is held mutably;
@@ -610,6 +614,9 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
         if self.is_empty() {
             return Ok(());
         }
+        // First, and held until the copy is tracked: a capturing stream is refused before
+        // anything is queued on it, and no capture begins before the tracking record.
+        let _gate = self.mem.stream.refuse_in_capture(CAPTURE)?;
         let copy = src.prepare(&self.mem.stream)?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
@@ -630,6 +637,8 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
         if self.is_empty() {
             return Ok(());
         }
+        // As in copy_from_pinned_async.
+        let _gate = self.mem.stream.refuse_in_capture(CAPTURE)?;
         let copy = dst.prepare(&self.mem.stream)?;
         let host = Side::Host {
             ptr: dst.as_mut_ptr_unsynced().cast_const().cast(),
@@ -1019,7 +1028,7 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
             // of the last slice, whose row index (`z * height + y`) could overflow.
             return Ok(());
         }
-        src.mem.record_use(&self.mem.stream)?;
+        let _gates = src.mem.use_on(&self.mem.stream)?;
         let t = size_of::<T>();
         let dst = Side::Device {
             ptr: self.mem.at(at.0 * t, at.2 * self.height + at.1),

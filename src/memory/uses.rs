@@ -30,6 +30,32 @@ impl StreamUses {
         note_use(&mut self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner), owner, stream)
     }
 
+    /// A use on `stream` of memory that belongs to `owner`'s order, refused (with
+    /// [`Error::Capturing`], `what`) where either stream captures: a graph could not keep the
+    /// memory alive, and ordering the one after the other would make it join the capture. The use
+    /// is recorded ([`note_use`]), and the gates of both streams come back: hold them until the
+    /// use's work is queued, so that no capture begins on them in between and takes the work.
+    pub(crate) fn use_on<'s>(&self, owner: &'s Stream, stream: &'s Stream, what: &'static str) -> Result<UseGates<'s>> {
+        let gate = stream.refuse_in_capture(what)?;
+        if stream.id() == owner.id() {
+            return Ok((gate, None));
+        }
+        let own = owner.refuse_in_capture(what)?;
+        self.record(owner, stream)?;
+        Ok((gate, Some(own)))
+    }
+
+    /// Orders `owner` after every stream recorded (on the GPU), for work of its own that must see
+    /// their uses (a copy to or from the host). Refused (with [`Error::Capturing`], `what`) where
+    /// one of them captures: the wait would make `owner` join its capture. Each stream's gate is
+    /// held until `owner`'s wait for it is queued.
+    pub(crate) fn order_after_all(&self, owner: &Stream, what: &'static str) -> Result<()> {
+        self.snapshot().iter().try_for_each(|s| {
+            let _gate = s.refuse_in_capture(what)?;
+            owner.wait_stream_in_gate(s)
+        })
+    }
+
     /// The streams recorded so far.
     pub(crate) fn snapshot(&self) -> Vec<Stream> {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
@@ -40,6 +66,10 @@ impl StreamUses {
         std::mem::take(self.0.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 }
+
+/// The gates [`StreamUses::use_on`] returns: of the use's stream, and of the owner's when it is
+/// another.
+pub(crate) type UseGates<'s> = (Gate<'s>, Option<Gate<'s>>);
 
 /// Notes a use on `stream` of memory that belongs to `owner`'s order: the first time, `stream`
 /// waits (on the GPU) for `owner`'s work so far, so that nothing it runs touches the memory before
@@ -68,7 +98,7 @@ pub(crate) fn wait_for_uses(owner: &Stream, used: &[Stream]) -> Result<()> {
 /// `used`: waits for them, then runs `free`. Outside host functions (deferred from inside one),
 /// and after the end of a capture that any of the streams takes part in.
 /// A failed wait leaks the memory (its work may still run), which is sound, and reports the
-/// error.
+/// error: `free` is then forgotten, never run nor dropped.
 pub(crate) fn free_after_waiting(owner: Stream, used: Vec<Stream>, free: impl FnOnce() -> Result<()> + Send + 'static) {
     if crate::host_fn::in_host_fn() {
         crate::host_fn::defer(move || free_after_waiting(owner, used, free));
@@ -79,7 +109,16 @@ pub(crate) fn free_after_waiting(owner: Stream, used: Vec<Stream>, free: impl Fn
     let mut free = Some(free);
     let capturing = unless_capturing(std::iter::once(&owner).chain(&used), 0, || {
         let Some(free) = free.take() else { return };
-        if let Err(e) = wait_for_uses(&owner, &used).and_then(|()| free()) {
+        let done = match wait_for_uses(&owner, &used) {
+            Ok(()) => free(),
+            Err(e) => {
+                // The work may still run: the closure is not run, and not dropped either (what it
+                // owns, such as a mapping that its drop would close, must outlive that work).
+                std::mem::forget(free);
+                Err(e)
+            }
+        };
+        if let Err(e) = done {
             crate::context::report_drop_error(Some(owner.context()), e);
         }
     });

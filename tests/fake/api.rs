@@ -935,17 +935,17 @@ const PEER_ROLE: &str = "CUDRV_TEST_PEER";
 const PEER_DATA: &str = "CUDRV_TEST_PEER_DATA";
 
 /// In a process started by [`run_peer`] for `role`: the data it was given.
-fn peer_data(role: &str) -> Option<String> {
+pub(crate) fn peer_data(role: &str) -> Option<String> {
     (std::env::var(PEER_ROLE).ok()? == role).then(|| std::env::var(PEER_DATA).unwrap_or_default())
 }
 
 /// Runs the current test again in a new process of this binary, as `role` with `data` (it sees
 /// the same driver and configuration, and returns early through [`peer_data`]); panics with its
 /// output if it fails. Returns its standard output.
-fn run_peer(role: &str, data: &str) -> String {
+pub(crate) fn run_peer(role: &str, data: &str) -> String {
     let name = std::thread::current().name().expect("a test thread").to_string();
     let out = Command::new(std::env::current_exe().unwrap())
-        .args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+        .args([name.as_str(), "--exact", "--nocapture", "--test-threads=1", "--include-ignored"])
         .env(PEER_ROLE, role)
         .env(PEER_DATA, data)
         .env_remove("CUDRV_FAKE_CHILD")
