@@ -159,6 +159,31 @@ fn call_hook(hook: DropErrorHook, error: &Error) {
 /// The most errors kept per context; later ones are counted (and seen by the hook) only.
 const MAX_DEFERRED: usize = 64;
 
+/// Runs `call`, a drop's driver call, with `ctx` current: now, or on cudrv's deferred-work thread
+/// inside a host function (where the driver may not be called). Where the context cannot be made
+/// current for a passing reason (an error that does not end its work), `call` is tried once more
+/// on the deferred-work thread: one failed bind must not leak the handle for good. The last
+/// error goes to the drop-error hook.
+pub(crate) fn drop_call(ctx: Arc<Context>, call: impl FnOnce() -> Result<()> + Send + 'static) {
+    fn attempt(ctx: Arc<Context>, call: impl FnOnce() -> Result<()> + Send + 'static, retry: bool) {
+        let failed = match ctx.bind() {
+            Ok(_bound) => {
+                if let Err(e) = call() {
+                    report_drop_error(Some(&ctx), e);
+                }
+                return;
+            }
+            Err(e) => e,
+        };
+        if retry && !failed.ends_all_work() {
+            crate::host_fn::defer(move || attempt(ctx, call, false));
+        } else {
+            report_drop_error(Some(&ctx), failed);
+        }
+    }
+    crate::host_fn::now_or_deferred(move || attempt(ctx, call, true));
+}
+
 /// Reports an error met in a `Drop`: kept on `ctx` for its next synchronisation, and passed to the
 /// hook. An [`Error::Deferred`] is unwrapped first, so kept errors never nest. Never panics.
 pub(crate) fn report_drop_error(ctx: Option<&Context>, mut error: Error) {
@@ -222,6 +247,7 @@ impl Context {
             return Ok(ctx);
         }
         let mut raw = std::ptr::null_mut();
+        crate::host_fn::refuse_in_host_fn("Device::primary_context")?;
         // SAFETY: `raw` is a valid out-pointer; the device handle came from cuDeviceGet.
         unsafe { drv!(cuDevicePrimaryCtxRetain(&mut raw, device.as_raw())) }?;
         let ctx = Arc::new(Context {
@@ -282,9 +308,15 @@ impl Context {
         if list.is_empty() { Ok(()) } else { Err(Error::Deferred(Box::new(list.remove(0)))) }
     }
 
-    /// Makes work queued on `waiter` after this call wait, on the GPU, for all work queued on
-    /// `stream` (of this context) so far, with a reused event. Returns at once.
-    pub(crate) fn order_after(&self, waiter: cudrv_sys::CUstream, stream: cudrv_sys::CUstream) -> Result<()> {
+    /// Makes work queued on `waiter` (of context `waiter_ctx`) after this call wait, on the GPU,
+    /// for all work queued on `stream` (of this context) so far, with a reused event. Returns at
+    /// once.
+    pub(crate) fn order_after(
+        &self,
+        waiter_ctx: &Context,
+        waiter: cudrv_sys::CUstream,
+        stream: cudrv_sys::CUstream,
+    ) -> Result<()> {
         let event = match self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop() {
             Some(e) => e,
             None => {
@@ -300,7 +332,11 @@ impl Context {
             // SAFETY: the event is of this context and not in use; both streams are valid (the
             // caller holds them); the context is current.
             unsafe { drv!(cuEventRecord(event.0, stream)) }?;
-            // SAFETY: as above; the wait captures this record.
+            // The waiter's handle may be the legacy or the per-thread default stream, which name
+            // the *current* context's: the waiter's own context is current for the wait.
+            let _w = if std::ptr::eq(waiter_ctx, self) { None } else { Some(waiter_ctx.bind()?) };
+            // SAFETY: as above (an event may be waited on from another context's stream); the
+            // wait captures this record.
             unsafe { drv!(cuStreamWaitEvent(waiter, event.0, 0)) }
         });
         self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(event);

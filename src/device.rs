@@ -70,6 +70,7 @@ impl Device {
     /// [`Error::DriverNotFound`] without a driver; the driver's error when `cuInit` fails.
     pub fn count() -> Result<usize> {
         let mut n = 0;
+        crate::host_fn::refuse_in_host_fn("Device::count")?;
         // SAFETY: `n` is a valid out-pointer.
         unsafe { drv!(cuDeviceGetCount(&mut n)) }?;
         Ok(usize::try_from(n).unwrap_or(0))
@@ -83,6 +84,7 @@ impl Device {
         let ordinal = i32::try_from(ordinal)
             .map_err(|_| Error::InvalidArgument(format!("device ordinal {ordinal} is too large")))?;
         let mut raw = 0;
+        crate::host_fn::refuse_in_host_fn("Device::get")?;
         // SAFETY: `raw` is a valid out-pointer; the driver validates the ordinal.
         unsafe { drv!(cuDeviceGet(&mut raw, ordinal)) }?;
         Ok(Device { ordinal, raw })
@@ -116,6 +118,7 @@ impl Device {
     /// The driver's error.
     pub fn name(&self) -> Result<String> {
         let mut buf = [0 as c_char; 256];
+        crate::host_fn::refuse_in_host_fn("Device::name")?;
         // SAFETY: the buffer is valid for its length, which is passed.
         unsafe { drv!(cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, self.raw)) }?;
         // The driver wrote a NUL-terminated string; the last byte is forced to NUL in case not.
@@ -152,6 +155,7 @@ impl Device {
     /// The driver's error.
     pub fn pci_bus_id(&self) -> Result<String> {
         let mut buf = [0 as c_char; 64];
+        crate::host_fn::refuse_in_host_fn("Device::pci_bus_id")?;
         // SAFETY: the buffer is valid for its length, which is passed.
         unsafe { drv!(cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, self.raw)) }?;
         buf[63] = 0;
@@ -165,6 +169,7 @@ impl Device {
     /// The driver's error.
     pub fn total_memory(&self) -> Result<usize> {
         let mut bytes = 0;
+        crate::host_fn::refuse_in_host_fn("Device::total_memory")?;
         // SAFETY: `bytes` is a valid out-pointer.
         unsafe { drv!(cuDeviceTotalMem_v2(&mut bytes, self.raw)) }?;
         Ok(bytes)
@@ -202,6 +207,7 @@ impl Device {
     /// `CUDA_ERROR_INVALID_VALUE` for an attribute this driver does not know.
     pub fn attribute(&self, attribute: A) -> Result<i32> {
         let mut v = 0;
+        crate::host_fn::refuse_in_host_fn("Device::attribute")?;
         // SAFETY: `v` is a valid out-pointer; the driver validates the attribute.
         unsafe { drv!(cuDeviceGetAttribute(&mut v, attribute, self.raw)) }?;
         Ok(v)
@@ -325,6 +331,7 @@ impl Device {
             return Ok(true);
         }
         let mut v = 0;
+        crate::host_fn::refuse_in_host_fn("Device::can_access_peer")?;
         // SAFETY: `v` is a valid out-pointer.
         unsafe { drv!(cuDeviceCanAccessPeer(&mut v, self.raw, peer.raw)) }?;
         Ok(v != 0)

@@ -39,6 +39,12 @@ pub(crate) fn in_host_fn() -> bool {
     IN_HOST_FN.with(Cell::get)
 }
 
+/// [`crate::Error::InHostFunction`] for `call` inside a host function, where the driver may not be
+/// called (it may fail or deadlock); `Ok` elsewhere.
+pub(crate) fn refuse_in_host_fn(call: &'static str) -> crate::Result<()> {
+    if in_host_fn() { Err(crate::Error::InHostFunction { call }) } else { Ok(()) }
+}
+
 /// Marks the calling thread as running a host function until dropped.
 pub(crate) struct HostFnScope {
     was: bool,

@@ -660,18 +660,12 @@ fn legacy_mappings() -> &'static Mutex<Vec<std::sync::Weak<LegacyMapping>>> {
 
 impl Drop for LegacyMapping {
     fn drop(&mut self) {
-        let (base, ctx) = (self.base, self.ctx.clone());
-        let close = move || {
-            let result = ctx.bind().and_then(|_b| {
-                // SAFETY: the mapping was opened once in this context and is closed once, by its
-                // last user, after every use of it completed (IpcBuffer's drop waits).
-                unsafe { drv!(cuIpcCloseMemHandle(base)) }
-            });
-            if let Err(e) = result {
-                report_drop_error(Some(&ctx), e);
-            }
-        };
-        crate::host_fn::now_or_deferred(close)
+        let base = self.base;
+        crate::context::drop_call(self.ctx.clone(), move || {
+            // SAFETY: the mapping was opened once in this context (current) and is closed once, by
+            // its last user, after every use of it completed (IpcBuffer's drop waits).
+            unsafe { drv!(cuIpcCloseMemHandle(base)) }
+        });
     }
 }
 

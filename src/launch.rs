@@ -583,7 +583,7 @@ impl Function {
         self.validate(&cfg)?;
         self.check_stream(stream)?;
         // SAFETY: forwarded to the caller.
-        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Plain) })?
+        unsafe { self.queue(&cfg, stream, args, Kind::Plain) }
     }
 
     /// Launches the kernel as a cooperative kernel (`cuLaunchCooperativeKernel`): all blocks are
@@ -604,7 +604,7 @@ impl Function {
         self.check_stream(stream)?;
         self.check_cooperative(&cfg)?;
         // SAFETY: forwarded to the caller.
-        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Cooperative) })?
+        unsafe { self.queue(&cfg, stream, args, Kind::Cooperative) }
     }
 
     /// Checks that the device can launch cooperatively and that the grid fits on it at once.
@@ -663,7 +663,7 @@ impl Function {
         self.check_cluster(&cfg, cluster)?;
         let attrs = LaunchAttributes::new().cluster_dim(cluster);
         // SAFETY: forwarded to the caller.
-        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Ex(&attrs)) })?
+        unsafe { self.queue(&cfg, stream, args, Kind::Ex(&attrs)) }
     }
 
     /// Checks cluster support, and that `cluster` fits the grid and the kernel.
@@ -742,7 +742,7 @@ impl Function {
         self.check_stream(stream)?;
         self.check_attributes(&cfg, attrs)?;
         // SAFETY: forwarded to the caller.
-        args.with_params(stream, |params| unsafe { self.enqueue(&cfg, stream, params, Kind::Ex(attrs)) })?
+        unsafe { self.queue(&cfg, stream, args, Kind::Ex(attrs)) }
     }
 
     /// Checks every attribute against the device, the driver and the headers.
@@ -949,7 +949,23 @@ impl Function {
         Ok(())
     }
 
-    /// Queues the launch.
+    /// Lays out `args` (recording the buffers' uses on `stream`) and queues the launch.
+    ///
+    /// # Safety
+    /// `args` match the kernel's parameters; the launch satisfies [`Function::launch`]'s
+    /// promises; `cfg` was validated and the stream belongs to the kernel's context.
+    #[inline]
+    unsafe fn queue<A: KernelArgs>(&self, cfg: &LaunchConfig, stream: &Stream, args: A, kind: Kind<'_>) -> Result<()> {
+        // Held from the arguments' looks at the stream's capture (their `record_use`) to the
+        // launch: a capture begun in between would take the launch, and its graph would not keep
+        // buffers that saw no capture.
+        let _gate = stream.key().enter();
+        // SAFETY: forwarded to the caller; `with_params` lays out a `kernelParams` array valid
+        // during the call.
+        args.with_params(stream, |params| unsafe { self.enqueue(cfg, stream, params, kind) })?
+    }
+
+    /// Queues the launch, with its arguments laid out.
     ///
     /// # Safety
     /// `params` is a valid `kernelParams` array for the kernel (or unused by it), valid during

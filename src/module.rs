@@ -523,18 +523,12 @@ impl Drop for ModuleInner {
             // A library's: its `Arc` goes with this value, and the library unloads itself.
             return;
         }
-        let (raw, ctx) = (crate::host_fn::SendHandle(self.raw), self.ctx.clone());
-        let unload = move || {
-            let result = ctx.bind().and_then(|_b| {
-                // SAFETY: the module was loaded by cudrv into this context and is unloaded once,
-                // here; no Function refers to it any more (each holds this value).
-                unsafe { drv!(cuModuleUnload(raw.get())) }
-            });
-            if let Err(e) = result {
-                report_drop_error(Some(&ctx), e);
-            }
-        };
-        crate::host_fn::now_or_deferred(unload)
+        let raw = crate::host_fn::SendHandle(self.raw);
+        crate::context::drop_call(self.ctx.clone(), move || {
+            // SAFETY: the module was loaded by cudrv into this context (current) and is unloaded
+            // once, here; no Function refers to it any more (each holds this value).
+            unsafe { drv!(cuModuleUnload(raw.get())) }
+        });
     }
 }
 
@@ -1428,20 +1422,22 @@ fn link_name(name: &str) -> Result<CString> {
 
 impl Drop for Linker {
     fn drop(&mut self) {
-        let (raw, ctx) = (crate::host_fn::SendHandle(self.raw), self.ctx.clone());
-        // The driver may write the logs until the state is destroyed: they go with the closure.
+        let raw = crate::host_fn::SendHandle(self.raw);
+        // The driver may write the logs until the state is destroyed: they go with the closure
+        // (and stay, leaked, if it never runs).
         let kept = (std::mem::take(&mut self.jit), std::mem::take(&mut self.inputs));
-        let destroy = move || {
-            let result = ctx.bind().and_then(|_b| {
-                // SAFETY: the state was created by this Linker and is destroyed once, here.
-                unsafe { drv!(cuLinkDestroy(raw.get())) }
-            });
-            drop(kept);
-            if let Err(e) = result {
-                report_drop_error(Some(&ctx), e);
+        crate::context::drop_call(self.ctx.clone(), move || {
+            // SAFETY: the state was created by this Linker (its context is current) and is
+            // destroyed once, here.
+            let result = unsafe { drv!(cuLinkDestroy(raw.get())) };
+            if result.is_ok() {
+                drop(kept);
+            } else {
+                // The state may live on: what the driver may write stays allocated.
+                std::mem::forget(kept);
             }
-        };
-        crate::host_fn::now_or_deferred(destroy)
+            result
+        });
     }
 }
 

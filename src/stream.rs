@@ -1172,12 +1172,12 @@ impl Stream {
         let joins = self.capture_to_join(other);
         let (Some(id), Some(hooks)) = (joins, join_hooks()) else {
             // The event must be of `other`'s context (the waiter may be of another device).
-            return other.context().order_after(self.as_raw(), other.as_raw());
+            return other.context().order_after(self.context(), self.as_raw(), other.as_raw());
         };
         let before = (hooks.before)(self)?;
         // Other threads' cudrv work on this stream waits until the join is tracked.
         self.key().joining(|| {
-            other.context().order_after(self.as_raw(), other.as_raw())?;
+            other.context().order_after(self.context(), self.as_raw(), other.as_raw())?;
             (hooks.joined)(self, id, before);
             Ok(())
         })
@@ -1206,7 +1206,7 @@ impl Stream {
             _ => None,
         };
         // The event must be of `other`'s context (the waiter may be of another device).
-        other.context().order_after(self.as_raw(), other.as_raw())?;
+        other.context().order_after(self.context(), self.as_raw(), other.as_raw())?;
         if let (Some(id), Some(before), Some(hooks)) = (joins, before, join_hooks()) {
             (hooks.joined)(self, id, before);
         }

@@ -415,6 +415,8 @@ impl<T: DeviceRepr> Drop for HostRegistration<'_, T> {
         // deferred. Only a registration of a `'static` slice can be there (a host function is
         // `'static`), so the memory outlives the deferral; elsewhere it runs now, before the
         // borrow of the slice ends.
+        // (Not `context::drop_call`: its retry after a failed bind would come after the borrow
+        // of a slice that is not `'static` ended.)
         let (ptr, ctx) =
             (crate::host_fn::SendHandle(self.slice.as_mut_ptr().cast::<std::ffi::c_void>()), self.ctx.clone());
         crate::host_fn::now_or_deferred(move || {

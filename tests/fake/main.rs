@@ -128,4 +128,5 @@ pub fn ipc_refused_on_oldest(dev: &Device, stream: &Stream) -> bool {
     true
 }
 mod review22;
+mod review22b;
 mod review_faults21;
