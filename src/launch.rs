@@ -361,7 +361,10 @@ pub unsafe trait KernelArg {
     /// The parameter's value as the kernel sees it.
     type Value: Copy;
 
-    /// The value to pass, for a launch on `stream`. Called once per launch, before it.
+    /// The value to pass, for a launch on `stream`. Called once per launch, before it, with the
+    /// stream's gate held: no capture begins on `stream` until the launch is queued, so the
+    /// implementation must not wait for another thread to begin one there (it would wait for
+    /// ever).
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`] for memory of another device; any error the implementation
