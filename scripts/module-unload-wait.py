@@ -4,13 +4,15 @@
 Launches a kernel that spins for about a second on a non-blocking stream, then unloads its
 module at once and times the unload; then synchronises the stream. If the unload returns
 before the kernel ends, a module dropped right after a launch unloads code that still runs
-(cudrv keeps a module alive only for graphs). ctypes on libcuda.so.1; run on a machine with a
-GPU: python3 scripts/module-unload-wait.py
+(cudrv keeps a module alive only for graphs). ctypes on libcuda.so.1 (through cuda_ctypes.py, which
+makes device 0's primary context current); run on a machine with a GPU:
+python3 scripts/module-unload-wait.py
 """
 import ctypes as C
 import time
 
-cu = C.CDLL("libcuda.so.1")
+from cuda_ctypes import ck, cu
+
 PTX = b"""
 .version 7.0
 .target sm_70
@@ -29,29 +31,17 @@ L:
 }
 """
 
-
-def ok(rc, what):
-    if rc != 0:
-        raise SystemExit(f"{what} failed: {rc}")
-
-
-ok(cu.cuInit(0), "cuInit")
-dev = C.c_int()
-ok(cu.cuDeviceGet(C.byref(dev), 0), "cuDeviceGet")
-ctx = C.c_void_p()
-ok(cu.cuDevicePrimaryCtxRetain(C.byref(ctx), dev), "retain")
-ok(cu.cuCtxSetCurrent(ctx), "set current")
 stream = C.c_void_p()
-ok(cu.cuStreamCreate(C.byref(stream), 1), "cuStreamCreate")
+ck(cu.cuStreamCreate(C.byref(stream), 1), "cuStreamCreate")
 for cycles in (2_000_000_000, 4_000_000_000):
     mod = C.c_void_p()
-    ok(cu.cuModuleLoadData(C.byref(mod), C.c_char_p(PTX)), "cuModuleLoadData")
+    ck(cu.cuModuleLoadData(C.byref(mod), C.c_char_p(PTX)), "cuModuleLoadData")
     fn = C.c_void_p()
-    ok(cu.cuModuleGetFunction(C.byref(fn), mod, b"spin"), "cuModuleGetFunction")
+    ck(cu.cuModuleGetFunction(C.byref(fn), mod, b"spin"), "cuModuleGetFunction")
     arg = C.c_uint64(cycles)
     params = (C.c_void_p * 1)(C.cast(C.byref(arg), C.c_void_p))
     t0 = time.perf_counter()
-    ok(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+    ck(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, params, None), "cuLaunchKernel")
     t1 = time.perf_counter()
     rc_unload = cu.cuModuleUnload(mod)
     t2 = time.perf_counter()

@@ -159,6 +159,15 @@ fn call_hook(hook: DropErrorHook, error: &Error) {
 /// The most errors kept per context; later ones are counted (and seen by the hook) only.
 const MAX_DEFERRED: usize = 64;
 
+/// Runs `call`, a drop's driver call, with `ctx` current, here and once; its error, or the
+/// bind's, goes to the drop-error hook. For callers outside host functions (or deferred from
+/// them); [`drop_call`] also defers, and tries again after a failed bind.
+pub(crate) fn bound_drop_call(ctx: &Context, call: impl FnOnce() -> Result<()>) {
+    if let Err(e) = ctx.bind().and_then(|_b| call()) {
+        report_drop_error(Some(ctx), e);
+    }
+}
+
 /// Runs `call`, a drop's driver call, with `ctx` current: now, or on cudrv's deferred-work thread
 /// inside a host function (where the driver may not be called). Where the context cannot be made
 /// current for a passing reason (an error that does not end its work), `call` is tried once more

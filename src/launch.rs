@@ -51,7 +51,7 @@ use crate::memory::{
 };
 use crate::module::Function;
 use crate::result::driver;
-use crate::stream::Stream;
+use crate::stream::{Gate, Stream};
 
 /// The shape of a launch: grid and block dimensions, and dynamic shared memory per block.
 ///
@@ -917,8 +917,9 @@ impl Function {
     pub unsafe fn launch_raw(&self, cfg: LaunchConfig, stream: &Stream, params: &mut [*mut c_void]) -> Result<()> {
         self.validate(&cfg)?;
         self.check_stream(stream)?;
+        let gate = stream.key().enter();
         // SAFETY: forwarded to the caller.
-        unsafe { self.enqueue(&cfg, stream, params.as_mut_ptr(), Kind::Plain) }
+        unsafe { self.enqueue(&cfg, stream, params.as_mut_ptr(), Kind::Plain, &gate) }
     }
 
     #[inline]
@@ -962,13 +963,16 @@ impl Function {
         // Held from the arguments' looks at the stream's capture (their `record_use`) to the
         // launch: a capture begun in between would take the launch, and its graph would not keep
         // buffers that saw no capture.
-        let _gate = stream.key().enter();
+        let gate = stream.key().enter();
         // SAFETY: forwarded to the caller; `with_params` lays out a `kernelParams` array valid
         // during the call.
-        args.with_params(stream, |params| unsafe { self.enqueue(cfg, stream, params, kind) })?
+        args.with_params(stream, |params| unsafe { self.enqueue(cfg, stream, params, kind, &gate) })?
     }
 
-    /// Queues the launch, with its arguments laid out.
+    /// Queues the launch, with its arguments laid out. `_gate` is `stream`'s, held by the caller:
+    /// no capture begins or ends between the launch and the look at the stream's capture after it
+    /// (`keep_for_capture`), so no launch is captured unseen, to run at the graph's launches with
+    /// its module perhaps unloaded.
     ///
     /// # Safety
     /// `params` is a valid `kernelParams` array for the kernel (or unused by it), valid during
@@ -981,11 +985,8 @@ impl Function {
         stream: &Stream,
         params: *mut *mut c_void,
         kind: Kind<'_>,
+        _gate: &Gate<'_>,
     ) -> Result<()> {
-        // Under the stream's gate no capture begins or ends between the launch and the look at
-        // the stream's capture after it (`keep_for_capture`): a launch captured unseen would run
-        // at the graph's launches with its module perhaps unloaded.
-        let _gate = stream.key().enter();
         let _b = self.context().bind()?;
         let d = driver()?;
         let (g, b, s) = (cfg.grid, cfg.block, stream.as_raw());

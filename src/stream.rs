@@ -1099,10 +1099,7 @@ impl Stream {
             unsafe { drv!(cuStreamSynchronize(self.as_raw())) }
         });
         let Err(e) = synced else { return Ok(()) };
-        if matches!(e, Error::InHostFunction { .. }) {
-            return Err(e);
-        }
-        if e.ends_all_work() {
+        if matches!(e, Error::InHostFunction { .. }) || e.ends_all_work() {
             return Err(e);
         }
         let Some(d) = crate::result::loaded_driver() else { return Err(e) };

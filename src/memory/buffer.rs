@@ -8,7 +8,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::host::PinnedBuffer;
-use super::{DevicePtr, DeviceResource, MemoryResource, StreamOrderedPool, check_len, check_stream, unless_capturing};
+use super::{
+    DevicePtr, DeviceResource, MemoryResource, StreamOrderedPool, UseGates, check_len, check_stream, unless_capturing,
+};
 use crate::context::report_drop_error;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -755,7 +757,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// caller holds them until its work is queued, so that no capture begins on either stream
     /// between this look at their captures and that work.
     #[inline]
-    pub(crate) fn use_on<'s>(&'s self, stream: &'s Stream) -> Result<Gates<'s>> {
+    pub(crate) fn use_on<'s>(&'s self, stream: &'s Stream) -> Result<UseGates<'s>> {
         let gates = (stream.key().enter(), (stream.id() != self.stream.id()).then(|| self.stream.key().enter()));
         let capture = stream.key().capture_id();
         let owner = if stream.id() == self.stream.id() { capture } else { self.stream.key().capture_id() };
@@ -846,10 +848,6 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         self.stream.refuse_in_capture(what)
     }
 }
-
-/// The gates a use of a buffer holds (see [`DeviceBuffer::use_on`]): of the stream of the use,
-/// and of the buffer's own stream when it is another.
-type Gates<'s> = (Gate<'s>, Option<Gate<'s>>);
 
 impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     #[inline]

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use super::buffer::{DeviceRepr, byte_len};
 use super::{DevicePtr, MemoryResource, ResourceKind, check_stream};
-use crate::context::{Context, report_drop_error};
+use crate::context::{Context, bound_drop_call, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::Event;
@@ -293,13 +293,8 @@ fn host_alloc(ctx: &Context, bytes: usize, write_combined: bool) -> Result<*mut 
 }
 
 fn host_free(ctx: &Context, ptr: *mut c_void) {
-    let result = ctx.bind().and_then(|_b| {
-        // SAFETY: `ptr` came from cuMemHostAlloc and no copy uses it any more.
-        unsafe { drv!(cuMemFreeHost(ptr)) }
-    });
-    if let Err(e) = result {
-        report_drop_error(Some(ctx), e);
-    }
+    // SAFETY: `ptr` came from cuMemHostAlloc and no copy uses it any more; the context is current.
+    bound_drop_call(ctx, || unsafe { drv!(cuMemFreeHost(ptr)) });
 }
 
 /// Pinned host memory as a [`MemoryResource`] (`cuMemHostAlloc`, portable, not write-combined).
@@ -420,13 +415,9 @@ impl<T: DeviceRepr> Drop for HostRegistration<'_, T> {
         let (ptr, ctx) =
             (crate::host_fn::SendHandle(self.slice.as_mut_ptr().cast::<std::ffi::c_void>()), self.ctx.clone());
         crate::host_fn::now_or_deferred(move || {
-            let result = ctx.bind().and_then(|_b| {
-                // SAFETY: the memory was registered by `register_host` and is unregistered once.
-                unsafe { drv!(cuMemHostUnregister(ptr.get())) }
-            });
-            if let Err(e) = result {
-                report_drop_error(Some(&ctx), e);
-            }
+            // SAFETY: the memory was registered by `register_host` and is unregistered once; the
+            // context is current.
+            bound_drop_call(&ctx, || unsafe { drv!(cuMemHostUnregister(ptr.get())) });
         });
     }
 }

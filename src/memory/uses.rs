@@ -67,8 +67,8 @@ impl StreamUses {
     }
 }
 
-/// The gates [`StreamUses::use_on`] returns: of the use's stream, and of the owner's when it is
-/// another.
+/// The gates a use of memory holds until its work is queued ([`StreamUses::use_on`],
+/// `DeviceBuffer::use_on`): of the use's stream, and of the owner's when it is another.
 pub(crate) type UseGates<'s> = (Gate<'s>, Option<Gate<'s>>);
 
 /// Notes a use on `stream` of memory that belongs to `owner`'s order: the first time, `stream`

@@ -285,10 +285,8 @@ impl<B: Backend> Arena<B> {
     pub(crate) fn forget_idle_streams(&mut self) {
         for s in self.streams.indices() {
             if !self.streams[s].has_free_blocks() && !self.owns_releasing_block(s) {
+                self.unretire(s);
                 let st = self.streams.remove(s).expect("listed above");
-                if st.retired {
-                    self.unforgotten -= 1;
-                }
                 if let Some(key) = st.key {
                     self.stream_slots.remove(&key);
                 }
