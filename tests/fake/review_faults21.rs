@@ -322,8 +322,9 @@ fn stuck_mapping_case() {
 }
 
 /// A failed `cuMemAddressFree` (a trim giving back a segment's empty range) is reported to the
-/// drop-error hook, and again when the pool is dropped with the range still reserved. (Both
-/// were silent: the trim said `Ok` and the range leaked unreported.)
+/// drop-error hook once, however many later trims fail again, and again when the pool is dropped
+/// with the range still reserved. (Both were silent: the trim said `Ok` and the range leaked
+/// unreported. Then a lasting failure was reported at every trim.)
 #[test]
 fn a_failed_address_free_is_not_hidden() {
     run(&with(&SEGMENTS, &[("CUDRV_FAKE_FAIL", "cuMemAddressFree:1+:999")]), address_free_case);
@@ -344,6 +345,13 @@ fn address_free_case() {
     assert!(fake_faults_injected() >= 1, "the trim gave the range back");
     let reported = ctx.take_deferred();
     assert!(format!("{reported:?}").contains("cuMemAddressFree"), "{reported:?}");
+    // Each later trim tries again, and reports nothing more (it reported at every trim before).
+    let tried = fake_faults_injected();
+    pool.trim(0).unwrap();
+    pool.trim(0).unwrap();
+    assert_eq!(fake_faults_injected(), tried + 2, "each trim tried to give the range back");
+    let again = ctx.take_deferred();
+    assert!(!format!("{again:?}").contains("cuMemAddressFree"), "reported again: {again:?}");
     drop(pool);
     cudrv::flush_deferred_drops().unwrap();
     let kept = ctx.take_deferred();

@@ -102,6 +102,9 @@ pub(crate) struct Segment {
     /// Bytes being unmapped by a caller with no lock held (holes already). The segment neither
     /// grows nor releases more meanwhile.
     pub(crate) unmapping: usize,
+    /// Whether giving the range back (`cuMemAddressFree`) failed: the failure was reported, and
+    /// later attempts, at each release, report nothing more.
+    pub(crate) refused: bool,
 }
 
 impl Segment {

@@ -582,6 +582,8 @@ pub(crate) fn teardown<H: Host>(h: &H) -> Result<Leaked, ErrorOf<H>> {
         allocations += a.orphans.len();
         bytes += a.orphans.values().map(|l| l.requested).sum::<usize>();
     });
+    // A range that could not be given back is reported again: it stays reserved for good now.
+    h.arena(|a| a.rearm_refusals());
     trim_to(h, 0)?;
     Ok(h.arena(|a| {
         a.forget_idle_streams();

@@ -385,7 +385,7 @@ impl<B: Backend> Arena<B> {
     /// Records a new segment of `kind` over the reserved range `[va, va + reserved)`, with nothing
     /// mapped yet.
     fn add_segment(&mut self, kind: Kind, va: u64, reserved: usize) -> u32 {
-        let segment = Segment { reserved, kind, maps: Default::default(), mapped: 0, unmapping: 0 };
+        let segment = Segment { reserved, kind, maps: Default::default(), mapped: 0, unmapping: 0, refused: false };
         let chunk = Chunk { ptr: va, size: 0, first: NIL, out: 0, releasing: false, segment: Some(segment) };
         let c = self.chunks.insert(chunk);
         self.segment_of[kind as usize] = c;
@@ -593,18 +593,31 @@ impl<B: Backend> Arena<B> {
         }
     }
 
+    /// Lets the next failure to give a segment's range back be reported again: at teardown,
+    /// where the range then stays reserved for good.
+    pub(crate) fn rearm_refusals(&mut self) {
+        for c in self.segment_of {
+            if let Some(seg) = self.chunks.get_mut(c).and_then(|chunk| chunk.segment.as_mut()) {
+                seg.refused = false;
+            }
+        }
+    }
+
     /// Gives segment `c`'s range back if nothing is mapped or being unmapped in it (an error
     /// keeps it, to be used again).
     fn free_empty_segment(&mut self, b: &B, c: u32) {
-        let chunk = &self.chunks[c];
-        let Some(seg) = chunk.segment.as_ref() else { return };
+        let chunk = &mut self.chunks[c];
+        let Some(seg) = chunk.segment.as_mut() else { return };
         if seg.mapped > 0 || seg.unmapping > 0 {
             return;
         }
         // `cuMemAddressFree` does not wait for the device: allowed with the lock held. On error
-        // the range stays, empty, and a later release tries again.
+        // the range stays, empty, and a later release tries again; the first failure is reported
+        // (a lasting one would otherwise be reported at every release).
         if let Err(e) = b.free_reserve(chunk.ptr, seg.reserved) {
-            b.report(e);
+            if !std::mem::replace(&mut seg.refused, true) {
+                b.report(e);
+            }
             return;
         }
         let kind = seg.kind;
