@@ -51,3 +51,30 @@ for cycles in (2_000_000_000, 4_000_000_000):
         f"cycles={cycles}: launch {1e3 * (t1 - t0):.3f} ms, cuModuleUnload rc={rc_unload} took "
         f"{1e3 * (t2 - t1):.1f} ms, then cuStreamSynchronize rc={rc_sync} took {1e3 * (t3 - t2):.1f} ms"
     )
+
+# A launch still queued (behind another module's kernel) when its module is unloaded: the
+# unload must wait for both kernels (about 2 s), and the stream must then report no error.
+mods = []
+for _ in range(2):
+    m = C.c_void_p()
+    ck(cu.cuModuleLoadData(C.byref(m), C.c_char_p(PTX)), "cuModuleLoadData")
+    mods.append(m)
+fns = []
+for m in mods:
+    f = C.c_void_p()
+    ck(cu.cuModuleGetFunction(C.byref(f), m, b"spin"), "cuModuleGetFunction")
+    fns.append(f)
+arg = C.c_uint64(2_000_000_000)
+params = (C.c_void_p * 1)(C.cast(C.byref(arg), C.c_void_p))
+for f in fns:
+    ck(cu.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+t1 = time.perf_counter()
+rc_unload = cu.cuModuleUnload(mods[1])
+t2 = time.perf_counter()
+rc_sync = cu.cuStreamSynchronize(stream)
+t3 = time.perf_counter()
+print(
+    f"queued behind another module's kernel: cuModuleUnload rc={rc_unload} took {1e3 * (t2 - t1):.1f} ms, "
+    f"then cuStreamSynchronize rc={rc_sync} took {1e3 * (t3 - t2):.1f} ms"
+)
+ck(cu.cuModuleUnload(mods[0]), "cuModuleUnload")
