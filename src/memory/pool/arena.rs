@@ -540,7 +540,7 @@ impl<B: Backend> Arena<B> {
             }
             if may_release {
                 let target = limit.saturating_sub(exact);
-                let detached = self.detach_free_chunks(b, target, super::release::Completion::Poll)?;
+                let detached = self.detach_free_chunks(b, target, super::release::Completion::Poll);
                 if !detached.is_empty() {
                     return Ok(Grow::Release(detached));
                 }
@@ -570,14 +570,26 @@ impl<B: Backend> Arena<B> {
     /// (Replayed in 1.10 times their peak of live memory, 11 of 60 synthetic KV-cache decoders
     /// and none of 40 heavy-tailed traces ran out of memory in chunks, against 14 and 1 when grown
     /// by exactly the request.)
-    fn packed_medium_chunk(&self, size: usize) -> usize {
+    ///
+    /// The chunks are tried smallest first, each with as many requests as it holds (the fewest
+    /// requests whose pages make it, counted one by one, would reach the same chunk), so that
+    /// the search takes a few steps whatever the sizes: counting requests one by one took
+    /// `medium_chunk / size` steps, 10^16 for a request of a few KiB with pages of
+    /// [`MAX_REQUEST`](super::MAX_REQUEST) bytes (a hang; and `unused * 8` overflowed).
+    pub(crate) fn packed_medium_chunk(&self, size: usize) -> usize {
         let granule = self.config.large_granule;
+        let size = size.max(1);
         let exact = round_up(size, granule).unwrap_or(size);
         let most = self.config.medium_chunk.min(exact.saturating_mul(3));
-        (1..=most / size.max(1))
-            .map_while(|n| round_up(size * n, granule).filter(|&c| c <= most).map(|c| (c, c - size * n)))
-            .find(|&(chunk, unused)| unused * 8 <= chunk)
-            .map_or(exact, |(chunk, _)| chunk)
+        let mut n: usize = 1;
+        while let Some(chunk) = n.checked_mul(size).and_then(|b| round_up(b, granule)).filter(|&c| c <= most) {
+            let holds = chunk / size;
+            if chunk - holds * size <= chunk / 8 {
+                return chunk;
+            }
+            n = holds + 1;
+        }
+        exact
     }
 
     /// Allocates a chunk of `bytes` of `kind` for stream `s` and returns its single block. `None`
@@ -625,7 +637,7 @@ impl<B: Backend> Arena<B> {
             return Ok(None);
         }
         if may_release {
-            let detached = self.detach_free_chunks(b, 0, super::release::Completion::Poll)?;
+            let detached = self.detach_free_chunks(b, 0, super::release::Completion::Poll);
             if !detached.is_empty() {
                 self.consolidating = true;
                 return Ok(Some(Grow::Release(detached)));
@@ -825,7 +837,7 @@ impl<B: Backend> Arena<B> {
         self.chunks[c].first = blk;
         let stats = &mut self.stats;
         stats.driver_allocs += 1;
-        stats.driver_alloc_bytes += size as u64;
+        stats.driver_alloc_bytes = stats.driver_alloc_bytes.saturating_add(size as u64);
         stats.chunks += 1;
         stats.reserved += size;
         stats.peak_reserved = stats.peak_reserved.max(stats.reserved);

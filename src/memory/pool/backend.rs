@@ -97,7 +97,8 @@ pub(crate) trait Backend {
     /// Whether `event` has completed (`cuEventQuery`), without blocking.
     fn query(&self, event: &Self::Event) -> Result<bool, Self::Error>;
     /// Reports an error of the pool's housekeeping that decides nothing for the caller (a free,
-    /// an unmapping or a wait made to make room, an address range that could not be given back):
+    /// an unmapping, a wait, or a record or query that polls frees, made to make room; an
+    /// address range that could not be given back):
     /// the CUDA backend hands it to the drop-error hook, which runs once no lock is held.
     fn report(&self, error: Self::Error) {
         let _ = error;

@@ -143,8 +143,13 @@ impl<B: Backend> Arena<B> {
     /// The host waits needed before every free block is host-safe: each stream with free blocks
     /// not known complete gets a record if they are not covered, and its event is returned. The
     /// caller waits with no lock held, then calls [`Arena::complete`].
-    pub(crate) fn waits_for_all_frees(&mut self, b: &B) -> Result<Vec<Wait<B>>, B::Error> {
+    ///
+    /// A record that fails leaves that stream's frees since its last record pending (a wait for
+    /// that record, if pending, is still returned), not the other streams': every stream is
+    /// looked at, and the first error comes back beside the waits.
+    pub(crate) fn waits_for_all_frees(&mut self, b: &B) -> (Vec<Wait<B>>, Result<(), B::Error>) {
         let mut waits = Vec::new();
+        let mut first = Ok(());
         for s in self.streams.indices() {
             let st = &self.streams[s];
             if !st.has_free_blocks() || st.seq <= st.completed {
@@ -154,8 +159,12 @@ impl<B: Backend> Arena<B> {
                 // Waiting for a capturing stream is impossible: its frees stay pending.
                 continue;
             }
-            if st.seq > st.recorded && st.key.is_some() {
-                self.record(b, s)?;
+            if st.seq > st.recorded
+                && st.key.is_some()
+                && let Err(e) = self.record(b, s)
+                && first.is_ok()
+            {
+                first = Err(e);
             }
             let st = &self.streams[s];
             if let Some(event) = &st.event
@@ -164,7 +173,7 @@ impl<B: Backend> Arena<B> {
                 waits.push(Wait { slot: s, epoch: st.epoch, recorded: st.recorded, event: event.clone() });
             }
         }
-        Ok(waits)
+        (waits, first)
     }
 
     /// Marks the waits done (the host saw their events complete). A stream state that was

@@ -223,9 +223,9 @@ pub(crate) trait Host {
     /// Wakes the threads in [`Host::wait_for_release`]: releases were settled.
     fn released(&self) {}
 
-    /// Reports an error of the pool's housekeeping (a free, an unmapping or a wait made to make
-    /// room) that does not decide the request it was made for: the request goes on without that
-    /// room. See [`Backend::report`].
+    /// Reports an error of the pool's housekeeping (a free, an unmapping, a wait, or a poll of
+    /// frees, made to make room) that does not decide the request it was made for: the request
+    /// goes on without that room. See [`Backend::report`].
     fn report(&self, error: ErrorOf<Self>) {
         self.backend().report(error);
     }
@@ -502,13 +502,12 @@ pub(crate) fn trim_to<H: Host>(h: &H, keep_bytes: usize) -> Result<(), ErrorOf<H
 
 /// Gives the caches back to the arena, waits on the host (with no lock held) for every free in
 /// the arena to complete, and merges the free blocks, which are all host-safe then. On a failed
-/// wait the others are still done, and the first error is returned.
+/// record or wait the others are still done, and the first error is returned.
 fn settle<H: Host>(h: &H) -> Result<(), ErrorOf<H>> {
     let b = h.backend();
     flush_caches(h);
-    let waits = h.arena(|a| a.waits_for_all_frees(b))?;
+    let (waits, mut first) = h.arena(|a| a.waits_for_all_frees(b));
     let mut done = Vec::with_capacity(waits.len());
-    let mut first = Ok(());
     for w in waits {
         match b.synchronize(&w.event) {
             Ok(()) => done.push(w),
@@ -526,7 +525,7 @@ fn settle<H: Host>(h: &H) -> Result<(), ErrorOf<H>> {
 /// Frees whole free chunks whose frees the host has seen complete, until at most `keep_bytes`
 /// stay reserved.
 fn release_settled<H: Host>(h: &H, keep_bytes: usize) -> Result<(), ErrorOf<H>> {
-    let detached = h.arena(|a| a.detach_free_chunks(h.backend(), keep_bytes, Completion::Known))?;
+    let detached = h.arena(|a| a.detach_free_chunks(h.backend(), keep_bytes, Completion::Known));
     free_chunks(h, &detached)
 }
 

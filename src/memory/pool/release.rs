@@ -21,13 +21,9 @@ impl<B: Backend> Arena<B> {
     /// reserved (or no releasable chunk is left): first the smallest one that alone is enough,
     /// then the largest first. A chunk is releasable when every block in it is free and host-safe.
     /// The caller frees the returned chunks with no lock held, then reports them with
-    /// [`Arena::finish_release`].
-    pub(crate) fn detach_free_chunks(
-        &mut self,
-        b: &B,
-        target: usize,
-        how: Completion,
-    ) -> Result<Vec<Detached>, B::Error> {
+    /// [`Arena::finish_release`]. A poll that fails (`Completion::Poll`) decides nothing: see
+    /// [`Arena::completed_as`].
+    pub(crate) fn detach_free_chunks(&mut self, b: &B, target: usize, mut how: Completion) -> Vec<Detached> {
         let mut detached = Vec::new();
         if self.segments.is_some() {
             // A segment left empty keeps its range only while giving it back fails.
@@ -35,16 +31,11 @@ impl<B: Backend> Arena<B> {
         }
         let mut reserved = self.stats.reserved - self.releasing_bytes();
         if reserved <= target {
-            return Ok(detached);
+            return detached;
         }
         if self.segments.is_some() {
-            if let Err(e) = self.detach_segment_maps(b, reserved, target, how, &mut detached) {
-                // Put back what was cut, so that nothing is lost.
-                let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
-                self.finish_release(b, &undo);
-                return Err(e);
-            }
-            return Ok(detached);
+            self.detach_segment_maps(b, reserved, target, how, &mut detached);
+            return detached;
         }
         let mut idle: Vec<(usize, u32)> =
             self.chunks.iter().filter(|(_, c)| c.out == 0 && !c.releasing).map(|(i, c)| (c.size, i)).collect();
@@ -59,21 +50,32 @@ impl<B: Backend> Arena<B> {
             if reserved <= target {
                 break;
             }
-            match self.chunk_is_host_safe(b, c, how) {
-                Ok(true) => {
-                    detached.push(self.detach_chunk(c));
-                    reserved -= size;
-                }
-                Ok(false) => {}
+            if self.chunk_is_host_safe(b, c, &mut how) {
+                detached.push(self.detach_chunk(c));
+                reserved -= size;
+            }
+        }
+        detached
+    }
+
+    /// Whether the frees of stream `s` up to `seq` are known complete, learnt as `how` says, for
+    /// a release or a merge: with `Completion::Poll` the driver is asked without blocking
+    /// ([`Arena::poll_complete`]). A poll that fails leaves them not known complete: the error
+    /// goes to [`Backend::report`], and `how` turns to `Completion::Known`, so that the rest of
+    /// the caller's look asks the driver nothing more. Such an error (a record on a stream
+    /// where another thread began a capture since the pool looked, a failed query) is no reason
+    /// to fail the allocation that made room, or to stop releasing other streams' memory.
+    pub(crate) fn completed_as(&mut self, b: &B, s: u32, seq: u64, how: &mut Completion) -> bool {
+        if *how == Completion::Poll {
+            match self.poll_complete(b, s, seq) {
+                Ok(done) => return done,
                 Err(e) => {
-                    // Put back what was taken off, so that nothing is lost.
-                    let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
-                    self.finish_release(b, &undo);
-                    return Err(e);
+                    b.report(e);
+                    *how = Completion::Known;
                 }
             }
         }
-        Ok(detached)
+        self.host_safe(s, seq)
     }
 
     /// Bytes of the chunks being freed, and of the mappings being unmapped.
@@ -88,9 +90,9 @@ impl<B: Backend> Arena<B> {
             .sum()
     }
 
-    /// Whether every block of free chunk `c` is host-safe (polling its streams' events in `Poll`
-    /// mode).
-    fn chunk_is_host_safe(&mut self, b: &B, c: u32, how: Completion) -> Result<bool, B::Error> {
+    /// Whether every block of free chunk `c` is host-safe (learnt as `how` says:
+    /// [`Arena::completed_as`]).
+    fn chunk_is_host_safe(&mut self, b: &B, c: u32, how: &mut Completion) -> bool {
         let mut cur = self.chunks[c].first;
         while cur != NIL {
             let block = &self.blocks[cur];
@@ -98,16 +100,12 @@ impl<B: Backend> Arena<B> {
                 unreachable!("a chunk with nothing out has only free blocks")
             };
             let next = block.next;
-            let safe = match how {
-                Completion::Known => self.host_safe(stream, seq),
-                Completion::Poll => self.poll_complete(b, stream, seq)?,
-            };
-            if !safe {
-                return Ok(false);
+            if !self.completed_as(b, stream, seq, how) {
+                return false;
             }
             cur = next;
         }
-        Ok(true)
+        true
     }
 
     /// Takes chunk `c` (all its blocks free and host-safe) off the free lists.

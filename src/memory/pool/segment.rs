@@ -127,7 +127,12 @@ impl<B: Backend> Arena<B> {
             return Ok(Grow::Block(handout));
         }
         let place = match c {
-            NIL => round_up(size, gran).map(|bytes| Placement { at: 0, bytes, top: true }),
+            // (The range to reserve must hold it, as a segment's room must: see below.)
+            NIL => round_up(size, gran).filter(|&bytes| bytes <= info.reserve).map(|bytes| Placement {
+                at: 0,
+                bytes,
+                top: true,
+            }),
             c => self.placement(c, s, size, gran),
         };
         // No room left in the range (it spans several times the device's memory, holes
@@ -186,11 +191,7 @@ impl<B: Backend> Arena<B> {
             let target = soft.saturating_sub(missing);
             let mut detached = Vec::new();
             let left = reserved - self.releasing_bytes();
-            if let Err(e) = self.detach_segment_maps(b, left, target, Completion::Poll, &mut detached) {
-                let undo: Vec<(Detached, bool)> = detached.into_iter().map(|d| (d, false)).collect();
-                self.finish_unmap(b, &undo);
-                return Err(PoolError::Backend(e));
-            }
+            self.detach_segment_maps(b, left, target, Completion::Poll, &mut detached);
             if !detached.is_empty() {
                 return Ok(Grow::Release(detached));
             }
@@ -224,6 +225,15 @@ impl<B: Backend> Arena<B> {
         };
         let span = self.chunks[c].size;
         let room = self.chunks[c].segment.as_ref().map_or(0, |seg| seg.reserved - span);
+        if place.top && room < missing {
+            // A first growth whose range (the smaller one a driver gave) cannot hold the request:
+            // refused before anything is mapped, as `placement` refuses it in a segment that has
+            // grown. Mapped up to the end of the range (where the device's free memory is not
+            // known, every free byte of it), then unmapped, it only kept that memory from other
+            // allocations for a while.
+            self.free_empty_segment(b, c);
+            return Ok(Grow::OutOfMemory);
+        }
         let step = if place.top { step.min(room) } else { step };
         let at = if place.top { self.chunks[c].ptr + span as u64 } else { place.at };
         // Map `step` bytes (at least `missing`) from `at`, handle by handle; on out of memory,
@@ -237,7 +247,7 @@ impl<B: Backend> Arena<B> {
                     self.add_mapping(c, s, at + done as u64, bytes, h, hole);
                     let stats = &mut self.stats;
                     stats.driver_allocs += 1;
-                    stats.driver_alloc_bytes += bytes as u64;
+                    stats.driver_alloc_bytes = stats.driver_alloc_bytes.saturating_add(bytes as u64);
                     stats.reserved += bytes;
                     stats.peak_reserved = stats.peak_reserved.max(stats.reserved);
                     done += bytes;
@@ -311,9 +321,10 @@ impl<B: Backend> Arena<B> {
         if pending.is_empty() {
             return Ok(None);
         }
-        let mut any = false;
+        // A poll that fails leaves those frees pending (see `completed_as`): the growth goes on.
+        let (mut any, mut how) = (false, Completion::Poll);
         for (i, seq) in pending {
-            any |= self.poll_complete(b, i, seq)?;
+            any |= self.completed_as(b, i, seq, &mut how);
         }
         if !any {
             return Ok(None);
@@ -488,17 +499,18 @@ impl<B: Backend> Arena<B> {
     }
 
     /// Unmaps free memory of the segments while more than `target` of `reserved` bytes would
-    /// stay: whole mappings inside free blocks whose frees completed (`how`), highest first, in
-    /// the large segment first. Each leaves a hole at once; the mappings are returned to be
-    /// unmapped with no lock held, then reported with [`Arena::finish_release`].
+    /// stay: whole mappings inside free blocks whose frees completed (`how`; a failed poll
+    /// decides nothing: [`Arena::completed_as`]), highest first, in the large segment first.
+    /// Each leaves a hole at once; the mappings are returned to be unmapped with no lock held,
+    /// then reported with [`Arena::finish_release`].
     pub(crate) fn detach_segment_maps(
         &mut self,
         b: &B,
         mut reserved: usize,
         target: usize,
-        how: Completion,
+        mut how: Completion,
         out: &mut Vec<Detached>,
-    ) -> Result<(), B::Error> {
+    ) {
         for c in self.segment_of.into_iter().rev() {
             if c == NIL || self.chunks[c].segment.as_ref().is_some_and(|seg| seg.unmapping > 0) {
                 continue;
@@ -510,11 +522,7 @@ impl<B: Backend> Arena<B> {
                     let (ptr, end) = (self.blocks[cur].ptr, self.blocks[cur].ptr + self.blocks[cur].size as u64);
                     let seg = self.chunks[c].segment.as_ref().expect("a segment");
                     let inside: Vec<(u64, usize, u64)> = seg.maps_within(ptr, end).rev().collect();
-                    let done = !inside.is_empty()
-                        && match how {
-                            Completion::Known => self.host_safe(stream, seq),
-                            Completion::Poll => self.poll_complete(b, stream, seq)?,
-                        };
+                    let done = !inside.is_empty() && self.completed_as(b, stream, seq, &mut how);
                     if done {
                         for (at, bytes, handle) in inside {
                             if reserved <= target {
@@ -535,7 +543,6 @@ impl<B: Backend> Arena<B> {
                 cur = prev;
             }
         }
-        Ok(())
     }
 
     /// Settles a segment's mappings after their unmapping: an unmapped one leaves the pool; one

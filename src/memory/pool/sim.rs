@@ -4,7 +4,7 @@
 //! configurations compared.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use super::arena::Arena;
 use super::backend::{Backend, DRIVER_SPARE, RANGE_PER_BYTE, Segments};
@@ -21,11 +21,17 @@ use crate::error::{Error, Result};
 pub(crate) struct SimDevice {
     limit: usize,
     reserved: Cell<usize>,
+    /// Where the next range of addresses starts, above every range given so far.
     next: Cell<u64>,
+    /// The ranges of addresses in use: start -> end (a page past the range's last byte).
+    in_use: RefCell<BTreeMap<u64, u64>>,
 }
 
 /// The emulated page size.
 const PAGE: usize = 2 << 20;
+
+/// The lowest address the emulated device gives.
+const FIRST_ADDRESS: u64 = 1 << 40;
 
 impl SimDevice {
     /// Takes `bytes` of the emulated memory, keeping back what the driver needs for itself, as
@@ -38,11 +44,37 @@ impl SimDevice {
         Ok(())
     }
 
-    /// A new range of `bytes` addresses: never adjacent to another, and aligned as the driver's.
-    fn addresses(&self, bytes: usize) -> u64 {
-        let ptr = self.next.get();
-        self.next.set(ptr + round_up(bytes, PAGE).unwrap_or(bytes) as u64 + PAGE as u64);
-        ptr
+    /// A new range of `bytes` addresses, aligned as the driver's and never adjacent to another in
+    /// use: above every range given so far, or, once those reach the end of the address space,
+    /// in the lowest gap between the ranges in use that holds it (`None` where none does).
+    /// Without the gaps, an unlimited device that gave and took back chunks of `MAX_REQUEST`
+    /// bytes handed out a range past the end of the address space at the fourth, which wrapped
+    /// to address 0: the pool's bookkeeping then found no block at a block's own address (a
+    /// panic), and overflowed in debug builds.
+    fn addresses(&self, bytes: usize) -> Option<u64> {
+        let span = u64::try_from(round_up(bytes, PAGE)?).ok()?.checked_add(PAGE as u64)?;
+        let mut in_use = self.in_use.borrow_mut();
+        let next = self.next.get();
+        let start = match next.checked_add(span) {
+            Some(end) => {
+                self.next.set(end);
+                next
+            }
+            None => {
+                let mut at = FIRST_ADDRESS;
+                let mut gap = None;
+                for (&start, &end) in in_use.iter() {
+                    if start - at >= span {
+                        gap = Some(at);
+                        break;
+                    }
+                    at = end;
+                }
+                gap.or_else(|| (u64::MAX - at >= span).then_some(at))?
+            }
+        };
+        in_use.insert(start, start + span);
+        Some(start)
     }
 }
 
@@ -57,10 +89,14 @@ impl Backend for SimDevice {
 
     fn alloc_chunk(&self, bytes: usize) -> Result<u64, SimOom> {
         self.take_memory(bytes)?;
-        Ok(self.addresses(bytes))
+        self.addresses(bytes).ok_or_else(|| {
+            self.reserved.set(self.reserved.get() - bytes);
+            SimOom
+        })
     }
 
-    fn free_chunk(&self, _ptr: u64, bytes: usize) -> Result<(), SimOom> {
+    fn free_chunk(&self, ptr: u64, bytes: usize) -> Result<(), SimOom> {
+        self.in_use.borrow_mut().remove(&ptr);
         self.reserved.set(self.reserved.get() - bytes);
         Ok(())
     }
@@ -74,10 +110,11 @@ impl Backend for SimDevice {
     }
 
     fn reserve(&self, bytes: usize) -> Result<u64, SimOom> {
-        Ok(self.addresses(bytes))
+        self.addresses(bytes).ok_or(SimOom)
     }
 
-    fn free_reserve(&self, _va: u64, _bytes: usize) -> Result<(), SimOom> {
+    fn free_reserve(&self, va: u64, _bytes: usize) -> Result<(), SimOom> {
+        self.in_use.borrow_mut().remove(&va);
         Ok(())
     }
 
@@ -87,7 +124,9 @@ impl Backend for SimDevice {
     }
 
     fn unmap(&self, _va: u64, bytes: usize, _handle: u64) -> Result<(), SimOom> {
-        self.free_chunk(0, bytes)
+        // A mapping takes memory, not addresses: its range's stay in use.
+        self.reserved.set(self.reserved.get() - bytes);
+        Ok(())
     }
 
     fn free_memory(&self) -> Option<usize> {
@@ -189,8 +228,12 @@ impl SimulatedPool {
     /// An empty pool with `config` on an emulated device with `memory_limit` bytes (`None`: no
     /// limit).
     pub fn new(config: PoolConfig, memory_limit: Option<usize>) -> SimulatedPool {
-        let device =
-            SimDevice { limit: memory_limit.unwrap_or(usize::MAX), reserved: Cell::new(0), next: Cell::new(1 << 40) };
+        let device = SimDevice {
+            limit: memory_limit.unwrap_or(usize::MAX),
+            reserved: Cell::new(0),
+            next: Cell::new(FIRST_ADDRESS),
+            in_use: RefCell::new(BTreeMap::new()),
+        };
         let mut arena = Arena::new(config);
         arena.use_segments(device.segments());
         SimulatedPool { host: SimHost { device, arena: RefCell::new(arena), caches: RefCell::new(HashMap::new()) } }

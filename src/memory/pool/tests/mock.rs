@@ -71,6 +71,13 @@ pub(super) struct State {
     pub(super) chunk_frees: u64,
     clocks: Vec<Clock>,
     destroyed: Vec<bool>,
+    /// Streams capturing a graph ([`Backend::is_capturing`]): a record or a wait on one would be
+    /// captured, not run, and the mock refuses it as a bug of the pool.
+    pub(super) capturing: Vec<bool>,
+    /// Whether a record or a wait on a capturing stream fails (as the CUDA backend's does, under
+    /// the stream's gate, for a capture begun by another thread since the pool asked) instead of
+    /// panicking: for tests where threads begin captures racing the pool.
+    pub(super) captures_race: bool,
     host: Clock,
     /// Per event: `None` never recorded, else the clock and `now` at its record.
     events: Vec<Option<(Clock, u64)>>,
@@ -108,6 +115,11 @@ pub(super) struct State {
     /// Mappings (also in `chunks`): start -> handle.
     mappings: BTreeMap<u64, u64>,
     next_handle: u64,
+    /// Errors the pool reported ([`Backend::report`]) rather than returned.
+    pub(super) reports: u64,
+    /// Run once, with no lock of the mock held, by the next host synchronisation after it waited:
+    /// a test's deterministic interleaving of another operation with a host wait of the pool.
+    pub(super) on_sync: Option<Box<dyn FnOnce() + Send>>,
 }
 
 /// The mock device (a handle to its shared state).
@@ -140,6 +152,8 @@ impl Mock {
             chunk_frees: 0,
             clocks: vec![Clock::new(); streams],
             destroyed: vec![false; streams],
+            capturing: vec![false; streams],
+            captures_race: false,
             host: Clock::new(),
             events: Vec::new(),
             live_events: 0,
@@ -162,6 +176,8 @@ impl Mock {
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
             next_handle: 1,
+            reports: 0,
+            on_sync: None,
         })))
     }
 
@@ -186,6 +202,7 @@ impl Mock {
         let mut st = self.st();
         st.clocks.push(Clock::new());
         st.destroyed.push(false);
+        st.capturing.push(false);
         st.clocks.len() - 1
     }
 
@@ -475,6 +492,14 @@ impl Backend for Mock {
         *err == MockErr::Unsupported
     }
 
+    fn report(&self, _error: MockErr) {
+        self.st().reports += 1;
+    }
+
+    fn is_capturing(&self, stream: &S) -> bool {
+        self.st().capturing.get(stream.0).copied().unwrap_or(false)
+    }
+
     fn create_event(&self) -> Result<Arc<MockEvent>, MockErr> {
         let mut st = self.call(Call::Create)?;
         st.events.push(None);
@@ -485,6 +510,10 @@ impl Backend for Mock {
 
     fn record(&self, ev: &Arc<MockEvent>, on: &S) -> Result<(), MockErr> {
         let mut st = self.call(Call::Record)?;
+        if st.capturing[on.0] {
+            assert!(st.captures_race, "a record on capturing stream {} (it would be captured)", on.0);
+            return Err(MockErr::Injected);
+        }
         st.tick(on.0);
         let c = st.clocks[on.0].clone();
         let now = st.now;
@@ -495,6 +524,10 @@ impl Backend for Mock {
 
     fn wait(&self, waiter: &S, ev: &Arc<MockEvent>) -> Result<(), MockErr> {
         let mut st = self.call(Call::Wait)?;
+        if st.capturing[waiter.0] {
+            assert!(st.captures_race, "a wait on capturing stream {} (it would be captured)", waiter.0);
+            return Err(MockErr::Injected);
+        }
         let c = st.event_clock(ev).0.clone();
         st.tick(waiter.0);
         join(&mut st.clocks[waiter.0], &c);
@@ -508,6 +541,11 @@ impl Backend for Mock {
         let c = st.event_clock(ev).0.clone();
         join(&mut st.host, &c);
         st.syncs += 1;
+        let hook = st.on_sync.take();
+        drop(st);
+        if let Some(hook) = hook {
+            hook();
+        }
         Ok(())
     }
 

@@ -7,6 +7,7 @@ mod mock;
 mod props;
 mod reservoir;
 mod review2;
+mod review23c;
 mod review4;
 mod segments;
 mod traces;
