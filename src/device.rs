@@ -133,6 +133,7 @@ impl Device {
     /// The driver's error.
     pub fn uuid(&self) -> Result<[u8; 16]> {
         let mut uuid = cudrv_sys::CUuuid::default();
+        crate::host_fn::refuse_in_host_fn("Device::uuid")?;
         // SAFETY: `uuid` is a valid out-pointer. Both variants take the same arguments; drivers
         // before 11.4 have only the first (the second reports MIG instances' own UUIDs).
         unsafe { drv_compat!(cuDeviceGetUuid_v2 | cuDeviceGetUuid(&mut uuid, self.raw)) }?;

@@ -222,13 +222,17 @@ impl Stream {
     /// was recorded in a capture, the wait makes the stream join it, and cudrv notes where the
     /// stream stood before, for the graph's first launch (see `crate::graph`).
     pub(crate) fn wait_raw_event(&self, event: cudrv_sys::CUevent) -> Result<()> {
+        // Before the mark: a host function must not wait for the stream's gate (its holder may
+        // wait for the host function).
+        crate::host_fn::refuse_in_host_fn("Stream::wait_event")?;
         let hooks = crate::stream::join_hooks()
             .filter(|_| crate::capture::any_active() && crate::capture::session(self.key().capture_id()).is_none());
         let Some(hooks) = hooks else { return self.wait_raw_untracked(event) };
-        let before = (hooks.before)(self)?;
         // Other threads' cudrv work on this stream waits until a join, if the wait makes one, is
-        // tracked.
-        self.key().joining(|| {
+        // tracked. Where the stream stands is noted under the mark, after all work queued before
+        // the join (see `Stream::wait_stream`).
+        self.key().joining(0, || {
+            let before = (hooks.before)(self)?;
             self.wait_raw_untracked(event)?;
             (hooks.waited)(self, before);
             Ok(())

@@ -131,8 +131,6 @@ impl Stream {
     /// The driver's error (`CUDA_ERROR_ILLEGAL_STATE` when the stream is capturing already, or
     /// another thread is beginning a capture on it; the legacy stream cannot be captured).
     pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
-        // Where the stream stands before the capture: the graph's first launch waits for it.
-        let before = mark_before_join(self)?;
         // Other threads' cudrv work on this stream waits until the capture's id is known. The
         // stream takes part in a capture already, or another thread is beginning one: the
         // driver's answer to a second begin, without asking it (asked while the other thread's
@@ -141,6 +139,16 @@ impl Stream {
         if !self.key().mark_capture_starting() {
             return Err(Error::driver("cuStreamBeginCapture", CUresult::CUDA_ERROR_ILLEGAL_STATE));
         }
+        // Where the stream stands before the capture: the graph's first launch waits for it.
+        // Recorded once marked, after the work that other threads queued while the mark waited
+        // for their gates (a buffer's allocation there, used by the capture, is covered).
+        let before = match mark_before_join(self) {
+            Ok(before) => before,
+            Err(e) => {
+                self.key().set_capture_id(0);
+                return Err(e);
+            }
+        };
         let begun = self.context().bind().and_then(|_b| {
             // SAFETY: a valid stream of the current context; a valid mode.
             unsafe { drv!(cuStreamBeginCapture_v2(self.as_raw(), mode_raw(mode))) }
@@ -553,6 +561,12 @@ impl Graph {
         // The child's resources are released after both graphs' launches: the child's own after
         // its launches, and this reference after this graph's.
         self.res.keep(child.res.clone());
+        // The child's work runs in this graph's launches: their first waits for what the child's
+        // first launch waits for (where its capture's streams, and the buffers it used, stood
+        // before it). Complete now: after its capture, a prelude grows only for a graph that owns
+        // pool memory, refused above.
+        let prelude = child.res.lock().prelude.clone();
+        self.res.lock().prelude.extend(prelude);
         Ok(GraphNode { raw: node, graph: self.id })
     }
 

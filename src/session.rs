@@ -8,7 +8,7 @@ use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudrv_sys::{CUgraph, CUgraphNode};
+use cudrv_sys::{CUgraph, CUgraphNode, CUresult};
 
 use crate::capture;
 use crate::context::report_drop_error;
@@ -493,8 +493,16 @@ pub(crate) fn after_stream_work(stream: Stream, job: impl FnOnce() + Send + 'sta
 /// so that a capture another thread begins meanwhile cannot take the record.
 pub(crate) fn fence_unless_capturing(stream: &Stream) -> Option<Result<Event>> {
     let _gate = stream.key().enter();
-    // The driver's answer covers captures begun through the raw API too.
-    if stream.key().capture_id() != 0 || stream.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
+    // The driver's answer covers captures begun through the raw API too. The legacy stream (a
+    // per-thread stream seen from another thread) answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`
+    // while a blocking stream of its context captures, without invalidating it: a record there
+    // would join that capture (the driver invalidates it), and so waits as for a capture.
+    let capturing = stream.key().capture_id() != 0
+        || match stream.capture_status() {
+            Ok(status) => status != CaptureStatus::None,
+            Err(e) => e.code() == Some(CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT),
+        };
+    if capturing {
         return None;
     }
     Some(Event::new(&stream.device()).and_then(|e| e.record(stream).map(|()| e)))

@@ -396,8 +396,13 @@ impl StreamKey {
     /// join if any (its hook sets the stream's capture id). Unmarked where the stream takes part
     /// in a capture already, or another thread is beginning one.
     ///
-    /// The caller must not hold a [`Gate`] of the stream (it would wait for itself).
-    pub(crate) fn joining<R>(&self, wait: impl FnOnce() -> R) -> R {
+    /// `own_gates` is how many [`Gate`]s the caller took for this wait itself (of other streams).
+    /// Where the calling thread holds more (user code run under a gate: a custom resource's
+    /// `allocate` or `deallocate`, a kernel argument's `kernel_value`), the stream is marked only
+    /// if its gate is empty now, else the wait goes unmarked, as cudrv's own waits under a gate
+    /// do ([`Stream::wait_stream_in_gate`]): waiting for the gate there would wait for this
+    /// thread itself, or for a thread that waits for a gate this one holds.
+    pub(crate) fn joining<R>(&self, own_gates: usize, wait: impl FnOnce() -> R) -> R {
         /// Takes the mark back if `wait` set no capture id (it joined none, failed, or panicked).
         struct Unmark<'a>(&'a Inner);
         impl Drop for Unmark<'_> {
@@ -405,7 +410,8 @@ impl StreamKey {
                 let _ = self.0.capture.compare_exchange(CAPTURE_STARTING, 0, Ordering::SeqCst, Ordering::Relaxed);
             }
         }
-        let _unmark = self.mark_capture_starting().then(|| Unmark(&self.0));
+        let patience = (GATES_HELD.with(Cell::get) > own_gates).then_some(Duration::ZERO);
+        let _unmark = self.mark_capture_changing_within(0, patience).then(|| Unmark(&self.0));
         wait()
     }
 
@@ -417,9 +423,15 @@ impl StreamKey {
     ///
     /// The caller must not hold a [`Gate`] of the stream (it would wait for itself).
     pub(crate) fn mark_capture_changing(&self, from: u64) -> bool {
+        self.mark_capture_changing_within(from, None)
+    }
+
+    /// [`StreamKey::mark_capture_changing`], giving up (`false`) once the gate has stayed held
+    /// for `patience` (see [`StreamKey::mark_ungated`]).
+    fn mark_capture_changing_within(&self, from: u64, patience: Option<Duration>) -> bool {
         let capture = &self.0.capture;
         self.mark_ungated(
-            None,
+            patience,
             // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
             || capture.compare_exchange(from, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_ok(),
             || capture.store(from, Ordering::SeqCst),
@@ -492,6 +504,18 @@ impl StreamKey {
         capture::is_tracked(self.capture_id())
     }
 
+    /// Whether work queued on the stream from the calling thread would go to the legacy default
+    /// stream (the legacy or null handle, or a per-thread stream seen from another thread; see
+    /// [`Stream::as_raw`]) while a blocking stream of its context captures: the driver refuses
+    /// such work and invalidates that capture (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`), as it
+    /// answers `cuStreamIsCapturing` of the legacy stream (without invalidating it). Asks the
+    /// driver only while a capture that cudrv began is active.
+    pub(crate) fn legacy_held_by_capture(&self) -> bool {
+        capture::any_active()
+            && self.as_raw() as usize <= CU_STREAM_LEGACY
+            && self.capture_status().is_err_and(|e| e.code() == Some(CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT))
+    }
+
     /// [`Stream::refuse_in_capture`], for a key.
     #[inline]
     pub(crate) fn refuse_in_capture(&self, what: &'static str) -> Result<Gate<'_>> {
@@ -532,13 +556,14 @@ impl StreamKey {
             } else {
                 self.0.gated.fetch_add(1, Ordering::SeqCst);
             }
+            let gate = Gate::counted(&self.0, owned);
             if self.0.capture.load(Ordering::SeqCst) != CAPTURE_STARTING && self.0.retiring.load(Ordering::SeqCst) == 0
             {
-                return Gate { inner: &self.0, owned, _not_send: PhantomData };
+                return gate;
             }
             // A capture is being begun, or the stream's bank settled: let it (it waits for this
             // gate to empty, and is quick once it is).
-            drop(Gate { inner: &self.0, owned, _not_send: PhantomData });
+            drop(gate);
             self.wait_for_marks();
         }
     }
@@ -670,9 +695,26 @@ pub(crate) struct Gate<'a> {
     _not_send: PhantomData<*const ()>,
 }
 
+thread_local! {
+    /// How many [`Gate`]s (of any stream) the calling thread holds: a thread that holds one must
+    /// not wait for a stream's gates to empty (see [`StreamKey::joining`]).
+    static GATES_HELD: Cell<usize> = const { Cell::new(0) };
+}
+
+impl<'a> Gate<'a> {
+    /// A gate of `inner` whose count (in the owner's slot or the shared counter) the caller has
+    /// just taken; counted among the calling thread's gates until it is dropped.
+    #[inline]
+    fn counted(inner: &'a Inner, owned: bool) -> Gate<'a> {
+        GATES_HELD.with(|held| held.set(held.get() + 1));
+        Gate { inner, owned, _not_send: PhantomData }
+    }
+}
+
 impl Drop for Gate<'_> {
     #[inline]
     fn drop(&mut self) {
+        GATES_HELD.with(|held| held.set(held.get().saturating_sub(1)));
         if self.owned {
             let held = self.inner.owner_gated.load(Ordering::Relaxed);
             // Release: a thread that sees the slot empty sees the work queued under the gate.
@@ -1140,8 +1182,11 @@ impl Stream {
     /// Whether all work queued on the stream is done, without waiting.
     ///
     /// # Errors
-    /// The driver's error (other than "not ready").
+    /// The driver's error (other than "not ready"); [`Error::Capturing`] while the stream
+    /// captures a graph.
     pub fn query(&self) -> Result<bool> {
+        // The driver would refuse it too, and invalidate the capture.
+        let _gate = self.refuse_in_capture("Stream::query")?;
         let _b = self.inner().ctx.bind()?;
         // SAFETY: the stream is valid while `self` lives; its context is current.
         let rc = unsafe { driver()?.cuStreamQuery(self.as_raw()) };
@@ -1163,6 +1208,9 @@ impl Stream {
         if other.id() == self.id() {
             return Ok(());
         }
+        // Before the gates and the mark: a host function must not wait for a gate (its holder
+        // may wait for the host function).
+        crate::host_fn::refuse_in_host_fn("Stream::wait_stream")?;
         // Under `other`'s gate no capture begins on it between the look at its capture and the
         // record this stream waits for.
         let _gate = other.key().enter();
@@ -1171,9 +1219,12 @@ impl Stream {
             // The event must be of `other`'s context (the waiter may be of another device).
             return other.context().order_after(self.context(), self.as_raw(), other.as_raw());
         };
-        let before = (hooks.before)(self)?;
-        // Other threads' cudrv work on this stream waits until the join is tracked.
-        self.key().joining(|| {
+        // Other threads' cudrv work on this stream waits until the join is tracked (`other`'s gate
+        // is this wait's own). Where the stream stands is noted under the mark: work queued on it
+        // before the mark (while the mark waited for a gate) is before the join, and the graph's
+        // first launch must wait for it too.
+        self.key().joining(1, || {
+            let before = (hooks.before)(self)?;
             other.context().order_after(self.context(), self.as_raw(), other.as_raw())?;
             (hooks.joined)(self, id, before);
             Ok(())

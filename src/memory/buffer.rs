@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::host::PinnedBuffer;
+use super::uses::Held;
 use super::{
     DevicePtr, DeviceResource, MemoryResource, StreamOrderedPool, UseGates, check_len, check_stream, unless_capturing,
 };
@@ -837,7 +838,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Refuses `what` (host access: synchronous or pinned copies) on a buffer of a capture, or
-    /// while its stream is capturing.
+    /// while its stream is capturing, or stands for the legacy default stream while a blocking
+    /// stream captures (the driver would refuse the work and invalidate that capture, and the wait
+    /// for the stream could not end before the capture does).
     /// Returns the gate of the buffer's stream, to hold until the access is done (see
     /// [`Stream::refuse_in_capture`]).
     #[inline]
@@ -845,7 +848,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.capture != 0 {
             return Err(Error::Capturing { what });
         }
-        self.stream.refuse_in_capture(what)
+        let gate = self.stream.refuse_in_capture(what)?;
+        if self.stream.key().legacy_held_by_capture() {
+            return Err(Error::Capturing { what });
+        }
+        Ok(gate)
     }
 }
 
@@ -873,7 +880,7 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
                     // Another resource's free may queue work (or wait for the stream): under the
                     // stream's gate no capture begins between the look and the free.
                     let gate = self.stream.key().enter();
-                    if self.stream.key().capture_id() == 0 {
+                    if self.stream.key().capture_id() == 0 && !self.stream.key().legacy_held_by_capture() {
                         // SAFETY: as above.
                         if let Err(e) = unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) } {
                             report_drop_error(Some(self.stream.context()), e);
@@ -944,24 +951,41 @@ impl GraphOwned for Free {
 }
 
 impl Free {
-    /// Frees now if nothing stands in the way, else hands itself to what does.
-    fn run(mut self) {
+    /// Frees now if nothing stands in the way, else hands itself to what does; where that is the
+    /// legacy default stream held by a capture ([`Held::Legacy`]), cudrv's thread tries again.
+    fn run(self) {
+        if let Some(free) = self.attempt() {
+            let mut pending = Some(free);
+            crate::host_fn::defer_until(move || {
+                pending = pending.take().and_then(Free::attempt);
+                pending.is_none()
+            });
+        }
+    }
+
+    /// [`Free::run`], once: the free back where the legacy default stream holds it.
+    fn attempt(mut self) -> Option<Free> {
         // Graphs whose launches have all completed need nothing (and handing the free to each in
         // turn would recurse once per graph).
         self.uses.graphs.retain(|g| !g.is_done());
         if let Some(graph) = self.uses.graphs.pop() {
             // After that graph's last launch (then the next graph, if any).
             graph.after_launches(Box::new(self));
-            return;
+            return None;
         }
         // A capture in progress on the buffer's stream, or on a stream it was used on, that the
         // buffer does not belong to: the free would be captured (or join the capture); it waits
         // for the end of the capture.
-        let capturing = unless_capturing(std::iter::once(&self.stream).chain(&self.uses.streams), self.capture, || {
+        let held = unless_capturing(std::iter::once(&self.stream).chain(&self.uses.streams), self.capture, || {
             free_after_uses(&*self.resource, self.ptr, self.bytes, &self.stream, &self.uses.streams);
         });
-        if let Some(session) = capturing {
-            session.after_end(Box::new(move || self.run()));
+        match held {
+            Some(Held::Capture(session)) => {
+                session.after_end(Box::new(move || self.run()));
+                None
+            }
+            Some(Held::Legacy) => Some(self),
+            None => None,
         }
     }
 }

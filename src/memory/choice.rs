@@ -256,9 +256,14 @@ impl Device {
         }
         let slot = slot(self)?;
         let choice = Choice { kind: resource.kind(), reason: reason.into() };
-        let _guard = INSTALL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let old = slot.load(Ordering::Acquire);
-        install(slot, Entry::new(resource, choice));
+        let old = {
+            let _guard = INSTALL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let old = slot.load(Ordering::Acquire);
+            install(slot, Entry::new(resource, choice));
+            old
+        };
+        // With the lock let go: the trim may be user code (a custom resource, the drop-error hook)
+        // that asks for a device's resource, which may take the lock.
         if !old.is_null() {
             // SAFETY: as in `entry`.
             let _ = unsafe { &*old }.resource.trim(0);

@@ -607,7 +607,9 @@ impl Backend for CudaBackend {
         // The captures cudrv tracks. Raw-driver captures of a cudrv stream are the caller's to
         // keep apart from the pool's work (they go through `unsafe` code). Asked with the arena
         // locked: no reference to the session is taken (dropping the last would lock it again).
-        stream.is_capturing()
+        // The legacy stream, while a blocking stream of its context captures, counts too: work
+        // queued there would join that capture.
+        stream.is_capturing() || stream.legacy_held_by_capture()
     }
 
     fn query(&self, event: &Arc<PoolEvent>) -> Result<bool> {

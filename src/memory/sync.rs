@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
-use crate::context::Context;
+use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::Result;
 use crate::result::drv;
@@ -79,6 +79,25 @@ unsafe impl MemoryResource for SyncResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if stream.key().legacy_held_by_capture() {
+            // The legacy stream while a blocking stream of its context captures: a wait for it
+            // now would join that capture (the driver refuses it, and invalidates the capture) and
+            // wait for the capture's end, for ever when this thread is to end it. The free waits on
+            // cudrv's deferred-work thread instead, until the stream can be waited for.
+            let ctx = self.ctx.clone();
+            self.in_use.fetch_sub(bytes, Ordering::Relaxed);
+            crate::session::after_stream_work(stream.clone(), move || {
+                let freed = ctx.bind().and_then(|_b| {
+                    // SAFETY: the caller passed a pointer from `allocate`, freed once, here; the
+                    // stream's work up to the free is done (the host saw it complete).
+                    unsafe { drv!(cuMemFree_v2(ptr)) }
+                });
+                if let Err(e) = freed {
+                    report_drop_error(Some(&ctx), e);
+                }
+            });
+            return Ok(());
+        }
         // Waits even if an unrelated error is pending; never frees while the stream may use it.
         stream.wait_for_memory()?;
         let _b = self.ctx.bind()?;

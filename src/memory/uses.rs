@@ -99,15 +99,36 @@ pub(crate) fn wait_for_uses(owner: &Stream, used: &[Stream]) -> Result<()> {
 /// and after the end of a capture that any of the streams takes part in.
 /// A failed wait leaks the memory (its work may still run), which is sound, and reports the
 /// error: `free` is then forgotten, never run nor dropped.
-pub(crate) fn free_after_waiting(owner: Stream, used: Vec<Stream>, free: impl FnOnce() -> Result<()> + Send + 'static) {
+pub(crate) fn free_after_waiting<F: FnOnce() -> Result<()> + Send + 'static>(
+    owner: Stream,
+    used: Vec<Stream>,
+    free: F,
+) {
     if crate::host_fn::in_host_fn() {
         crate::host_fn::defer(move || free_after_waiting(owner, used, free));
         return;
     }
+    if let Some(pending) = try_free_after_waiting(owner, used, free) {
+        // Held by a capture that cudrv cannot wait for the end of: tried again on cudrv's thread.
+        let mut pending = Some(pending);
+        crate::host_fn::defer_until(move || {
+            pending = pending.take().and_then(|(owner, used, free)| try_free_after_waiting(owner, used, free));
+            pending.is_none()
+        });
+    }
+}
+
+/// [`free_after_waiting`], outside host functions: what it gets back where the legacy default
+/// stream, standing for one of the streams, is held by a capture ([`Held::Legacy`]).
+fn try_free_after_waiting<F: FnOnce() -> Result<()> + Send + 'static>(
+    owner: Stream,
+    used: Vec<Stream>,
+    free: F,
+) -> Option<(Stream, Vec<Stream>, F)> {
     // A stream that takes part in a capture cannot be waited for (and work queued on it would be
     // captured): the free waits for the end of the capture.
     let mut free = Some(free);
-    let capturing = unless_capturing(std::iter::once(&owner).chain(&used), 0, || {
+    let held = unless_capturing(std::iter::once(&owner).chain(&used), 0, || {
         let Some(free) = free.take() else { return };
         let done = match wait_for_uses(&owner, &used) {
             Ok(()) => free(),
@@ -122,26 +143,52 @@ pub(crate) fn free_after_waiting(owner: Stream, used: Vec<Stream>, free: impl Fn
             crate::context::report_drop_error(Some(owner.context()), e);
         }
     });
-    if let (Some(session), Some(free)) = (capturing, free) {
-        session.after_end(Box::new(move || free_after_waiting(owner, used, free)));
+    match (held, free) {
+        (Some(Held::Capture(session)), Some(free)) => {
+            session.after_end(Box::new(move || free_after_waiting(owner, used, free)));
+            None
+        }
+        (Some(Held::Legacy), Some(free)) => Some((owner, used, free)),
+        _ => None,
     }
 }
 
+/// What keeps work on some streams (a free, and the waits before it) from running now
+/// ([`unless_capturing`]).
+pub(crate) enum Held {
+    /// One of the streams takes part in this capture: the work runs after its end.
+    Capture(Arc<CaptureSession>),
+    /// Work queued on one of the streams from this thread would go to the legacy default stream,
+    /// while a blocking stream of its context captures (see
+    /// [`StreamKey::legacy_held_by_capture`](crate::stream::StreamKey::legacy_held_by_capture)):
+    /// the driver would refuse it and invalidate that capture. Try again later.
+    Legacy,
+}
+
 /// Runs `f` unless one of `streams` takes part in a capture that cudrv tracks, other than `own`
-/// (0: none); then `f` does not run, and that capture's session comes back. The streams' gates
-/// are held from the look to the end of `f`, so that no capture begins on them in between.
+/// (0: none), or stands for the legacy default stream while a blocking stream captures; then `f`
+/// does not run, and what holds it comes back. The streams' gates are held from the look to the
+/// end of `f`, so that no capture begins on them in between.
 pub(crate) fn unless_capturing<'a>(
     streams: impl Iterator<Item = &'a Stream> + Clone,
     own: u64,
     f: impl FnOnce(),
-) -> Option<Arc<CaptureSession>> {
+) -> Option<Held> {
     let _gates: Vec<Gate<'_>> = streams.clone().map(|s| s.key().enter()).collect();
-    let capturing =
-        streams.map(|s| s.key().capture_id()).filter(|&id| id != 0 && id != own).find_map(CaptureSession::active);
-    if capturing.is_none() {
-        f();
+    let capturing = streams
+        .clone()
+        .map(|s| s.key().capture_id())
+        .filter(|&id| id != 0 && id != own)
+        .find_map(CaptureSession::active);
+    if let Some(session) = capturing {
+        return Some(Held::Capture(session));
     }
-    capturing
+    let mut streams = streams;
+    if streams.any(|s| s.key().legacy_held_by_capture()) {
+        return Some(Held::Legacy);
+    }
+    f();
+    None
 }
 
 /// [`Error::LengthMismatch`] unless `found` (the other side's length) is `expected` (the length of

@@ -129,4 +129,6 @@ pub fn ipc_refused_on_oldest(dev: &Device, stream: &Stream) -> bool {
 }
 mod review22;
 mod review22b;
+mod review23a;
+mod review23b;
 mod review_faults21;
