@@ -50,6 +50,12 @@
 //! last of them goes (`cuModuleUnload`; an error there goes to the context's deferred errors, see
 //! [`crate::set_drop_error_hook`]). Likewise a [`Library`] is unloaded (`cuLibraryUnload`) when
 //! the last [`Library`], [`Kernel`] and [`Function`] of it are gone.
+//!
+//! A launch queued on a stream does not keep its module (a graph does keep the modules of its
+//! kernels): `cuModuleUnload` itself waits until the module's kernels, running or still queued,
+//! are done. The driver's documentation does not say so; `scripts/module-unload-wait.py` measured
+//! it on the H200 with driver 580 (BENCHMARKS.md, runs 52 and 53). So dropping the last
+//! [`Function`] of a module right after a launch blocks until that launch has run.
 
 use std::ffi::{CStr, CString, c_void};
 use std::fmt;
