@@ -274,6 +274,13 @@ impl Error {
         )
     }
 
+    /// Whether the driver refused work on (or a question about) the legacy default stream
+    /// because a blocking stream of its context captures (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`):
+    /// the question leaves that capture intact, work there would invalidate it.
+    pub(crate) fn is_implicit_capture(&self) -> bool {
+        self.code() == Some(CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
+    }
+
     /// Whether this is an out-of-memory error, from cudrv or from the driver.
     pub fn is_out_of_memory(&self) -> bool {
         matches!(self, Error::OutOfMemory { .. }) || self.code() == Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY)

@@ -195,6 +195,20 @@ pub(crate) fn defer_until(job: impl FnMut() -> bool + Send + 'static) {
     }
 }
 
+/// Runs `attempt` on `state` now; where it hands the state back (the work cannot be done yet),
+/// runs it again on cudrv's deferred-work thread until it does not ([`defer_until`]).
+pub(crate) fn attempt_until_done<T: Send + 'static>(
+    state: T,
+    mut attempt: impl FnMut(T) -> Option<T> + Send + 'static,
+) {
+    let Some(state) = attempt(state) else { return };
+    let mut pending = Some(state);
+    defer_until(move || {
+        pending = pending.take().and_then(&mut attempt);
+        pending.is_none()
+    });
+}
+
 fn push(job: Job) {
     match queue() {
         Some(q) => {

@@ -8,7 +8,7 @@ use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudrv_sys::{CUgraph, CUgraphNode, CUresult};
+use cudrv_sys::{CUgraph, CUgraphNode};
 
 use crate::capture;
 use crate::context::report_drop_error;
@@ -500,7 +500,7 @@ pub(crate) fn fence_unless_capturing(stream: &Stream) -> Option<Result<Event>> {
     let capturing = stream.key().capture_id() != 0
         || match stream.capture_status() {
             Ok(status) => status != CaptureStatus::None,
-            Err(e) => e.code() == Some(CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT),
+            Err(e) => e.is_implicit_capture(),
         };
     if capturing {
         return None;

@@ -513,7 +513,7 @@ impl StreamKey {
     pub(crate) fn legacy_held_by_capture(&self) -> bool {
         capture::any_active()
             && self.as_raw() as usize <= CU_STREAM_LEGACY
-            && self.capture_status().is_err_and(|e| e.code() == Some(CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT))
+            && self.capture_status().is_err_and(|e| e.is_implicit_capture())
     }
 
     /// [`Stream::refuse_in_capture`], for a key.

@@ -954,13 +954,7 @@ impl Free {
     /// Frees now if nothing stands in the way, else hands itself to what does; where that is the
     /// legacy default stream held by a capture ([`Held::Legacy`]), cudrv's thread tries again.
     fn run(self) {
-        if let Some(free) = self.attempt() {
-            let mut pending = Some(free);
-            crate::host_fn::defer_until(move || {
-                pending = pending.take().and_then(Free::attempt);
-                pending.is_none()
-            });
-        }
+        crate::host_fn::attempt_until_done(self, Free::attempt);
     }
 
     /// [`Free::run`], once: the free back where the legacy default stream holds it.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
-use crate::context::{Context, report_drop_error};
+use crate::context::{Context, bound_drop_call};
 use crate::device::Device;
 use crate::error::Result;
 use crate::result::drv;
@@ -87,14 +87,10 @@ unsafe impl MemoryResource for SyncResource {
             let ctx = self.ctx.clone();
             self.in_use.fetch_sub(bytes, Ordering::Relaxed);
             crate::session::after_stream_work(stream.clone(), move || {
-                let freed = ctx.bind().and_then(|_b| {
-                    // SAFETY: the caller passed a pointer from `allocate`, freed once, here; the
-                    // stream's work up to the free is done (the host saw it complete).
-                    unsafe { drv!(cuMemFree_v2(ptr)) }
-                });
-                if let Err(e) = freed {
-                    report_drop_error(Some(&ctx), e);
-                }
+                // SAFETY: the caller passed a pointer from `allocate`, freed once, here; the
+                // stream's work up to the free is done (the host saw it complete); the context is
+                // current.
+                bound_drop_call(&ctx, || unsafe { drv!(cuMemFree_v2(ptr)) });
             });
             return Ok(());
         }

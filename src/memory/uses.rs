@@ -108,14 +108,10 @@ pub(crate) fn free_after_waiting<F: FnOnce() -> Result<()> + Send + 'static>(
         crate::host_fn::defer(move || free_after_waiting(owner, used, free));
         return;
     }
-    if let Some(pending) = try_free_after_waiting(owner, used, free) {
-        // Held by a capture that cudrv cannot wait for the end of: tried again on cudrv's thread.
-        let mut pending = Some(pending);
-        crate::host_fn::defer_until(move || {
-            pending = pending.take().and_then(|(owner, used, free)| try_free_after_waiting(owner, used, free));
-            pending.is_none()
-        });
-    }
+    // Held by a capture that cudrv cannot wait for the end of: tried again on cudrv's thread.
+    crate::host_fn::attempt_until_done((owner, used, free), |(owner, used, free)| {
+        try_free_after_waiting(owner, used, free)
+    });
 }
 
 /// [`free_after_waiting`], outside host functions: what it gets back where the legacy default
@@ -170,7 +166,7 @@ pub(crate) enum Held {
 /// does not run, and what holds it comes back. The streams' gates are held from the look to the
 /// end of `f`, so that no capture begins on them in between.
 pub(crate) fn unless_capturing<'a>(
-    streams: impl Iterator<Item = &'a Stream> + Clone,
+    mut streams: impl Iterator<Item = &'a Stream> + Clone,
     own: u64,
     f: impl FnOnce(),
 ) -> Option<Held> {
@@ -183,7 +179,6 @@ pub(crate) fn unless_capturing<'a>(
     if let Some(session) = capturing {
         return Some(Held::Capture(session));
     }
-    let mut streams = streams;
     if streams.any(|s| s.key().legacy_held_by_capture()) {
         return Some(Held::Legacy);
     }
