@@ -33,48 +33,47 @@ L:
 
 stream = C.c_void_p()
 ck(cu.cuStreamCreate(C.byref(stream), 1), "cuStreamCreate")
-for cycles in (2_000_000_000, 4_000_000_000):
-    mod = C.c_void_p()
+
+
+def load_spin():
+    """A freshly loaded module of PTX, and its `spin` kernel."""
+    mod, fn = C.c_void_p(), C.c_void_p()
     ck(cu.cuModuleLoadData(C.byref(mod), C.c_char_p(PTX)), "cuModuleLoadData")
-    fn = C.c_void_p()
     ck(cu.cuModuleGetFunction(C.byref(fn), mod, b"spin"), "cuModuleGetFunction")
+    return mod, fn
+
+
+def launch_spin(fn, cycles):
+    """Queues `spin(cycles)` on the stream."""
     arg = C.c_uint64(cycles)
     params = (C.c_void_p * 1)(C.cast(C.byref(arg), C.c_void_p))
-    t0 = time.perf_counter()
     ck(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+
+
+def unload_then_sync(mod):
+    """Unloads `mod` at once, then synchronises the stream: what each returned, and took."""
     t1 = time.perf_counter()
     rc_unload = cu.cuModuleUnload(mod)
     t2 = time.perf_counter()
     rc_sync = cu.cuStreamSynchronize(stream)
     t3 = time.perf_counter()
-    print(
-        f"cycles={cycles}: launch {1e3 * (t1 - t0):.3f} ms, cuModuleUnload rc={rc_unload} took "
-        f"{1e3 * (t2 - t1):.1f} ms, then cuStreamSynchronize rc={rc_sync} took {1e3 * (t3 - t2):.1f} ms"
+    return (
+        f"cuModuleUnload rc={rc_unload} took {1e3 * (t2 - t1):.1f} ms, "
+        f"then cuStreamSynchronize rc={rc_sync} took {1e3 * (t3 - t2):.1f} ms"
     )
+
+
+for cycles in (2_000_000_000, 4_000_000_000):
+    mod, fn = load_spin()
+    t0 = time.perf_counter()
+    launch_spin(fn, cycles)
+    launched = time.perf_counter()
+    print(f"cycles={cycles}: launch {1e3 * (launched - t0):.3f} ms, {unload_then_sync(mod)}")
 
 # A launch still queued (behind another module's kernel) when its module is unloaded: the
 # unload must wait for both kernels (about 2 s), and the stream must then report no error.
-mods = []
-for _ in range(2):
-    m = C.c_void_p()
-    ck(cu.cuModuleLoadData(C.byref(m), C.c_char_p(PTX)), "cuModuleLoadData")
-    mods.append(m)
-fns = []
-for m in mods:
-    f = C.c_void_p()
-    ck(cu.cuModuleGetFunction(C.byref(f), m, b"spin"), "cuModuleGetFunction")
-    fns.append(f)
-arg = C.c_uint64(2_000_000_000)
-params = (C.c_void_p * 1)(C.cast(C.byref(arg), C.c_void_p))
-for f in fns:
-    ck(cu.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, stream, params, None), "cuLaunchKernel")
-t1 = time.perf_counter()
-rc_unload = cu.cuModuleUnload(mods[1])
-t2 = time.perf_counter()
-rc_sync = cu.cuStreamSynchronize(stream)
-t3 = time.perf_counter()
-print(
-    f"queued behind another module's kernel: cuModuleUnload rc={rc_unload} took {1e3 * (t2 - t1):.1f} ms, "
-    f"then cuStreamSynchronize rc={rc_sync} took {1e3 * (t3 - t2):.1f} ms"
-)
-ck(cu.cuModuleUnload(mods[0]), "cuModuleUnload")
+(first, first_fn), (queued, queued_fn) = load_spin(), load_spin()
+launch_spin(first_fn, 2_000_000_000)
+launch_spin(queued_fn, 2_000_000_000)
+print(f"queued behind another module's kernel: {unload_then_sync(queued)}")
+ck(cu.cuModuleUnload(first), "cuModuleUnload")
