@@ -50,10 +50,11 @@
 //!   synchronous memsets, [`Stream::synchronize`], host functions (a graph calls them at every
 //!   launch; use [`Graph::add_host_node`]), allocation from resources that cannot allocate inside
 //!   a graph (`SyncResource`, `ManagedResource`), `DeviceBuffer2D`/`3D`, `ManagedBuffer` and
-//!   `IpcBuffer` (their frees cannot wait for graphs), launching an executable graph into a
-//!   capture, and using a buffer whose stream captures on a stream outside the capture: ordering
-//!   that stream after the buffer's would make it join the capture unseen. Join it first, with
-//!   [`Stream::wait_stream`]; the driver's own joins (through events) are tracked.
+//!   `IpcBuffer` (their frees cannot wait for graphs), launching or uploading an executable
+//!   graph into a capture, and using a buffer whose stream captures on a stream outside the
+//!   capture: ordering that stream after the buffer's would make it join the capture unseen.
+//!   Join it first, with [`Stream::wait_stream`]; the driver's own joins (through events) are
+//!   tracked.
 //! * Kernel launches stay `unsafe`, as outside a capture; their contract covers every launch of
 //!   the graph.
 //! * A buffer dropped during a capture that does not use it, while its stream takes part in the
@@ -817,9 +818,13 @@ impl GraphExec {
     /// Uploads the graph to the device ahead of its first launch, in `stream`'s order.
     ///
     /// # Errors
-    /// As [`GraphExec::launch`].
+    /// As [`GraphExec::launch`]: [`Error::Capturing`] on a stream that takes part in a capture
+    /// cudrv started (an upload is not part of a graph; asked during a capture, the driver could
+    /// invalidate it).
     pub fn upload(&self, stream: &Stream) -> Result<()> {
         self.check_stream("GraphExec::upload", stream)?;
+        // Held to the upload's queueing, so that no capture begins on the stream in between.
+        let _gate = stream.refuse_in_capture("GraphExec::upload")?;
         let _b = self.ctx.bind()?;
         // SAFETY: a valid executable graph and stream of the current context.
         unsafe { drv!(cuGraphUpload(self.raw, stream.as_raw())) }

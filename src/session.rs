@@ -241,10 +241,22 @@ impl CaptureSession {
 
     /// Marks `stream` as taking part in this capture (it joined by waiting on an event of it);
     /// the graph's first launch waits for `before`, where the stream stood then.
+    ///
+    /// The caller saw the session active, but it may have ended since (on another thread): then
+    /// the stream is not marked, for nothing would take the mark back (`finish` has taken the
+    /// streams it unmarks), and the stream would read as capturing for good. `finish` stops
+    /// tracking the capture before it takes the streams' lock, so under that lock either the
+    /// capture is still tracked and `finish` will unmark the stream, or it is not and the stream
+    /// is left alone.
     pub(crate) fn join(&self, stream: &StreamKey, before: Arc<Event>) {
+        // First, and even when the capture has ended: a graph made from it may wait for `before`
+        // (extra waits on a recorded event are harmless).
         self.res.lock().prelude.push(before);
-        self.streams.lock().unwrap_or_else(PoisonError::into_inner).push(stream.clone());
-        stream.set_capture_id(self.id);
+        let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        if capture::is_tracked(self.id) {
+            streams.push(stream.clone());
+            stream.set_capture_id(self.id);
+        }
     }
 
     /// Ends the session: its streams read as not capturing from now on, and the frees that
@@ -530,4 +542,35 @@ fn release_after_launches(mut kept: Kept, done: Arc<Completion>) {
         kept.fences.pop();
     }
     release_kept(kept, &done);
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::graph::CaptureMode;
+    use crate::{Device, Stream};
+
+    use super::mark_before_join;
+
+    /// A thread that saw a capture active and tracks a stream's join of it (a `wait_stream` or
+    /// `wait_event` hook) may get there after another thread ended the capture: the join must
+    /// not mark the stream, which would then read as capturing for good (`begin_capture` refused
+    /// it and graph fences waited for ever). The late join is made here, in the order a race
+    /// would make it.
+    #[test]
+    #[cfg_attr(miri, ignore = "the emulated driver is C")]
+    fn a_join_after_the_capture_ended_marks_nothing() {
+        cudrv_test_support::run_with_fake(&[], || {
+            let device = Device::get(0).unwrap();
+            let (origin, late) = (Stream::new(&device).unwrap(), Stream::new(&device).unwrap());
+            origin.begin_capture(CaptureMode::ThreadLocal).unwrap();
+            let session = origin.capture().expect("cudrv tracks the capture it began");
+            let before = mark_before_join(&late).unwrap();
+            let graph = origin.end_capture().unwrap();
+            session.join(late.key(), before);
+            assert_eq!(late.key().capture_id(), 0, "a stream marked by a join of a capture that had ended");
+            late.begin_capture(CaptureMode::ThreadLocal).unwrap();
+            late.end_capture().unwrap();
+            drop(graph);
+        });
+    }
 }

@@ -131,4 +131,5 @@ mod review22;
 mod review22b;
 mod review23a;
 mod review23b;
+mod review24;
 mod review_faults21;
