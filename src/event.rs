@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use cudrv_sys::{CUevent, CUresult};
@@ -59,6 +60,10 @@ pub struct Event {
     raw: CUevent,
     ctx: Arc<Context>,
     flags: EventFlags,
+    /// The id of the capture cudrv tracks that the event was last recorded in (0: recorded
+    /// outside one, or never): querying or waiting for it on the host is refused while that
+    /// capture is active (the driver would refuse it too, and invalidate the capture).
+    captured: AtomicU64,
 }
 
 // SAFETY: CUevent handles may be used from any thread; cudrv binds the context before each use.
@@ -94,7 +99,7 @@ impl Event {
             // SAFETY: `raw` is a valid out-pointer and the context is current.
             unsafe { drv!(cuEventCreate(&mut raw, bits)) }?;
         }
-        Ok(Event { raw, ctx, flags })
+        Ok(Event { raw, ctx, flags, captured: AtomicU64::new(0) })
     }
 
     /// The raw `CUevent`.
@@ -115,6 +120,10 @@ impl Event {
     /// Records the event at this point of `stream`: it completes when all work queued there
     /// before it is done. Recording again moves it.
     ///
+    /// Recorded on a stream that takes part in a capture, the event marks a point of the graph
+    /// (other streams that wait on it join the capture): until the capture ends,
+    /// [`Event::query`], [`Event::synchronize`] and [`Event::elapsed`] refuse it.
+    ///
     /// # Errors
     /// [`Error::DeviceMismatch`] for a stream of another device; the driver's error.
     pub fn record(&self, stream: &Stream) -> Result<()> {
@@ -127,15 +136,31 @@ impl Event {
         }
         let _b = self.ctx.bind()?;
         // SAFETY: both handles are valid while their owners live; the context is current.
-        unsafe { drv!(cuEventRecord(self.raw, stream.as_raw())) }
+        unsafe { drv!(cuEventRecord(self.raw, stream.as_raw())) }?;
+        // The capture the stream takes part in, as far as cudrv knows it. Not settled while a
+        // capture is beginning on the stream (this thread may be the one beginning it, recording
+        // where the stream stands before): such a record is not in the capture, or raced it.
+        self.captured.store(stream.key().capture_id_unsettled(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Refuses `what` while the capture the event was last recorded in is active.
+    fn refuse_if_captured(&self, what: &'static str) -> Result<()> {
+        let id = self.captured.load(Ordering::Relaxed);
+        if id != 0 && crate::capture::is_tracked(id) {
+            return Err(Error::Capturing { what });
+        }
+        Ok(())
     }
 
     /// Waits until the event completes (at once for an event never recorded), then returns an
     /// error kept from a `Drop` on the event's context, if any (see [`crate::context`]).
     ///
     /// # Errors
-    /// The driver's error, else [`Error::Deferred`].
+    /// [`Error::Capturing`] for an event recorded in a capture that is still active; the
+    /// driver's error, else [`Error::Deferred`].
     pub fn synchronize(&self) -> Result<()> {
+        self.refuse_if_captured("Event::synchronize of an event recorded in the capture")?;
         self.wait()?;
         self.ctx.take_deferred()
     }
@@ -150,8 +175,10 @@ impl Event {
     /// Whether the event has completed, without waiting.
     ///
     /// # Errors
-    /// The driver's error (other than "not ready").
+    /// [`Error::Capturing`] for an event recorded in a capture that is still active; the
+    /// driver's error (other than "not ready").
     pub fn query(&self) -> Result<bool> {
+        self.refuse_if_captured("Event::query of an event recorded in the capture")?;
         let _b = self.ctx.bind()?;
         // SAFETY: the event is valid; the context is current.
         match unsafe { driver()?.cuEventQuery(self.raw) } {
@@ -163,11 +190,15 @@ impl Event {
     /// The time between two completed events with timing enabled.
     ///
     /// # Errors
-    /// [`Error::TimingDisabled`] when either was created without timing;
-    /// `CUDA_ERROR_NOT_READY` when either has not completed; the driver's error.
+    /// [`Error::TimingDisabled`] when either was created without timing; [`Error::Capturing`]
+    /// when either was recorded in a capture that is still active; `CUDA_ERROR_NOT_READY` when
+    /// either has not completed; the driver's error.
     pub fn elapsed(start: &Event, end: &Event) -> Result<Duration> {
         if !start.flags.timing || !end.flags.timing {
             return Err(Error::TimingDisabled);
+        }
+        for event in [start, end] {
+            event.refuse_if_captured("Event::elapsed of an event recorded in the capture")?;
         }
         let _b = start.ctx.bind()?;
         let mut ms = 0f32;

@@ -365,6 +365,15 @@ impl StreamKey {
         }
     }
 
+    /// [`StreamKey::capture_id`] without waiting: 0 while a capture is beginning on the stream.
+    #[inline]
+    pub(crate) fn capture_id_unsettled(&self) -> u64 {
+        match self.0.capture.load(Ordering::Acquire) {
+            CAPTURE_STARTING => 0,
+            id => id,
+        }
+    }
+
     /// While another thread begins a capture on the stream (`CAPTURE_STARTING`), waits until it
     /// knows the capture's id (or that it failed): work queued meanwhile would be captured unseen.
     #[cold]
