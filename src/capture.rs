@@ -9,8 +9,15 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use crate::result::drv;
 
-/// The session of each capture cudrv tracks, by the driver's capture id.
-type Sessions = HashMap<u64, Arc<dyn Any + Send + Sync>>;
+/// A capture cudrv tracks: its session, and the contexts of the streams that take part in it
+/// (by address: the session keeps the streams, which keep their contexts).
+struct Tracked {
+    session: Arc<dyn Any + Send + Sync>,
+    contexts: Vec<usize>,
+}
+
+/// Each capture cudrv tracks, by the driver's capture id.
+type Sessions = HashMap<u64, Tracked>;
 
 fn sessions() -> MutexGuard<'static, Sessions> {
     static SESSIONS: OnceLock<Mutex<Sessions>> = OnceLock::new();
@@ -26,11 +33,31 @@ pub(crate) fn any_active() -> bool {
     ACTIVE_CAPTURES.load(Ordering::Relaxed) != 0
 }
 
-/// Starts tracking capture `id` with `session`.
-pub(crate) fn register(id: u64, session: Arc<dyn Any + Send + Sync>) {
-    if sessions().insert(id, session).is_none() {
+/// Starts tracking capture `id` with `session`, begun on a stream of context `context` (its
+/// address).
+pub(crate) fn register(id: u64, session: Arc<dyn Any + Send + Sync>, context: usize) {
+    if sessions().insert(id, Tracked { session, contexts: vec![context] }).is_none() {
         ACTIVE_CAPTURES.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// Notes that a stream of context `context` (its address) joined capture `id`, if the capture is
+/// still tracked; whether it is.
+pub(crate) fn join(id: u64, context: usize) -> bool {
+    match sessions().get_mut(&id) {
+        Some(tracked) => {
+            if !tracked.contexts.contains(&context) {
+                tracked.contexts.push(context);
+            }
+            true
+        }
+        None => false,
+    }
+}
+
+/// Whether a stream of context `context` (its address) takes part in a capture cudrv tracks.
+pub(crate) fn captures_on(context: usize) -> bool {
+    any_active() && sessions().values().any(|t| t.contexts.contains(&context))
 }
 
 /// Stops tracking capture `id`; whether it was tracked.
@@ -53,7 +80,7 @@ pub(crate) fn session(id: u64) -> Option<Arc<dyn Any + Send + Sync>> {
     if id == 0 || !any_active() {
         return None;
     }
-    sessions().get(&id).cloned()
+    sessions().get(&id).map(|t| t.session.clone())
 }
 
 /// While it lives, the calling thread may make "potentially unsafe" driver calls (`cuMemAlloc`,

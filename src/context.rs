@@ -156,7 +156,7 @@ fn call_hook(hook: DropErrorHook, error: &Error) {
     }
 }
 
-/// The most errors kept per context; later ones are counted (and seen by the hook) only.
+/// The most errors kept per context; later ones reach only the hook (none is counted).
 const MAX_DEFERRED: usize = 64;
 
 /// Runs `call`, a drop's driver call, with `ctx` current, here and once; its error, or the
@@ -354,24 +354,61 @@ impl Context {
 
     /// Destroys the events cudrv keeps to order one stream after another (it makes them again
     /// when needed). Everything else cudrv caches is released with its owner (a memory
-    /// resource's `trim`, a stream's or buffer's drop).
+    /// resource's `trim`, a stream's or buffer's drop). Inside a host function, where the driver
+    /// may not be called, they are destroyed on cudrv's deferred-work thread
+    /// ([`flush_deferred_drops`](crate::flush_deferred_drops) waits for it).
     pub fn release_cached_events(&self) {
         let spare = std::mem::take(&mut *self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-        let Some(d) = crate::result::loaded_driver() else { return };
-        for e in spare {
-            // SAFETY: the context's own events, not in use, destroyed once.
-            let _ = unsafe { d.cuEventDestroy_v2(e.0) };
+        if spare.is_empty() {
+            return;
         }
+        // Deferred, the job holds the context (every `Context` is in an `Arc`, found through the
+        // map of primaries), so that it is released after its events are destroyed; one that
+        // cannot be held keeps its events for its drop.
+        let keep = if crate::host_fn::in_host_fn() {
+            let Some(ctx) = self.shared() else {
+                self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(spare);
+                return;
+            };
+            Some(ctx)
+        } else {
+            None
+        };
+        crate::host_fn::now_or_deferred(move || {
+            let Some(d) = crate::result::loaded_driver() else { return };
+            for e in spare {
+                // SAFETY: the context's own events, not in use, destroyed once, while the context
+                // is retained (by `self` now, by `keep` when deferred).
+                let _ = unsafe { d.cuEventDestroy_v2(e.0) };
+            }
+            drop(keep);
+        });
+    }
+
+    /// The `Arc` that holds this context, when the map of primaries has it.
+    fn shared(&self) -> Option<Arc<Context>> {
+        let map = primaries().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.get(&self.device.ordinal_i32()).and_then(Weak::upgrade).filter(|c| std::ptr::eq(&**c, self))
     }
 
     /// Waits until all work on the device's context is done (`cuCtxSynchronize`), then returns an
     /// error kept from a `Drop`, if any (see the [module documentation](self)).
     ///
+    /// Refused while a stream of the context takes part in a capture that cudrv started: the
+    /// driver refuses `cuCtxSynchronize` then, and invalidates the capture, which may be another
+    /// thread's. Synchronise the streams that do not capture instead. Captures on other contexts
+    /// are left alone: the call is made with the thread's capture mode relaxed (in the global
+    /// mode, the driver would refuse it during any global-mode capture, and invalidate that).
+    ///
     /// # Errors
-    /// The driver's error (an asynchronous error of earlier work shows up here), else
-    /// [`Error::Deferred`].
+    /// [`Error::Capturing`] during a capture on this context; the driver's error (an asynchronous
+    /// error of earlier work shows up here), else [`Error::Deferred`].
     pub fn synchronize(&self) -> Result<()> {
+        if crate::capture::captures_on(std::ptr::from_ref(self) as usize) {
+            return Err(Error::Capturing { what: "Context::synchronize" });
+        }
         {
+            let _relaxed = crate::capture::RelaxedCaptureMode::enter();
             let _b = self.bind()?;
             // SAFETY: the context is current.
             unsafe { drv!(cuCtxSynchronize()) }?;

@@ -235,7 +235,7 @@ impl CaptureSession {
             res,
         });
         crate::stream::set_join_hooks(JOIN_HOOKS);
-        capture::register(id, session);
+        capture::register(id, session, Arc::as_ptr(origin.context()) as usize);
         origin.key().set_capture_id(id);
     }
 
@@ -246,14 +246,14 @@ impl CaptureSession {
     /// the stream is not marked, for nothing would take the mark back (`finish` has taken the
     /// streams it unmarks), and the stream would read as capturing for good. `finish` stops
     /// tracking the capture before it takes the streams' lock, so under that lock either the
-    /// capture is still tracked and `finish` will unmark the stream, or it is not and the stream
-    /// is left alone.
+    /// capture is still tracked (and notes the stream's context) and `finish` will unmark the
+    /// stream, or it is not and the stream is left alone.
     pub(crate) fn join(&self, stream: &StreamKey, before: Arc<Event>) {
         // First, and even when the capture has ended: a graph made from it may wait for `before`
         // (extra waits on a recorded event are harmless).
         self.res.lock().prelude.push(before);
         let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
-        if capture::is_tracked(self.id) {
+        if capture::join(self.id, Arc::as_ptr(stream.context()) as usize) {
             streams.push(stream.clone());
             stream.set_capture_id(self.id);
         }

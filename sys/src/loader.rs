@@ -2,6 +2,7 @@
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::path::{Path, PathBuf};
 use std::ptr;
 use std::sync::OnceLock;
@@ -129,9 +130,14 @@ enum ProcAddress {
 /// `Result<CUresult, MissingSymbol>`. The first call of a function resolves it; later calls cost
 /// one atomic load. `Driver` is `Send + Sync`: the driver API is thread-safe and the table is
 /// atomics.
+///
+/// The library stays loaded for the rest of the process, even after its `Driver` is dropped: a
+/// CUDA driver runs threads of its own (started by `cuInit`, a stream, a host function) that go
+/// on running its code after the calls that started them returned, so unloading it could pull
+/// the code from under them.
 pub struct Driver {
-    // Keeps the library mapped for as long as the pointers in `slots` may be called.
-    _library: Library,
+    // Never unloaded (see above); keeps the pointers in `slots` valid for the process's life.
+    library: ManuallyDrop<Library>,
     library_path: String,
     version: i32,
     proc_address: ProcAddress,
@@ -267,7 +273,7 @@ impl Driver {
             }
         };
         Ok(Driver {
-            _library: library,
+            library: ManuallyDrop::new(library),
             library_path: shown,
             version,
             proc_address,
@@ -332,7 +338,7 @@ impl Driver {
             }
         }
         // SAFETY: the pointer is only read out as an untyped address here.
-        unsafe { self._library.get::<*mut c_void>(info.cname) }.map_or(ptr::null_mut(), |s| *s)
+        unsafe { self.library.get::<*mut c_void>(info.cname) }.map_or(ptr::null_mut(), |s| *s)
     }
 
     fn proc_address(&self, base: &CStr) -> *mut c_void {

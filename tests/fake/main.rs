@@ -132,4 +132,5 @@ mod review22b;
 mod review23a;
 mod review23b;
 mod review24;
+mod review24c;
 mod review_faults21;

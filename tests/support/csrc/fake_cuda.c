@@ -294,7 +294,8 @@
  * Fake-only exports: cudrvFakeReport, cudrvFakeViolation, cudrvFakeResetViolations, cudrvFakeShutdown,
  * cudrvFakePerThreadStreams, cudrvFakeLiveGraphs, cudrvFakeLiveGraphExecs (fake_graph.c),
  * cudrvFakeLastLaunch (the record of the last successful launch: struct CudrvFakeLaunch),
- * cudrvFakeFaultsInjected (how many calls CUDRV_FAKE_FAIL has failed so far).
+ * cudrvFakeFaultsInjected (how many calls CUDRV_FAKE_FAIL has failed so far),
+ * cudrvFakeHostFnDriverCalls (how many driver calls were made from inside host functions).
  * cudrvFakeReport first waits until every stream is idle. Its
  * live_allocations also counts VMM physical allocations (until freed, see above, with their bytes)
  * and address reservations (until cuMemAddressFree; they add no bytes).
@@ -1226,12 +1227,19 @@ static int name_matches(const char *pattern, const char *exported) {
     return strlen(pattern) == n && !strncmp(pattern, exported, n);
 }
 
+/* Whether this thread runs a host function now (a stream worker), and how many driver calls were
+ * made from inside host functions, where the real driver may refuse them or deadlock
+ * (cudrvFakeHostFnDriverCalls). */
+static _Thread_local int tl_in_host_fn;
+static uint64_t g_host_fn_driver_calls;
+
 /* Common entry: shutdown, fault injection, initialisation. */
 static CUresult fk_enter(const char *name, int need_init) {
     CUresult r = CUDA_SUCCESS;
     int i;
     fk_lock(&G.lock);
     read_env_locked();
+    if (tl_in_host_fn) g_host_fn_driver_calls++;
     if (G.shutdown) {
         r = CUDA_ERROR_DEINITIALIZED;
         goto out;
@@ -1774,8 +1782,11 @@ static void worker_loop(fk_stream *s) {
             uint64_t delay = G.delay_us;
             fk_unlock(&G.lock);
             fk_sleep_us(delay);
-            if (op->kind == OP_HOSTFN) op->fn(op->ud);
-            else if (op->kind == OP_KERNEL) run_kernel(op, s);
+            if (op->kind == OP_HOSTFN) {
+                tl_in_host_fn = 1;
+                op->fn(op->ud);
+                tl_in_host_fn = 0;
+            } else if (op->kind == OP_KERNEL) run_kernel(op, s);
             else if (op->kind == OP_MEMSET || op->kind == OP_COPY) run_data_op(op, s);
             else if (op->kind >= OP_REGION) run_ext_op(op, s);
             fk_lock(&G.lock);
@@ -6032,6 +6043,15 @@ FK_EXPORT uint64_t cudrvFakeFaultsInjected(void) {
     fk_lock(&G.lock);
     read_env_locked();
     for (i = 0; i < G.nfaults; i++) n += G.faults[i].injected;
+    fk_unlock(&G.lock);
+    return n;
+}
+
+/* How many driver calls were made from inside host functions (see tl_in_host_fn). */
+FK_EXPORT uint64_t cudrvFakeHostFnDriverCalls(void) {
+    uint64_t n;
+    fk_lock(&G.lock);
+    n = g_host_fn_driver_calls;
     fk_unlock(&G.lock);
     return n;
 }

@@ -566,6 +566,15 @@ pub fn fake_faults_injected() -> u64 {
     unsafe { f() }
 }
 
+/// How many driver calls were made from inside host functions (`cuLaunchHostFunc` callbacks, run by
+/// the fake's stream workers), where the real driver may refuse them or deadlock: 0 unless something
+/// called the driver where it must not.
+pub fn fake_host_fn_driver_calls() -> u64 {
+    let f: unsafe extern "C" fn() -> u64 = fake_fn("cudrvFakeHostFnDriverCalls");
+    // SAFETY: cudrvFakeHostFnDriverCalls takes no arguments and reads a counter under the fake's lock.
+    unsafe { f() }
+}
+
 /// How many CUDA graphs the fake holds: made by `cuGraphCreate`, `cuGraphClone` or a stream capture
 /// (ended or not) and not destroyed. [`assert_no_leaks`] checks it is 0.
 pub fn live_graphs() -> u64 {
