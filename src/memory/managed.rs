@@ -20,11 +20,10 @@ use std::sync::Arc;
 
 use super::buffer::{DeviceRepr, aligned_bytes, element_bits};
 use super::{DevicePtr, MemoryResource, ResourceKind, StreamUses, check_len, check_stream};
-use crate::context::Context;
+use crate::capture::RelaxedCaptureMode;
+use crate::context::{Context, bound_drop_call};
 use crate::device::Device;
-#[cfg(doc)]
-use crate::error::Error;
-use crate::error::{Result, check};
+use crate::error::{Error, Result, check};
 use crate::result::drv;
 use crate::stream::Stream;
 
@@ -58,11 +57,26 @@ fn require_managed(device: &Device) -> Result<()> {
     }
 }
 
+/// `cuMemFree` of managed memory, in `ctx`, whatever captures are active (it is never part of
+/// one, as the allocation).
+///
+/// # Safety
+/// `ptr` came from [`alloc_managed`] in `ctx`, is freed once, and no queued work uses it any more.
+unsafe fn free_managed(ctx: &Context, ptr: DevicePtr) -> Result<()> {
+    let _b = ctx.bind()?;
+    let _relaxed = RelaxedCaptureMode::enter();
+    // SAFETY: forwarded to the caller.
+    unsafe { drv!(cuMemFree_v2(ptr)) }
+}
+
 /// `cuMemAllocManaged` of `bytes` (at least 1), attached globally, in `ctx`.
 fn alloc_managed(ctx: &Context, bytes: usize) -> Result<DevicePtr> {
     let _b = ctx.bind()?;
     let mut ptr = 0;
     let flags = cudrv_sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL.0;
+    // Never part of a capture: allowed whatever captures are active (a "potentially unsafe" call,
+    // which a capture in global mode on any thread would refuse, and be invalidated for).
+    let _relaxed = RelaxedCaptureMode::enter();
     // SAFETY: valid out-pointer; the context is current.
     unsafe { drv!(cuMemAllocManaged(&mut ptr, bytes.max(1), flags)) }?;
     Ok(ptr)
@@ -76,10 +90,22 @@ unsafe impl MemoryResource for ManagedResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: &Stream) -> Result<()> {
+        if stream.key().legacy_held_by_capture() {
+            // The legacy stream while a blocking stream of its context captures: a wait for it
+            // now could not end before that capture does (for ever when this thread is to end
+            // it). The free waits on cudrv's deferred-work thread instead (as SyncResource's).
+            let ctx = self.ctx.clone();
+            crate::session::after_stream_work(stream.clone(), move || {
+                // SAFETY: the caller passed a pointer from `allocate`, freed once, here; the
+                // stream's work up to the free is done (the host saw it complete); the context is
+                // made current.
+                bound_drop_call(&ctx, || unsafe { free_managed(&ctx, ptr) });
+            });
+            return Ok(());
+        }
         stream.wait_for_memory()?;
-        let _b = self.ctx.bind()?;
         // SAFETY: the caller passes memory from `allocate`; the stream's uses are complete.
-        unsafe { drv!(cuMemFree_v2(ptr)) }
+        unsafe { free_managed(&self.ctx, ptr) }
     }
 
     fn device(&self) -> Device {
@@ -169,6 +195,10 @@ const CAPTURE: &str = "ManagedBuffer during a capture (capture work on DeviceBuf
 /// A host copy of a buffer used on a stream that captures now: ordering the copy after that
 /// stream would make the buffer's stream join the capture.
 const USED_IN_CAPTURE: &str = "a ManagedBuffer host copy while a stream it was used on captures";
+/// Host access or a host copy where the buffer's stream, or one it was used on, stands for the
+/// legacy default stream while a blocking stream of its context captures.
+const LEGACY_HELD: &str =
+    "host access to a ManagedBuffer used on the legacy default stream while a blocking stream captures";
 
 /// `CU_MEM_ATTACH_GLOBAL`-managed memory for `len` elements of `T` (`cuMemAllocManaged`),
 /// addressable by the host and every device, migrated on demand.
@@ -298,7 +328,21 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
 
     /// Waits on the host for the buffer's stream and every stream its use was recorded on.
     fn wait_uses(&self) -> Result<()> {
-        super::wait_for_uses(&self.stream, &self.used_on.snapshot())
+        let used = self.used_on.snapshot();
+        self.refuse_legacy_held(&used)?;
+        super::wait_for_uses(&self.stream, &used)
+    }
+
+    /// Refuses host access where the buffer's stream or one of `used` stands for the legacy
+    /// default stream while a blocking stream of its context captures: the driver refuses work
+    /// there and invalidates that capture, and a wait for the stream could not end before the
+    /// capture does (for ever, when the waiting thread is to end it). As `DeviceBuffer`'s host
+    /// access.
+    fn refuse_legacy_held(&self, used: &[Stream]) -> Result<()> {
+        if std::iter::once(&self.stream).chain(used).any(|s| s.key().legacy_held_by_capture()) {
+            return Err(Error::Capturing { what: LEGACY_HELD });
+        }
+        Ok(())
     }
 
     fn require_host_access(&self) -> Result<()> {
@@ -380,6 +424,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
+        self.refuse_legacy_held(&self.used_on.snapshot())?;
         self.used_on.order_after_all(&self.stream, USED_IN_CAPTURE)?;
         {
             let _b = self.stream.context().bind()?;
@@ -403,6 +448,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
+        self.refuse_legacy_held(&self.used_on.snapshot())?;
         self.used_on.order_after_all(&self.stream, USED_IN_CAPTURE)?;
         {
             let _b = self.stream.context().bind()?;
@@ -593,10 +639,9 @@ impl<T: DeviceRepr> Drop for ManagedBuffer<T> {
     fn drop(&mut self) {
         let (ptr, ctx) = (self.ptr, self.stream.context().clone());
         super::free_after_waiting(self.stream.clone(), self.used_on.take(), move || {
-            let _b = ctx.bind()?;
             // SAFETY: the memory came from cuMemAllocManaged and is freed once; nothing queued
             // uses it any more (waited for).
-            unsafe { drv!(cuMemFree_v2(ptr)) }
+            unsafe { free_managed(&ctx, ptr) }
         });
     }
 }

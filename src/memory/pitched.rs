@@ -24,14 +24,12 @@ use cudrv_sys::{CUDA_MEMCPY2D, CUDA_MEMCPY3D, CUmemorytype};
 use super::buffer::{DeviceBuffer, DeviceRepr, byte_len, element_bits};
 use super::host::PinnedBuffer;
 use super::{DevicePtr, StreamUses, UseGates, check_len, check_stream, free_after_waiting};
+use crate::capture::RelaxedCaptureMode;
 use crate::context::Context;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::result::drv;
-use crate::stream::Stream;
-
-/// `CU_STREAM_LEGACY`, a macro bindgen cannot translate.
-const CU_STREAM_LEGACY: cudrv_sys::CUstream = std::ptr::without_provenance_mut(1);
+use crate::stream::{Gate, Stream};
 
 /// The allocation behind a pitched buffer, and where it is used.
 struct Pitched {
@@ -67,6 +65,9 @@ impl Pitched {
         let access = elem.next_power_of_two().clamp(4, 16) as u32;
         let ctx = p.ctx.clone();
         let _b = ctx.bind()?;
+        // Never part of a capture: allowed whatever captures are active (a "potentially unsafe"
+        // call, which a capture in global mode on any thread would refuse, and be invalidated for).
+        let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: valid out-pointers; the context is current.
         unsafe { drv!(cuMemAllocPitch_v2(&mut p.ptr, &mut p.pitch, row_bytes, rows, access)) }.map_err(|e| {
             if e.is_out_of_memory() {
@@ -105,6 +106,19 @@ impl Pitched {
         self.used_on.use_on(&self.stream, stream, CAPTURE)
     }
 
+    /// Refuses host access (a synchronous memset, a copy to or from the host, which waits for the
+    /// stream) while the buffer's stream captures, or stands for the legacy default stream while a
+    /// blocking stream of its context captures: the driver would refuse the work and invalidate
+    /// that capture, and the wait for the stream could not end before the capture does (as
+    /// `DeviceBuffer`'s host access). Returns the stream's gate, to hold until the access is done.
+    fn host_access(&self, what: &'static str) -> Result<Gate<'_>> {
+        let gate = self.stream.refuse_in_capture(what)?;
+        if self.stream.key().legacy_held_by_capture() {
+            return Err(Error::Capturing { what });
+        }
+        Ok(gate)
+    }
+
     /// The address of byte `x_bytes` of row `row`.
     fn at(&self, x_bytes: usize, row: usize) -> DevicePtr {
         self.ptr + (row * self.pitch + x_bytes) as u64
@@ -131,26 +145,18 @@ impl Pitched {
     }
 
     /// A synchronous 2D memset: after the stream's work, and done when this returns (see
-    /// [`DeviceBuffer::memset_sync`]).
+    /// [`DeviceBuffer::memset_sync`]). Queued on the buffer's stream and waited for: the driver's
+    /// synchronous memsets (`cuMemsetD2D8`, ...) run on the legacy default stream, which, while any
+    /// blocking stream of the context captures (another thread's, say), refuses work and
+    /// invalidates that capture.
     fn memset_sync(&self, count: usize, bits: u32, elem: usize) -> Result<()> {
         if count == 0 || self.rows == 0 {
             return Ok(());
         }
-        self.stream.wait_for_memory()?;
-        let (ptr, pitch, rows) = (self.ptr, self.pitch, self.rows);
-        let _b = self.ctx.bind()?;
-        // SAFETY (all three): the rows are this allocation's, held mutably by the caller; the
-        // stream's earlier work is complete.
-        match elem {
-            // SAFETY: as above.
-            1 => unsafe { drv!(cuMemsetD2D8_v2(ptr, pitch, bits as u8, count, rows)) },
-            // SAFETY: as above.
-            2 => unsafe { drv!(cuMemsetD2D16_v2(ptr, pitch, bits as u16, count, rows)) },
-            // SAFETY: as above.
-            _ => unsafe { drv!(cuMemsetD2D32_v2(ptr, pitch, bits, count, rows)) },
-        }?;
-        // SAFETY: the legacy stream of the current context, where the driver ran the memset.
-        unsafe { drv!(cuStreamSynchronize(CU_STREAM_LEGACY)) }
+        let _access = self.host_access("a synchronous memset of a pitched buffer")?;
+        self.memset_async(0, self.rows, count, bits, elem)?;
+        // Never returns while the memset may still run.
+        self.stream.wait_for_memory()
     }
 }
 
@@ -162,6 +168,8 @@ impl Drop for Pitched {
         let (ptr, ctx) = (self.ptr, self.ctx.clone());
         free_after_waiting(self.stream.clone(), self.used_on.take(), move || {
             let _b = ctx.bind()?;
+            // Never part of a capture (as the allocation).
+            let _relaxed = RelaxedCaptureMode::enter();
             // SAFETY: the allocation came from cuMemAllocPitch and is freed once; no queued work
             // uses it any more (waited for).
             unsafe { drv!(cuMemFree_v2(ptr)) }
@@ -459,8 +467,9 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
         self.mem.memset_async(0, self.height, self.width, bits, size_of::<T>())
     }
 
-    /// Sets every byte of every row's data to `byte` and returns once it is done
-    /// (`cuMemsetD2D8`), ordered as [`DeviceBuffer::memset_sync`].
+    /// Sets every byte of every row's data to `byte` and returns once it is done (a
+    /// `cuMemsetD2D8Async` on the buffer's stream, waited for), ordered as
+    /// [`DeviceBuffer::memset_sync`].
     ///
     /// # Errors
     /// The driver's error.
@@ -468,8 +477,9 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
         self.mem.memset_sync(self.mem.row_bytes, u32::from(byte), 1)
     }
 
-    /// Sets every element to `value` and returns once it is done (`cuMemsetD2D8/16/32`), for
-    /// element sizes of 1, 2 or 4 bytes, ordered as [`DeviceBuffer::memset_sync`].
+    /// Sets every element to `value` and returns once it is done (`cuMemsetD2D8/16/32Async` on the
+    /// buffer's stream, waited for), for element sizes of 1, 2 or 4 bytes, ordered as
+    /// [`DeviceBuffer::memset_sync`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for other sizes; the driver's error.
@@ -499,6 +509,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     pub fn copy_from_host_strided(&mut self, src: &[T], src_stride: usize) -> Result<()> {
         let pitch =
             check_host::<T>("DeviceBuffer2D::copy_from_host_strided", src.len(), self.width, self.height, src_stride)?;
+        let _access = self.mem.host_access("copying host memory into a DeviceBuffer2D")?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: the device side is this buffer, held mutably; `src` covers the region (checked)
@@ -616,7 +627,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
         }
         // First, and held until the copy is tracked: a capturing stream is refused before
         // anything is queued on it, and no capture begins before the tracking record.
-        let _gate = self.mem.stream.refuse_in_capture(CAPTURE)?;
+        let _gate = self.mem.host_access(CAPTURE)?;
         let copy = src.prepare(&self.mem.stream)?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
@@ -638,7 +649,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
             return Ok(());
         }
         // As in copy_from_pinned_async.
-        let _gate = self.mem.stream.refuse_in_capture(CAPTURE)?;
+        let _gate = self.mem.host_access(CAPTURE)?;
         let copy = dst.prepare(&self.mem.stream)?;
         let host = Side::Host {
             ptr: dst.as_mut_ptr_unsynced().cast_const().cast(),
@@ -753,6 +764,7 @@ impl<T: DeviceRepr> DeviceView2D<'_, T> {
     pub fn copy_to_host_strided(&self, dst: &mut [T], dst_stride: usize) -> Result<()> {
         let pitch =
             check_host::<T>("DeviceView2D::copy_to_host_strided", dst.len(), self.width, self.height, dst_stride)?;
+        let _access = self.mem.host_access("copying a DeviceBuffer2D to the host")?;
         let host = Side::Host { ptr: dst.as_mut_ptr().cast_const().cast(), pitch, height: self.height };
         let dev = Side::Device { ptr: self.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: `dst` covers the region (checked) and stays borrowed until the stream is
@@ -959,6 +971,7 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len("the pitched buffer", self.len(), src.len())?;
+        let _access = self.mem.host_access("copying host memory into a DeviceBuffer3D")?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: `src` holds the whole volume (checked) and stays borrowed until the stream is
@@ -973,6 +986,7 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// As [`DeviceBuffer3D::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         check_len("the pitched buffer", self.len(), dst.len())?;
+        let _access = self.mem.host_access("copying a DeviceBuffer3D to the host")?;
         let host =
             Side::Host { ptr: dst.as_mut_ptr().cast_const().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };

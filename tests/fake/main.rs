@@ -132,5 +132,6 @@ mod review22b;
 mod review23a;
 mod review23b;
 mod review24;
+mod review24b;
 mod review24c;
 mod review_faults21;

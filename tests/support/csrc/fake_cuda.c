@@ -178,12 +178,13 @@
  *    cuGraphLaunch a child graph node. As in the real driver, cuEventRecord in a capture makes no
  *    node: cuStreamWaitEvent with that event makes another stream join the capture (or joins it
  *    back). Errors as in cuda.h: 900 (sync/query of a capturing stream, unsafe calls prohibited by
- *    the capture mode: synchronous copies/memsets, cuCtxSynchronize, cuEventQuery/Synchronize),
+ *    the capture mode: synchronous copies/memsets, cuCtxSynchronize, cuEventQuery/Synchronize,
+ *    cuMemAllocPitch, cuMemAllocManaged),
  *    901 (work on an invalidated capture, ending it), 902/905 (waits that merge captures or cross
  *    the capture boundary), 903, 904 (unjoined work), 906 (legacy-stream work while a blocking
  *    stream captures), 907 (query of an event recorded in a capture), 908, 401 (begin while
  *    capturing, end while not). Call-time capture errors are checked by cuLaunchKernel(Ex),
- *    cuLaunchCooperativeKernel, cuLaunchHostFunc, the 1D memsets and copies, cuEventRecord,
+ *    cuLaunchCooperativeKernel, cuLaunchHostFunc, the 1D, 2D and 3D memsets and copies, cuEventRecord,
  *    cuStreamWaitEvent, cuMemAllocAsync, cuMemFreeAsync and cuGraphLaunch.
  *  - Launch: an executable graph's nodes are queued on the stream in creation order (a topological
  *    order), as the ops their stream APIs make; launches of one executable graph are ordered across
@@ -2944,6 +2945,7 @@ API_OLD cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags
         return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 24b) */
     if (!r) {
         fk_device *d = &G.dev[c->dev];
         uint64_t sz = round_up(bytesize, 512);
@@ -4828,6 +4830,7 @@ static CUresult submit_region(const char *api, fk_side d, fk_side s, size_t w, s
     sspan = region_span(s.pitch, s.height, w, rows, depth);
     fk_lock(&G.lock);
     r = get_stream_locked(h, &st);
+    if (!r) r = capture_check_locked(st, 0); /* fake_graph.c (review 24b: as the 1D copies) */
     if (!r && dspan) {
         fk_op *op = new_op(OP_REGION, api);
         uint64_t seq;
@@ -4869,6 +4872,7 @@ API_OLD cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInByte
     if (Height > UINT64_MAX / pitch) return CUDA_ERROR_OUT_OF_MEMORY;
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 24b) */
     if (!r) r = reserve_block_locked(c->dev, pitch * Height, &b);
     if (!r) {
         fk_alloc *a = new_alloc(b->base, pitch * Height, AK_DEVICE, c->dev, b);
@@ -4918,6 +4922,7 @@ static CUresult submit_memset2d(const char *api, CUdeviceptr dst, size_t pitch, 
     if (height > 1 && pitch < width * (size_t)elem) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = sync ? get_stream_locked(NULL, &s) : get_stream_locked(h, &s);
+    if (!r) r = capture_check_locked(s, sync); /* fake_graph.c (review 24b: as the 1D memsets) */
     if (!r && width && height) {
         fk_op *op = new_op(OP_MEMSET2D, api);
         uint64_t seq;
