@@ -154,7 +154,10 @@ impl Event {
     }
 
     /// Waits until the event completes (at once for an event never recorded), then returns an
-    /// error kept from a `Drop` on the event's context, if any (see [`crate::context`]).
+    /// error kept from a `Drop` on the event's context, if any (see [`crate::context`]). Captures
+    /// on other threads go on: the wait is made with the thread's capture mode relaxed (in the
+    /// global mode, the driver would refuse it during another thread's global-mode capture, and
+    /// invalidate that).
     ///
     /// # Errors
     /// [`Error::Capturing`] for an event recorded in a capture that is still active; the
@@ -167,6 +170,10 @@ impl Event {
 
     /// Waits until the event completes, reporting no kept `Drop` error.
     pub(crate) fn wait(&self) -> Result<()> {
+        // With the thread's capture mode relaxed: in the global mode the driver refuses the wait
+        // during another thread's global-mode capture, and invalidates it; the event is not of a
+        // capture cudrv tracks (refused above, or recorded by cudrv outside one).
+        let _relaxed = crate::capture::RelaxedCaptureMode::enter();
         let _b = self.ctx.bind()?;
         // SAFETY: the event is valid; the context is current.
         unsafe { drv!(cuEventSynchronize(self.raw)) }
@@ -179,6 +186,8 @@ impl Event {
     /// driver's error (other than "not ready").
     pub fn query(&self) -> Result<bool> {
         self.refuse_if_captured("Event::query of an event recorded in the capture")?;
+        // Relaxed as for `wait`.
+        let _relaxed = crate::capture::RelaxedCaptureMode::enter();
         let _b = self.ctx.bind()?;
         // SAFETY: the event is valid; the context is current.
         match unsafe { driver()?.cuEventQuery(self.raw) } {

@@ -493,10 +493,12 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         memset_async_range(self.ptr, self.len, bits, size_of::<T>(), &self.stream)
     }
 
-    /// Sets every byte to `byte` and returns once it is done (`cuMemsetD8`), after the work queued
-    /// on the buffer's stream before the call. The driver's synchronous memsets run on the legacy
-    /// default stream and may return before they finish on device memory, so cudrv waits for that
-    /// stream too: work queued on the buffer's stream afterwards sees the new contents.
+    /// Sets every byte to `byte` and returns once it is done, after the work queued on the
+    /// buffer's stream before the call: a `cuMemsetD8Async` on the buffer's stream, waited for.
+    /// (The driver's synchronous memsets run on the legacy default stream, which refuses work
+    /// while any blocking stream of the context captures, another thread's included, and
+    /// invalidates that capture.) Work queued on the buffer's stream afterwards sees the new
+    /// contents.
     ///
     /// ```
     /// # if !cudrv::__doctest_driver() { return Ok(()); }
@@ -516,7 +518,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Sets every element to `value` and returns once it is done, for element sizes of 1, 2 or 4
-    /// bytes (`cuMemsetD8`, `cuMemsetD16`, `cuMemsetD32`), ordered as [`DeviceBuffer::memset_sync`].
+    /// bytes (`cuMemsetD8/16/32Async`, waited for), ordered as [`DeviceBuffer::memset_sync`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for other sizes; the driver's error.
@@ -1155,9 +1157,6 @@ pub(crate) fn element_bits<T: DeviceRepr>(value: &T) -> Result<u32> {
     })
 }
 
-/// `CU_STREAM_LEGACY`, a macro bindgen cannot translate.
-const CU_STREAM_LEGACY: cudrv_sys::CUstream = std::ptr::without_provenance_mut(1);
-
 /// Queues a memset of `count` elements of `elem` bytes (1, 2 or 4) at `ptr` on `stream`, each set
 /// to the low `elem` bytes of `bits`.
 pub(crate) fn memset_async_range(ptr: DevicePtr, count: usize, bits: u32, elem: usize, stream: &Stream) -> Result<()> {
@@ -1178,26 +1177,17 @@ pub(crate) fn memset_async_range(ptr: DevicePtr, count: usize, bits: u32, elem: 
 }
 
 /// A synchronous memset of `count` elements of `elem` bytes (1, 2 or 4) at `ptr`: after the work
-/// queued on `stream` so far, and finished (the legacy default stream, where the driver runs it,
-/// is waited for) when this returns.
+/// queued on `stream` so far, and finished when this returns. Queued on `stream` and waited for,
+/// not the driver's synchronous memset: that runs on the legacy default stream, which refuses
+/// work while any blocking stream of the context captures (another thread's, say) and
+/// invalidates that capture.
 pub(crate) fn memset_sync_range(ptr: DevicePtr, count: usize, bits: u32, elem: usize, stream: &Stream) -> Result<()> {
     if count == 0 {
         return Ok(());
     }
-    stream.wait_for_memory()?;
-    let _b = stream.context().bind()?;
-    // SAFETY (all three): the caller passes live device memory of `count` elements of `elem`
-    // bytes that it may write; the stream's earlier work is complete (above).
-    match elem {
-        // SAFETY: as above.
-        1 => unsafe { drv!(cuMemsetD8_v2(ptr, bits as u8, count)) },
-        // SAFETY: as above.
-        2 => unsafe { drv!(cuMemsetD16_v2(ptr, bits as u16, count)) },
-        // SAFETY: as above.
-        _ => unsafe { drv!(cuMemsetD32_v2(ptr, bits, count)) },
-    }?;
-    // SAFETY: the legacy stream of the current context.
-    unsafe { drv!(cuStreamSynchronize(CU_STREAM_LEGACY)) }
+    memset_async_range(ptr, count, bits, elem, stream)?;
+    // Never returns while the memset may still run.
+    stream.wait_for_memory()
 }
 
 #[cfg(test)]

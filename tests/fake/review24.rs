@@ -2,7 +2,10 @@
 //! failed before the fix that came with them, and behaviour pinned down where the suspicion did
 //! not hold.
 
+use std::sync::mpsc;
+
 use cudrv::graph::CaptureMode;
+use cudrv::memory::DeviceBuffer;
 use cudrv::{Device, Error, Event, EventFlags, Stream};
 use cudrv_test_support::run_with_fake;
 
@@ -56,5 +59,71 @@ fn host_questions_about_an_event_recorded_in_a_capture_are_refused_and_the_captu
         event.synchronize().unwrap();
         assert!(event.query().unwrap());
         Event::elapsed(&before, &event).unwrap();
+    });
+}
+
+/// An event recorded outside any capture may be waited for and asked about on the host during
+/// another thread's global-mode capture: in the global mode (the default) the driver refuses
+/// `cuEventSynchronize` and `cuEventQuery` then, and invalidates that capture; cudrv makes them
+/// with the thread's mode relaxed, as it does its pool's calls. It failed before (900, and the
+/// other thread's capture ended invalidated).
+#[test]
+fn waiting_for_an_event_leaves_another_threads_global_capture_alone() {
+    run_with_fake(&[], || {
+        let device = Device::get(0).unwrap();
+        let (capturing, other) = (Stream::new(&device).unwrap(), Stream::new(&device).unwrap());
+        let event = Event::new(&device).unwrap();
+        capturing.begin_capture(CaptureMode::Global).unwrap();
+        let asked = std::thread::scope(|t| {
+            t.spawn(|| {
+                event.record(&other)?;
+                event.synchronize()?;
+                event.query()
+            })
+            .join()
+            .unwrap()
+        });
+        assert!(asked.unwrap(), "the event completed");
+        let exec = capturing.end_capture().expect("a wait for an event invalidated the capture").instantiate().unwrap();
+        exec.launch(&capturing).unwrap();
+        capturing.synchronize().unwrap();
+    });
+}
+
+/// `DeviceBuffer::memset_sync` and `fill_sync` on an ordinary stream leave a capture that has
+/// nothing to do with them alone. The driver's synchronous memsets (`cuMemsetD8`, ...) run on the
+/// legacy default stream, which refuses work while a blocking stream of the context captures
+/// (here another thread's per-thread stream) and invalidates that capture; they are now queued on
+/// the buffer's stream and waited for. It failed before (906, and the other thread's capture was
+/// invalidated); review 24b found it in pitched buffers.
+#[test]
+fn synchronous_memsets_leave_another_threads_blocking_capture_alone() {
+    run_with_fake(&[], || {
+        let device = Device::get(0).unwrap();
+        let stream = Stream::new(&device).unwrap();
+        let (mut bytes, mut words) =
+            (DeviceBuffer::<u8>::zeroed(100, &stream).unwrap(), DeviceBuffer::<u32>::zeroed(64, &stream).unwrap());
+        let (began_tx, began_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let capturer = std::thread::spawn(move || {
+            let per_thread = Stream::per_thread(&Device::get(0).unwrap()).unwrap();
+            let mut x = DeviceBuffer::<u32>::zeroed(64, &per_thread).unwrap();
+            per_thread.begin_capture(CaptureMode::ThreadLocal).unwrap();
+            x.fill(3).unwrap();
+            began_tx.send(()).unwrap();
+            go_rx.recv().unwrap();
+            let ended = per_thread.end_capture().map(|g| g.instantiate().map(drop));
+            drop(x);
+            per_thread.synchronize().unwrap();
+            ended
+        });
+        began_rx.recv().unwrap();
+        let filled = (bytes.memset_sync(0xAB), words.fill_sync(0x0102_0304));
+        go_tx.send(()).unwrap();
+        let ended = capturer.join().unwrap();
+        assert!(matches!(ended, Ok(Ok(()))), "the other thread's capture: {ended:?}");
+        assert!(matches!(filled, (Ok(()), Ok(()))), "{filled:?}");
+        assert_eq!(bytes.to_vec().unwrap(), vec![0xAB; 100]);
+        assert_eq!(words.to_vec().unwrap(), vec![0x0102_0304; 64]);
     });
 }
