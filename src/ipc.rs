@@ -618,18 +618,31 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 }
 
 /// The address `offset` bytes into the allocation that starts at `base`, if `bytes` from there lie
-/// inside it (`cuMemGetAddressRange`; the allocation's context must be current).
+/// inside it and the address is aligned for `T` (`cuMemGetAddressRange`; the allocation's context
+/// must be current).
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for a range past the allocation; the driver's error.
-fn within_allocation(base: DevicePtr, offset: u64, bytes: u64) -> Result<DevicePtr> {
+/// [`Error::InvalidArgument`] for a range past the allocation or a misaligned address; the
+/// driver's error.
+fn within_allocation<T>(base: DevicePtr, offset: u64, bytes: u64) -> Result<DevicePtr> {
     let (mut start, mut size) = (0, 0);
     // SAFETY: valid out-pointers; `base` was mapped or imported by the caller; the context is
     // current.
     unsafe { drv!(cuMemGetAddressRange_v2(&mut start, &mut size, base)) }?;
     let end = start.checked_add(size as u64);
     match base.checked_add(offset) {
-        Some(ptr) if ptr.checked_add(bytes).zip(end).is_some_and(|(last, end)| last <= end) => Ok(ptr),
+        Some(ptr) if ptr.checked_add(bytes).zip(end).is_some_and(|(last, end)| last <= end) => {
+            // The handle's offset is another process's word: a buffer of `T` must be aligned for
+            // it, as every `DeviceBuffer` is (kernels take its address as a `T*`).
+            let align = std::mem::align_of::<T>() as u64;
+            if !ptr.is_multiple_of(align) {
+                return Err(Error::InvalidArgument(format!(
+                    "the IPC handle's buffer, at offset {offset} of the allocation, is not aligned for {} ({align} bytes)",
+                    std::any::type_name::<T>()
+                )));
+            }
+            Ok(ptr)
+        }
         _ => Err(Error::InvalidArgument(format!(
             "the IPC handle claims {bytes} bytes at offset {offset}, past the end of the {size}-byte allocation it opens"
         ))),
@@ -756,7 +769,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
         // allocation mapped (a buffer past it would reach other memory of this process).
         let ptr = {
             let _b = stream.context().bind()?;
-            within_allocation(mapping.base, handle.offset, handle.bytes)?
+            within_allocation::<T>(mapping.base, handle.offset, handle.bytes)?
         };
         Ok(IpcBuffer {
             ptr,
@@ -819,7 +832,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len("the IpcBuffer", self.len, src.len())?;
         // Captured, the copy would touch `src` at every launch, long after this call.
-        let _gate = self.stream.refuse_in_capture("IpcBuffer::copy_from_host during a capture")?;
+        let _gate = self.host_access("IpcBuffer::copy_from_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }
@@ -841,7 +854,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         check_len("the IpcBuffer", self.len, dst.len())?;
         // Captured, the copy would touch `dst` at every launch, long after this call.
-        let _gate = self.stream.refuse_in_capture("IpcBuffer::copy_to_host during a capture")?;
+        let _gate = self.host_access("IpcBuffer::copy_to_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }
@@ -894,6 +907,19 @@ impl<T: DeviceRepr> IpcBuffer<T> {
         let _b = self.stream.context().bind()?;
         // SAFETY: both ranges are live device memory of `byte_len` bytes, ordered on the stream.
         unsafe { drv!(cuMemcpyDtoDAsync_v2(self.ptr, src.as_raw(), self.byte_len(), self.stream.as_raw())) }
+    }
+
+    /// Refuses `what` (a host copy, which waits for the stream) while the buffer's stream
+    /// captures, or stands for the legacy default stream while a blocking stream of its context
+    /// captures (the driver would refuse the copy and invalidate that capture), as
+    /// `DeviceBuffer`'s host access does. Returns the stream's gate, to hold until the copy is
+    /// done.
+    fn host_access(&self, what: &'static str) -> Result<crate::stream::Gate<'_>> {
+        let gate = self.stream.refuse_in_capture(what)?;
+        if self.stream.key().legacy_held_by_capture() {
+            return Err(Error::Capturing { what });
+        }
+        Ok(gate)
     }
 
     /// Sets every byte to `byte` (queued on the buffer's stream).
@@ -1317,7 +1343,7 @@ impl ImportedPool {
             // SAFETY: valid out-pointer; an imported pool; export data the driver validates.
             unsafe { drv!(cuMemPoolImportPointer(&mut ptr, self.inner.raw, &mut data)) }?;
             // The size is the handle's claim: checked against the allocation imported.
-            if let Err(e) = within_allocation(ptr, 0, handle.bytes) {
+            if let Err(e) = within_allocation::<T>(ptr, 0, handle.bytes) {
                 // SAFETY: imported just above, unused, freed once.
                 if let Err(free) = unsafe { drv!(cuMemFree_v2(ptr)) } {
                     report_drop_error(Some(&self.inner.ctx), free);

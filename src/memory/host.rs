@@ -49,8 +49,8 @@ pub struct PinnedBuffer<T: DeviceRepr> {
     len: usize,
     ctx: Arc<Context>,
     /// Copies that may still use the memory: at most one per stream (a later copy on a stream
-    /// covers the earlier ones there).
-    pending: Mutex<Vec<Pending>>,
+    /// covers the earlier ones there). Shared, so that a wait need not hold the lock.
+    pending: Mutex<Vec<Arc<Pending>>>,
     _t: PhantomData<T>,
 }
 
@@ -66,6 +66,12 @@ impl Pending {
     /// Waits for the copy on the host: on the event, or, should that fail, on the stream (which
     /// never returns while the copy may still run).
     fn wait(&self) -> Result<()> {
+        // The event was recorded outside every capture (pinned copies refuse capturing streams),
+        // so the wait is none of a capture's business: `cuEventSynchronize` is a "potentially
+        // unsafe" call, which a capture in global mode on any thread (or in thread-local mode on
+        // this one) would refuse, and be invalidated for, unless the mode is relaxed. (Not inside
+        // a host function, where no driver call may be made: the wait is refused there.)
+        let _relaxed = (!crate::host_fn::in_host_fn()).then(crate::capture::RelaxedCaptureMode::enter);
         match &self.event {
             Some(ev) => ev.wait().or_else(|_| self.stream.wait_for_memory()),
             None => self.stream.wait_for_memory(),
@@ -194,8 +200,9 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
     /// The driver's error while waiting.
     pub fn as_slice(&self) -> Result<&[T]> {
         self.wait()?;
-        // SAFETY: no copy is pending, so nothing writes the memory; it is valid and aligned for
-        // `len` elements.
+        // SAFETY: no copy queued before this call is pending, so nothing writes the memory (a copy
+        // queued since, through `&self`, only reads it); it is valid and aligned for `len`
+        // elements.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
     }
 
@@ -215,12 +222,19 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
     /// # Errors
     /// The driver's error.
     pub fn wait(&self) -> Result<()> {
-        let mut pending = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        while let Some(p) = pending.last() {
+        // The lock is not held while waiting: a host function may lock it (it touches this
+        // buffer), and a copy waited for may be queued after that host function. What is queued
+        // meanwhile, through `&self`, only reads the memory, as host access through `&self` does.
+        for p in self.pending_now().iter().rev() {
             p.wait()?;
-            pending.pop();
+            self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).retain(|q| !Arc::ptr_eq(q, p));
         }
         Ok(())
+    }
+
+    /// The copies pending now (the lock is let go at once).
+    fn pending_now(&self) -> Vec<Arc<Pending>> {
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     pub(crate) fn as_ptr(&self) -> *const T {
@@ -238,8 +252,8 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
     /// Nothing is queued if this fails.
     pub(crate) fn prepare(&self, stream: &Stream) -> Result<PendingCopy> {
         let event = Event::new(&stream.device())?;
-        let pending = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        for p in pending.iter() {
+        // Not under the lock, which host functions may take (see `wait`).
+        for p in self.pending_now().iter() {
             p.order_before(stream)?;
         }
         Ok(PendingCopy { event: Some(event) })
@@ -252,7 +266,7 @@ impl<T: DeviceRepr> PinnedBuffer<T> {
         let mut pending = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         // A copy queued on a stream comes after the earlier ones there: it covers them.
         pending.retain(|p| p.stream != *stream);
-        pending.push(Pending { stream: stream.clone(), event });
+        pending.push(Arc::new(Pending { stream: stream.clone(), event }));
     }
 }
 
@@ -322,6 +336,15 @@ unsafe impl MemoryResource for PinnedHostResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: &Stream) -> Result<()> {
+        if stream.key().legacy_held_by_capture() {
+            // The legacy stream while a blocking stream of its context captures: a wait for it now
+            // would join that capture (the driver refuses it, and invalidates the capture) and
+            // wait for the capture's end, for ever when this thread is to end it. As
+            // `SyncResource`'s, the free waits on cudrv's deferred-work thread instead.
+            let (ctx, ptr) = (self.ctx.clone(), crate::host_fn::SendHandle(ptr as *mut c_void));
+            crate::session::after_stream_work(stream.clone(), move || host_free(&ctx, ptr.get()));
+            return Ok(());
+        }
         stream.wait_for_memory()?;
         let _b = self.ctx.bind()?;
         // SAFETY: the caller passes memory from `allocate`; the stream's uses are complete.
@@ -365,13 +388,15 @@ pub fn register_host<'a, T: DeviceRepr>(device: &Device, slice: &'a mut [T]) -> 
         ));
     }
     let ctx = device.primary_context()?;
-    if !slice.is_empty() {
+    // Zero bytes (an empty slice, or zero-sized elements) register nothing: the driver refuses a
+    // size of 0.
+    if size_of_val(slice) != 0 {
         let _b = ctx.bind()?;
         // SAFETY: the slice is valid for its length and stays borrowed until unregistered.
         unsafe {
             drv!(cuMemHostRegister_v2(
                 slice.as_mut_ptr().cast(),
-                std::mem::size_of_val(slice),
+                size_of_val(slice),
                 cudrv_sys::CU_MEMHOSTREGISTER_PORTABLE
             ))
         }?;
@@ -403,8 +428,8 @@ impl<T: DeviceRepr> HostRegistration<'_, T> {
 
 impl<T: DeviceRepr> Drop for HostRegistration<'_, T> {
     fn drop(&mut self) {
-        if self.slice.is_empty() {
-            return;
+        if self.byte_len() == 0 {
+            return; // nothing was registered
         }
         // Inside a host function, where the driver may not be called, the unregistration is
         // deferred. Only a registration of a `'static` slice can be there (a host function is

@@ -132,6 +132,7 @@ mod review22b;
 mod review23a;
 mod review23b;
 mod review24;
+mod review24a;
 mod review24b;
 mod review24c;
 mod review_faults21;
