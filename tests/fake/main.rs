@@ -23,6 +23,51 @@ use cudrv::memory::{DeviceBuffer, ResourceKind, SyncResource};
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{LEGACY_DRIVER_VERSION, fake_driver_version, in_fake_child, testing_oldest_driver};
 
+/// Runs `f` on a thread of its own: its result, or `None` when it has not returned after 10 s (it
+/// hangs; the thread is left behind, and the child process ends with the test).
+pub fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(10)).ok()
+}
+
+/// Runs `body` while another thread captures, in `mode`, a fill of a buffer of its own on its
+/// per-thread stream (a blocking stream: the legacy stream then refuses work) or on a new
+/// stream. Then that thread ends the capture, launches the graph and reads the buffer back.
+/// Returns `body`'s result, and the other thread's `end_capture` (an error where something
+/// invalidated the capture; on success the graph ran and wrote the buffer, checked).
+pub fn while_another_thread_captures<R>(
+    mode: cudrv::graph::CaptureMode,
+    per_thread: bool,
+    body: impl FnOnce() -> R,
+) -> (R, cudrv::Result<()>) {
+    std::thread::scope(|t| {
+        let (began_tx, began_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let capturer = t.spawn(move || {
+            let dev = Device::get(0).unwrap();
+            let s = if per_thread { Stream::per_thread(&dev) } else { Stream::new(&dev) }.unwrap();
+            let mut x = DeviceBuffer::<u32>::zeroed(64, &s).unwrap();
+            s.synchronize().unwrap();
+            s.begin_capture(mode).unwrap();
+            x.fill(3).unwrap();
+            began_tx.send(()).unwrap();
+            go_rx.recv().unwrap();
+            let graph = s.end_capture()?;
+            graph.instantiate().unwrap().launch(&s).unwrap();
+            s.synchronize().unwrap();
+            assert_eq!(x.to_vec().unwrap(), vec![3; 64], "the other thread's graph");
+            Ok(())
+        });
+        began_rx.recv().unwrap();
+        let r = body();
+        go_tx.send(()).unwrap();
+        (r, capturer.join().unwrap())
+    })
+}
+
 /// The message of an [`Error::InvalidArgument`]; panics on any other error.
 pub fn invalid_argument(e: Error) -> String {
     match e {

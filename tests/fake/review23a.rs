@@ -13,6 +13,8 @@ use cudrv::module::Module;
 use cudrv::{Device, Error, Event, Stream};
 use cudrv_test_support::{fake_report, run_with_fake};
 
+use crate::within_10s;
+
 const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
 
 // ------------------------------------------------------------------------------------------------
@@ -45,16 +47,6 @@ unsafe impl MemoryResource for EventOrdered {
     fn kind(&self) -> ResourceKind {
         ResourceKind::Custom
     }
-}
-
-/// Runs `f` on a thread of its own: its result, or `None` when it has not returned after 10 s (it
-/// hangs; the thread is left behind, and the child process ends with the test).
-fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(Duration::from_secs(10)).ok()
 }
 
 /// DEFECT (failed before the fix: the allocation hung for good). While any capture that cudrv

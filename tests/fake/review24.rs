@@ -2,12 +2,12 @@
 //! failed before the fix that came with them, and behaviour pinned down where the suspicion did
 //! not hold.
 
-use std::sync::mpsc;
-
 use cudrv::graph::CaptureMode;
 use cudrv::memory::DeviceBuffer;
 use cudrv::{Device, Error, Event, EventFlags, Stream};
 use cudrv_test_support::run_with_fake;
+
+use crate::while_another_thread_captures;
 
 /// `GraphExec::upload` on a stream that takes part in a capture cudrv started is refused, as a
 /// launch is (an upload is not part of a graph; the driver may invalidate the capture), and the
@@ -71,22 +71,14 @@ fn host_questions_about_an_event_recorded_in_a_capture_are_refused_and_the_captu
 fn waiting_for_an_event_leaves_another_threads_global_capture_alone() {
     run_with_fake(&[], || {
         let device = Device::get(0).unwrap();
-        let (capturing, other) = (Stream::new(&device).unwrap(), Stream::new(&device).unwrap());
-        let event = Event::new(&device).unwrap();
-        capturing.begin_capture(CaptureMode::Global).unwrap();
-        let asked = std::thread::scope(|t| {
-            t.spawn(|| {
-                event.record(&other)?;
-                event.synchronize()?;
-                event.query()
-            })
-            .join()
-            .unwrap()
+        let (stream, event) = (Stream::new(&device).unwrap(), Event::new(&device).unwrap());
+        let (asked, ended) = while_another_thread_captures(CaptureMode::Global, false, || {
+            event.record(&stream)?;
+            event.synchronize()?;
+            event.query()
         });
         assert!(asked.unwrap(), "the event completed");
-        let exec = capturing.end_capture().expect("a wait for an event invalidated the capture").instantiate().unwrap();
-        exec.launch(&capturing).unwrap();
-        capturing.synchronize().unwrap();
+        ended.expect("a wait for an event invalidated the other thread's capture");
     });
 }
 
@@ -103,25 +95,10 @@ fn synchronous_memsets_leave_another_threads_blocking_capture_alone() {
         let stream = Stream::new(&device).unwrap();
         let (mut bytes, mut words) =
             (DeviceBuffer::<u8>::zeroed(100, &stream).unwrap(), DeviceBuffer::<u32>::zeroed(64, &stream).unwrap());
-        let (began_tx, began_rx) = mpsc::channel();
-        let (go_tx, go_rx) = mpsc::channel::<()>();
-        let capturer = std::thread::spawn(move || {
-            let per_thread = Stream::per_thread(&Device::get(0).unwrap()).unwrap();
-            let mut x = DeviceBuffer::<u32>::zeroed(64, &per_thread).unwrap();
-            per_thread.begin_capture(CaptureMode::ThreadLocal).unwrap();
-            x.fill(3).unwrap();
-            began_tx.send(()).unwrap();
-            go_rx.recv().unwrap();
-            let ended = per_thread.end_capture().map(|g| g.instantiate().map(drop));
-            drop(x);
-            per_thread.synchronize().unwrap();
-            ended
+        let (filled, ended) = while_another_thread_captures(CaptureMode::ThreadLocal, true, || {
+            (bytes.memset_sync(0xAB), words.fill_sync(0x0102_0304))
         });
-        began_rx.recv().unwrap();
-        let filled = (bytes.memset_sync(0xAB), words.fill_sync(0x0102_0304));
-        go_tx.send(()).unwrap();
-        let ended = capturer.join().unwrap();
-        assert!(matches!(ended, Ok(Ok(()))), "the other thread's capture: {ended:?}");
+        assert!(ended.is_ok(), "the other thread's capture: {ended:?}");
         assert!(matches!(filled, (Ok(()), Ok(()))), "{filled:?}");
         assert_eq!(bytes.to_vec().unwrap(), vec![0xAB; 100]);
         assert_eq!(words.to_vec().unwrap(), vec![0x0102_0304; 64]);

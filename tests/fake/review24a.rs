@@ -19,16 +19,7 @@ use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{fake_report, run_with_fake};
 
 use crate::api::{peer_data, run_peer};
-
-/// Runs `f` on a thread of its own: its result, or `None` when it has not returned after 10 s (it
-/// hangs; the thread is left behind, and the child process ends with the test).
-fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(Duration::from_secs(10)).ok()
-}
+use crate::{while_another_thread_captures, within_10s};
 
 // ------------------------------------------------------------------------------------------------
 // Pinned buffers: host access while copies are pending
@@ -199,28 +190,10 @@ fn pinned_host_access_leaves_a_global_capture_of_another_thread_intact() {
         let mut dst = PinnedBuffer::<u32>::new(&dev, 64).unwrap();
         let d = DeviceBuffer::from_slice(&[4u32; 64], &s).unwrap();
         d.copy_to_pinned_async(&mut dst).unwrap();
-        let (began_tx, began_rx) = mpsc::channel();
-        let (read_tx, read_rx) = mpsc::channel::<()>();
-        let capturer = std::thread::spawn(move || {
-            let dev = Device::get(0).unwrap();
-            let c = Stream::new(&dev).unwrap();
-            let mut x = DeviceBuffer::<u32>::zeroed(64, &c).unwrap();
-            c.synchronize().unwrap();
-            c.begin_capture(CaptureMode::Global).unwrap();
-            x.fill(6).unwrap();
-            began_tx.send(()).unwrap();
-            read_rx.recv().unwrap();
-            let graph = c.end_capture().map_err(|e| format!("{e:?}"))?;
-            let exec = graph.instantiate().unwrap();
-            exec.launch(&c).unwrap();
-            c.synchronize().unwrap();
-            Ok::<_, String>(x.to_vec().unwrap())
-        });
-        began_rx.recv().unwrap();
-        assert_eq!(dst.as_slice().unwrap(), [4; 64]);
-        read_tx.send(()).unwrap();
-        let captured = capturer.join().unwrap();
-        assert_eq!(captured.expect("host access to a pinned buffer invalidated another thread's capture"), vec![6; 64]);
+        let (read, captured) =
+            while_another_thread_captures(CaptureMode::Global, false, || dst.as_slice().map(<[u32]>::to_vec));
+        assert_eq!(read.unwrap(), [4; 64]);
+        captured.expect("host access to a pinned buffer invalidated another thread's capture");
     });
 }
 

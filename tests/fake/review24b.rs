@@ -32,15 +32,7 @@ use cudrv::memory::{DeviceBuffer, DeviceBuffer2D, DeviceBuffer3D, ManagedBuffer,
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{fake_report, run_with_fake};
 
-/// Runs `f` on a thread of its own: its result, or `None` when it has not returned after 10 s (it
-/// hangs; the thread is left behind, and the child process ends with the test).
-fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(Duration::from_secs(10)).ok()
-}
+use crate::{while_another_thread_captures, within_10s};
 
 /// Waits (up to 5 s) for every allocation to go back, frees deferred to cudrv's thread and the
 /// device resource's cache included, then checks that none is left.
@@ -255,26 +247,10 @@ fn defect_pitched_synchronous_memsets_leave_another_thread_s_blocking_capture_al
         let s = Stream::new(&dev).unwrap();
         let mut b2 = DeviceBuffer2D::<u32>::zeroed(16, 4, &s).unwrap();
         let mut b3 = DeviceBuffer3D::<u16>::zeroed((4, 4, 4), &s).unwrap();
-        let (began_tx, began_rx) = mpsc::channel();
-        let (go_tx, go_rx) = mpsc::channel::<()>();
-        let capturer = std::thread::spawn(move || {
-            let dev = Device::get(0).unwrap();
-            let p = Stream::per_thread(&dev).unwrap();
-            let mut x = DeviceBuffer::<u32>::zeroed(64, &p).unwrap();
-            p.begin_capture(CaptureMode::ThreadLocal).unwrap();
-            x.fill(3).unwrap();
-            began_tx.send(()).unwrap();
-            go_rx.recv().unwrap();
-            let ended = p.end_capture().map(|g| g.instantiate().map(drop));
-            drop(x);
-            p.synchronize().unwrap();
-            ended
+        let (filled, ended) = while_another_thread_captures(CaptureMode::ThreadLocal, true, || {
+            (b2.fill_sync(7), b2.memset_sync(1), b3.fill_sync(9))
         });
-        began_rx.recv().unwrap();
-        let filled = (b2.fill_sync(7), b2.memset_sync(1), b3.fill_sync(9));
-        go_tx.send(()).unwrap();
-        let ended = capturer.join().unwrap();
-        assert!(matches!(ended, Ok(Ok(()))), "the other thread's capture: {ended:?}");
+        assert!(ended.is_ok(), "the other thread's capture: {ended:?}");
         assert!(matches!(filled, (Ok(()), Ok(()), Ok(()))), "{filled:?}");
         assert_eq!(b2.to_vec().unwrap(), vec![0x0101_0101; 64]);
         assert_eq!(b3.to_vec().unwrap(), vec![9; 64]);
@@ -298,35 +274,18 @@ fn defect_pitched_and_managed_allocations_leave_another_thread_s_global_capture_
     run_with_fake(&[], || {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
-        let (began_tx, began_rx) = mpsc::channel();
-        let (go_tx, go_rx) = mpsc::channel::<()>();
-        let capturer = std::thread::spawn(move || {
-            let dev = Device::get(0).unwrap();
-            let p = Stream::new(&dev).unwrap();
-            let mut x = DeviceBuffer::<u32>::zeroed(64, &p).unwrap();
-            p.synchronize().unwrap();
-            p.begin_capture(CaptureMode::Global).unwrap();
-            x.fill(3).unwrap();
-            began_tx.send(()).unwrap();
-            go_rx.recv().unwrap();
-            let ended = p.end_capture().map(|g| g.instantiate().map(drop));
-            drop(x);
-            p.synchronize().unwrap();
-            ended
+        let (made, ended) = while_another_thread_captures(CaptureMode::Global, false, || {
+            (
+                DeviceBuffer2D::<u32>::zeroed(16, 4, &s).map(drop),
+                DeviceBuffer3D::<u16>::zeroed((4, 4, 4), &s).map(drop),
+                ManagedBuffer::<u32>::zeroed(64, &s).map(drop),
+                ManagedResource::new(&dev).and_then(|r| r.allocate(256, &s).map(|p| (r, p))).and_then(|(r, p)| {
+                    // SAFETY: from this resource with this size on this stream, unused, freed once.
+                    unsafe { r.deallocate(p, 256, &s) }
+                }),
+            )
         });
-        began_rx.recv().unwrap();
-        let made = (
-            DeviceBuffer2D::<u32>::zeroed(16, 4, &s).map(drop),
-            DeviceBuffer3D::<u16>::zeroed((4, 4, 4), &s).map(drop),
-            ManagedBuffer::<u32>::zeroed(64, &s).map(drop),
-            ManagedResource::new(&dev).and_then(|r| r.allocate(256, &s).map(|p| (r, p))).and_then(|(r, p)| {
-                // SAFETY: from this resource with this size on this stream, unused, freed once.
-                unsafe { r.deallocate(p, 256, &s) }
-            }),
-        );
-        go_tx.send(()).unwrap();
-        let ended = capturer.join().unwrap();
-        assert!(matches!(ended, Ok(Ok(()))), "the other thread's capture: {ended:?}");
+        assert!(ended.is_ok(), "the other thread's capture: {ended:?}");
         assert!(matches!(made, (Ok(()), Ok(()), Ok(()), Ok(()))), "{made:?}");
         s.synchronize().unwrap();
         assert_all_freed(&dev);
