@@ -61,6 +61,35 @@ fn releasing_cached_events_inside_a_host_function_does_not_call_the_driver() {
     });
 }
 
+/// The emulated driver flags every driver call made inside a host function as a violation (which
+/// fails any test in the fake suite that makes one, through cudrv or not), and counts it.
+#[test]
+fn the_fake_flags_driver_calls_made_inside_host_functions() {
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        // Resolved here first: a first call resolves the function with `cuGetProcAddress`, a
+        // driver call of its own.
+        let mut version = 0;
+        // SAFETY: a valid out-pointer.
+        let _ = unsafe { Driver::global().unwrap().cuDriverGetVersion(&mut version) };
+        s.launch_host_fn(|| {
+            let mut version = 0;
+            // SAFETY: a valid out-pointer; the call is the violation this test makes on purpose.
+            let _ = unsafe { Driver::global().unwrap().cuDriverGetVersion(&mut version) };
+        })
+        .unwrap();
+        s.synchronize().unwrap();
+        assert_eq!(fake_host_fn_driver_calls(), 1);
+        let violations = fake_report().violations;
+        assert!(
+            violations.len() == 1 && violations[0].contains("cuDriverGetVersion called inside a host function"),
+            "{violations:?}"
+        );
+        cudrv_test_support::fake_reset_violations();
+    });
+}
+
 /// Checked and sound: a `Context` whose last holder is a host function is released on cudrv's
 /// deferred-work thread, not in the host function; the primary context ends inactive.
 #[test]

@@ -296,7 +296,8 @@
  * cudrvFakePerThreadStreams, cudrvFakeLiveGraphs, cudrvFakeLiveGraphExecs (fake_graph.c),
  * cudrvFakeLastLaunch (the record of the last successful launch: struct CudrvFakeLaunch),
  * cudrvFakeFaultsInjected (how many calls CUDRV_FAKE_FAIL has failed so far),
- * cudrvFakeHostFnDriverCalls (how many driver calls were made from inside host functions).
+ * cudrvFakeHostFnDriverCalls (how many driver calls were made from inside host functions, where
+ * the real driver forbids them; each is also recorded as a violation).
  * cudrvFakeReport first waits until every stream is idle. Its
  * live_allocations also counts VMM physical allocations (until freed, see above, with their bytes)
  * and address reservations (until cuMemAddressFree; they add no bytes).
@@ -1233,6 +1234,7 @@ static int name_matches(const char *pattern, const char *exported) {
  * (cudrvFakeHostFnDriverCalls). */
 static _Thread_local int tl_in_host_fn;
 static uint64_t g_host_fn_driver_calls;
+static void add_violation_locked(const char *fmt, ...);
 
 /* Common entry: shutdown, fault injection, initialisation. */
 static CUresult fk_enter(const char *name, int need_init) {
@@ -1240,7 +1242,10 @@ static CUresult fk_enter(const char *name, int need_init) {
     int i;
     fk_lock(&G.lock);
     read_env_locked();
-    if (tl_in_host_fn) g_host_fn_driver_calls++;
+    if (tl_in_host_fn) {
+        g_host_fn_driver_calls++;
+        add_violation_locked("%s called inside a host function (the driver forbids it: it may fail or deadlock)", name);
+    }
     if (G.shutdown) {
         r = CUDA_ERROR_DEINITIALIZED;
         goto out;
