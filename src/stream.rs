@@ -1013,6 +1013,13 @@ impl Stream {
         Stream { handle: Arc::new(Handle { key: StreamKey(inner), users: AtomicUsize::new(1) }) }
     }
 
+    /// A stream that makes no driver call (a null handle in a detached context, never destroyed),
+    /// for tests of the layers above streams.
+    #[cfg(test)]
+    pub(crate) fn detached() -> Stream {
+        Self::wrap(std::ptr::null_mut(), Context::detached(), false, 0)
+    }
+
     /// The legacy default stream of `device` (`CU_STREAM_LEGACY`), which synchronises with every
     /// blocking stream of the context.
     ///
