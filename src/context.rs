@@ -408,8 +408,9 @@ impl Context {
             return Err(Error::Capturing { what: "Context::synchronize" });
         }
         {
-            let _relaxed = crate::capture::RelaxedCaptureMode::enter();
+            // After the bind, which refuses in host functions (relaxing is a driver call).
             let _b = self.bind()?;
+            let _relaxed = crate::capture::RelaxedCaptureMode::enter();
             // SAFETY: the context is current.
             unsafe { drv!(cuCtxSynchronize()) }?;
         }

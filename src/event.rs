@@ -172,9 +172,10 @@ impl Event {
     pub(crate) fn wait(&self) -> Result<()> {
         // With the thread's capture mode relaxed: in the global mode the driver refuses the wait
         // during another thread's global-mode capture, and invalidates it; the event is not of a
-        // capture cudrv tracks (refused above, or recorded by cudrv outside one).
-        let _relaxed = crate::capture::RelaxedCaptureMode::enter();
+        // capture cudrv tracks (refused above, or recorded by cudrv outside one). After the bind,
+        // which refuses in host functions: relaxing the mode is a driver call of its own.
         let _b = self.ctx.bind()?;
+        let _relaxed = crate::capture::RelaxedCaptureMode::enter();
         // SAFETY: the event is valid; the context is current.
         unsafe { drv!(cuEventSynchronize(self.raw)) }
     }
@@ -186,9 +187,9 @@ impl Event {
     /// driver's error (other than "not ready").
     pub fn query(&self) -> Result<bool> {
         self.refuse_if_captured("Event::query of an event recorded in the capture")?;
+        let _b = self.ctx.bind()?;
         // Relaxed as for `wait`.
         let _relaxed = crate::capture::RelaxedCaptureMode::enter();
-        let _b = self.ctx.bind()?;
         // SAFETY: the event is valid; the context is current.
         match unsafe { driver()?.cuEventQuery(self.raw) } {
             Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),

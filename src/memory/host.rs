@@ -66,12 +66,9 @@ impl Pending {
     /// Waits for the copy on the host: on the event, or, should that fail, on the stream (which
     /// never returns while the copy may still run).
     fn wait(&self) -> Result<()> {
-        // The event was recorded outside every capture (pinned copies refuse capturing streams),
-        // so the wait is none of a capture's business: `cuEventSynchronize` is a "potentially
-        // unsafe" call, which a capture in global mode on any thread (or in thread-local mode on
-        // this one) would refuse, and be invalidated for, unless the mode is relaxed. (Not inside
-        // a host function, where no driver call may be made: the wait is refused there.)
-        let _relaxed = (!crate::host_fn::in_host_fn()).then(crate::capture::RelaxedCaptureMode::enter);
+        // The event was recorded outside every capture (pinned copies refuse capturing streams):
+        // `Event::wait` relaxes the capture mode, so that the wait leaves other threads'
+        // global-mode captures alone.
         match &self.event {
             Some(ev) => ev.wait().or_else(|_| self.stream.wait_for_memory()),
             None => self.stream.wait_for_memory(),

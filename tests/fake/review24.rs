@@ -137,3 +137,34 @@ fn an_abandoned_capture_ends_although_a_buffer_of_its_stream_was_dropped_during_
         );
     });
 }
+
+/// Inside a host function during a capture, waits for and queries of an event (and a context
+/// synchronisation) are refused before any driver call: the relaxed capture mode they take elsewhere is a driver call
+/// of its own (`cuThreadExchangeStreamCaptureMode`), which the emulated driver flags there. It
+/// failed before (the mode was relaxed before the refusal).
+#[test]
+fn host_functions_during_a_capture_make_no_driver_call_to_relax_the_capture_mode() {
+    run_with_fake(&[], || {
+        let device = Device::get(0).unwrap();
+        let (capturing, other) = (Stream::new(&device).unwrap(), Stream::new(&device).unwrap());
+        let event = std::sync::Arc::new(Event::new(&device).unwrap());
+        event.record(&other).unwrap();
+        capturing.begin_capture(CaptureMode::ThreadLocal).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (e, ctx) = (event.clone(), device.primary_context().unwrap());
+        other
+            .launch_host_fn(move || {
+                let _ = tx.send((e.synchronize(), e.query(), ctx.synchronize()));
+            })
+            .unwrap();
+        other.synchronize().unwrap();
+        let (waited, asked, synced) = rx.recv().unwrap();
+        for r in [waited, asked.map(drop)] {
+            assert!(matches!(r, Err(Error::InHostFunction { .. })), "{r:?}");
+        }
+        // Refused first for the capture on its context, with no driver call either.
+        assert!(matches!(synced, Err(Error::Capturing { .. })), "{synced:?}");
+        capturing.end_capture().unwrap();
+        assert_eq!(cudrv_test_support::fake_host_fn_driver_calls(), 0);
+    });
+}
