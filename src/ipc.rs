@@ -832,7 +832,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len("the IpcBuffer", self.len, src.len())?;
         // Captured, the copy would touch `src` at every launch, long after this call.
-        let _gate = self.host_access("IpcBuffer::copy_from_host during a capture")?;
+        let _gate = self.stream.refuse_host_access("IpcBuffer::copy_from_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }
@@ -854,7 +854,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         check_len("the IpcBuffer", self.len, dst.len())?;
         // Captured, the copy would touch `dst` at every launch, long after this call.
-        let _gate = self.host_access("IpcBuffer::copy_to_host during a capture")?;
+        let _gate = self.stream.refuse_host_access("IpcBuffer::copy_to_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }
@@ -907,19 +907,6 @@ impl<T: DeviceRepr> IpcBuffer<T> {
         let _b = self.stream.context().bind()?;
         // SAFETY: both ranges are live device memory of `byte_len` bytes, ordered on the stream.
         unsafe { drv!(cuMemcpyDtoDAsync_v2(self.ptr, src.as_raw(), self.byte_len(), self.stream.as_raw())) }
-    }
-
-    /// Refuses `what` (a host copy, which waits for the stream) while the buffer's stream
-    /// captures, or stands for the legacy default stream while a blocking stream of its context
-    /// captures (the driver would refuse the copy and invalidate that capture), as
-    /// `DeviceBuffer`'s host access does. Returns the stream's gate, to hold until the copy is
-    /// done.
-    fn host_access(&self, what: &'static str) -> Result<crate::stream::Gate<'_>> {
-        let gate = self.stream.refuse_in_capture(what)?;
-        if self.stream.key().legacy_held_by_capture() {
-            return Err(Error::Capturing { what });
-        }
-        Ok(gate)
     }
 
     /// Sets every byte to `byte` (queued on the buffer's stream).

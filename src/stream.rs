@@ -1094,6 +1094,19 @@ impl Stream {
         self.key().refuse_in_capture(what)
     }
 
+    /// [`Stream::refuse_in_capture`] for host access (a host copy or memset, or a wait for the
+    /// stream): refused too where the stream stands for the legacy default stream while a
+    /// blocking stream of its context captures (the driver would refuse the work and invalidate
+    /// that capture, and a wait for the stream could not end before the capture does). The gate
+    /// is held until the access is done.
+    pub(crate) fn refuse_host_access(&self, what: &'static str) -> Result<Gate<'_>> {
+        let gate = self.refuse_in_capture(what)?;
+        if self.key().legacy_held_by_capture() {
+            return Err(Error::Capturing { what });
+        }
+        Ok(gate)
+    }
+
     /// The raw `CUstream` that means this stream on the calling thread: the stream's handle,
     /// except for the per-thread default stream used on another thread than its own, where it is
     /// `CU_STREAM_LEGACY` (see [`Stream::per_thread`]).

@@ -850,11 +850,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.capture != 0 {
             return Err(Error::Capturing { what });
         }
-        let gate = self.stream.refuse_in_capture(what)?;
-        if self.stream.key().legacy_held_by_capture() {
-            return Err(Error::Capturing { what });
-        }
-        Ok(gate)
+        self.stream.refuse_host_access(what)
     }
 }
 

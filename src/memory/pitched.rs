@@ -29,7 +29,7 @@ use crate::context::Context;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::result::drv;
-use crate::stream::{Gate, Stream};
+use crate::stream::Stream;
 
 /// The allocation behind a pitched buffer, and where it is used.
 struct Pitched {
@@ -106,19 +106,6 @@ impl Pitched {
         self.used_on.use_on(&self.stream, stream, CAPTURE)
     }
 
-    /// Refuses host access (a synchronous memset, a copy to or from the host, which waits for the
-    /// stream) while the buffer's stream captures, or stands for the legacy default stream while a
-    /// blocking stream of its context captures: the driver would refuse the work and invalidate
-    /// that capture, and the wait for the stream could not end before the capture does (as
-    /// `DeviceBuffer`'s host access). Returns the stream's gate, to hold until the access is done.
-    fn host_access(&self, what: &'static str) -> Result<Gate<'_>> {
-        let gate = self.stream.refuse_in_capture(what)?;
-        if self.stream.key().legacy_held_by_capture() {
-            return Err(Error::Capturing { what });
-        }
-        Ok(gate)
-    }
-
     /// The address of byte `x_bytes` of row `row`.
     fn at(&self, x_bytes: usize, row: usize) -> DevicePtr {
         self.ptr + (row * self.pitch + x_bytes) as u64
@@ -153,7 +140,7 @@ impl Pitched {
         if count == 0 || self.rows == 0 {
             return Ok(());
         }
-        let _access = self.host_access("a synchronous memset of a pitched buffer")?;
+        let _access = self.stream.refuse_host_access("a synchronous memset of a pitched buffer")?;
         self.memset_async(0, self.rows, count, bits, elem)?;
         // Never returns while the memset may still run.
         self.stream.wait_for_memory()
@@ -509,7 +496,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     pub fn copy_from_host_strided(&mut self, src: &[T], src_stride: usize) -> Result<()> {
         let pitch =
             check_host::<T>("DeviceBuffer2D::copy_from_host_strided", src.len(), self.width, self.height, src_stride)?;
-        let _access = self.mem.host_access("copying host memory into a DeviceBuffer2D")?;
+        let _access = self.mem.stream.refuse_host_access("copying host memory into a DeviceBuffer2D")?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: the device side is this buffer, held mutably; `src` covers the region (checked)
@@ -627,7 +614,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
         }
         // First, and held until the copy is tracked: a capturing stream is refused before
         // anything is queued on it, and no capture begins before the tracking record.
-        let _gate = self.mem.host_access(CAPTURE)?;
+        let _gate = self.mem.stream.refuse_host_access(CAPTURE)?;
         let copy = src.prepare(&self.mem.stream)?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
@@ -649,7 +636,7 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
             return Ok(());
         }
         // As in copy_from_pinned_async.
-        let _gate = self.mem.host_access(CAPTURE)?;
+        let _gate = self.mem.stream.refuse_host_access(CAPTURE)?;
         let copy = dst.prepare(&self.mem.stream)?;
         let host = Side::Host {
             ptr: dst.as_mut_ptr_unsynced().cast_const().cast(),
@@ -764,7 +751,7 @@ impl<T: DeviceRepr> DeviceView2D<'_, T> {
     pub fn copy_to_host_strided(&self, dst: &mut [T], dst_stride: usize) -> Result<()> {
         let pitch =
             check_host::<T>("DeviceView2D::copy_to_host_strided", dst.len(), self.width, self.height, dst_stride)?;
-        let _access = self.mem.host_access("copying a DeviceBuffer2D to the host")?;
+        let _access = self.mem.stream.refuse_host_access("copying a DeviceBuffer2D to the host")?;
         let host = Side::Host { ptr: dst.as_mut_ptr().cast_const().cast(), pitch, height: self.height };
         let dev = Side::Device { ptr: self.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: `dst` covers the region (checked) and stays borrowed until the stream is
@@ -971,7 +958,7 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len("the pitched buffer", self.len(), src.len())?;
-        let _access = self.mem.host_access("copying host memory into a DeviceBuffer3D")?;
+        let _access = self.mem.stream.refuse_host_access("copying host memory into a DeviceBuffer3D")?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: `src` holds the whole volume (checked) and stays borrowed until the stream is
@@ -986,7 +973,7 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// As [`DeviceBuffer3D::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         check_len("the pitched buffer", self.len(), dst.len())?;
-        let _access = self.mem.host_access("copying a DeviceBuffer3D to the host")?;
+        let _access = self.mem.stream.refuse_host_access("copying a DeviceBuffer3D to the host")?;
         let host =
             Side::Host { ptr: dst.as_mut_ptr().cast_const().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
