@@ -50,7 +50,8 @@ pub struct Stream {
 /// The users' share of a stream: every [`Stream`] value, and every [`StreamPin`] (of a memory
 /// pool that keeps the stream for its buffers, or of a buffer). When it goes, memory pools that
 /// cached blocks freed on the stream are told to forget it (while it is still valid), and release
-/// their own references; the stream is destroyed once those are gone too.
+/// their own references; the stream is destroyed once those are gone too. Work that waits with
+/// the stream parked ([`ParkedStream`]) may make a new one later, which does the same as it goes.
 struct Handle {
     key: StreamKey,
     /// How many `Stream` values exist. `Arc`'s count holds them and the pins; when this reaches
@@ -810,22 +811,76 @@ impl Drop for Handle {
     fn drop(&mut self) {
         let key = self.key.clone();
         let retire = move || {
+            // A newer handle lives (work that waited with the stream parked revived it): the
+            // stream is retired when that one goes.
+            let superseded =
+                || key.0.handle.lock().unwrap_or_else(std::sync::PoisonError::into_inner).strong_count() != 0;
+            if superseded() {
+                return;
+            }
             if key.capture_id() != 0
                 && let Some(hooks) = join_hooks()
             {
                 (hooks.abandoned)(&key);
             }
+            // Under the handle's lock, so that no newer handle is made while the attachments go
+            // (it would find them gone, or retired under it); where one was made meanwhile (by a
+            // free that the abandoned capture let run), it retires them when it goes.
+            let current = key.0.handle.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if current.strong_count() != 0 {
+                return;
+            }
             // Under the lock: another thread looking for what an attachment holds (a pool freeing,
             // on another stream, an allocation made on this one) waits until it is where that
-            // thread looks next. (A stream's attachments, then a pool's arena: the lock order.)
-            // The retirements' errors reach the drop-error hook after the lock.
+            // thread looks next. (A stream's handle, its attachments, then a pool's arena: the
+            // lock order.) The retirements' errors reach the drop-error hook after the lock.
             let _hook = crate::context::HoldHook::enter();
             let mut list = key.0.attachments.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             for (_, a) in std::mem::take(&mut *list) {
                 a.retire(&key);
             }
+            drop(list);
+            drop(current);
         };
         host_fn::now_or_deferred(retire)
+    }
+}
+
+/// A stream held by work that waits for something the stream's users may have to end first: the
+/// end of a capture, or a graph's last launch (a buffer's free, dropped during a capture). It
+/// keeps the stream valid, but not its users' [`Handle`], so that the last user's going still
+/// ends a capture that it began and abandoned (see [`JoinHooks::abandoned`]), which the waiting
+/// work would otherwise keep from ending for ever. [`ParkedStream::revive`] makes a user of the
+/// stream again, to do the work with.
+pub(crate) struct ParkedStream(StreamKey);
+
+impl Stream {
+    /// Lets go of this user, keeping the stream parked (see [`ParkedStream`]). Where this was the
+    /// stream's last reference, the stream's handle goes here, as in a drop.
+    pub(crate) fn park(self) -> ParkedStream {
+        ParkedStream(self.key().clone())
+    }
+}
+
+impl ParkedStream {
+    /// A user of the stream: of its live handle, or of a new one where the last went meanwhile
+    /// (what that one kept, such as memory pools' caches of the stream, it gave back as it went;
+    /// the new one keeps its own and gives them back in turn, as any handle). `None` while a
+    /// handle that went is being retired just then (on this thread, or another): try again later.
+    pub(crate) fn revive(&self) -> Option<Stream> {
+        let mut current = match self.0.0.handle.try_lock() {
+            Ok(current) => current,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        if let Some(handle) = current.upgrade() {
+            // A new user, as a clone of a pin's view makes one (the stream may have had none left).
+            handle.users.fetch_add(1, Ordering::Relaxed);
+            return Some(Stream { handle });
+        }
+        let handle = Arc::new(Handle { key: self.0.clone(), users: AtomicUsize::new(1) });
+        *current = Arc::downgrade(&handle);
+        Some(Stream { handle })
     }
 }
 
@@ -867,6 +922,11 @@ struct Inner {
     /// What other layers keep on the stream (see [`Attachment`]), on cache lines of their own:
     /// threads that allocate on different streams must not share one.
     attachments: CachePadded<Mutex<Attachments>>,
+    /// The stream's [`Handle`] (its users' share) while one lives. Work that waits with the stream
+    /// parked ([`ParkedStream`]) makes a user of it, or a new handle where the last one went
+    /// meanwhile; a handle that goes retires the stream only while none newer lives, under this
+    /// lock (see [`Handle`]'s drop).
+    handle: Mutex<Weak<Handle>>,
     /// Run once by the next settling of the bank that finds no pin and no user, between that look
     /// and its decision ([`Handle::settle_bank`]), so that a test can act there.
     #[cfg(test)]
@@ -1007,10 +1067,13 @@ impl Stream {
             pins_let_go_elsewhere: AtomicUsize::new(0),
             banked: AtomicBool::new(false),
             attachments: CachePadded(Mutex::new(Vec::new())),
+            handle: Mutex::new(Weak::new()),
             #[cfg(test)]
             settle_hook: Mutex::new(None),
         });
-        Stream { handle: Arc::new(Handle { key: StreamKey(inner), users: AtomicUsize::new(1) }) }
+        let handle = Arc::new(Handle { key: StreamKey(inner), users: AtomicUsize::new(1) });
+        *handle.key.0.handle.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::downgrade(&handle);
+        Stream { handle }
     }
 
     /// A stream that makes no driver call (a null handle in a detached context, never destroyed),
@@ -1388,7 +1451,7 @@ mod tests {
     use std::sync::{Arc, mpsc};
     use std::time::Duration;
 
-    use super::{Stream, StreamPin};
+    use super::{Attachment, Stream, StreamKey, StreamPin, attachment_owner_id};
     use crate::context::Context;
 
     /// A stream that makes no driver call (a null handle in a detached context, never destroyed).
@@ -1534,5 +1597,75 @@ mod tests {
         assert!(owner.join().unwrap(), "an owner pin lived without the bank");
         crate::flush_deferred_drops().unwrap();
         assert!(handle.upgrade().is_none(), "the stream outlived its pins");
+    }
+
+    /// An attachment that counts its retirements.
+    struct Counted(Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Attachment for Counted {
+        fn retire(self: Box<Self>, _stream: &StreamKey) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Attaches a [`Counted`] to `stream`, returning its count.
+    fn attach(stream: &Stream) -> Arc<std::sync::atomic::AtomicUsize> {
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let made = count.clone();
+        stream.key().with_attachment(attachment_owner_id(), move || Counted(made), |_| ());
+        count
+    }
+
+    /// A parked stream revives the live handle while one lives (no second handle, so the stream
+    /// is retired once), and a new handle over the same stream once the last went, which retires
+    /// it in turn when it goes.
+    #[test]
+    fn a_parked_stream_revives_the_live_handle_else_a_new_one() {
+        let s = stream();
+        let retired = attach(&s);
+        let first = Arc::downgrade(&s.handle);
+        let parked = s.clone().park();
+        let revived = parked.revive().unwrap();
+        assert!(Arc::ptr_eq(&revived.handle, &s.handle), "the live handle");
+        assert_eq!(revived, s);
+        drop(s);
+        assert_eq!(retired.load(Ordering::SeqCst), 0, "a user lives");
+        drop(revived);
+        assert!(first.upgrade().is_none(), "the parked stream keeps no handle");
+        assert_eq!(retired.load(Ordering::SeqCst), 1, "retired as its handle went");
+
+        let again = parked.revive().unwrap();
+        let retired_again = attach(&again);
+        let also = parked.revive().unwrap();
+        assert!(Arc::ptr_eq(&again.handle, &also.handle), "one handle at a time");
+        drop((again, also));
+        assert_eq!(retired_again.load(Ordering::SeqCst), 1, "the new handle retires the stream as it goes");
+        assert_eq!(retired.load(Ordering::SeqCst), 1);
+    }
+
+    /// A handle whose retirement is deferred (it went inside a host function), with a newer one
+    /// revived before the retirement runs: the old one leaves the stream's attachments to the
+    /// newer one, which uses them still, and that one retires them when it goes.
+    #[test]
+    fn a_handle_that_goes_leaves_the_stream_to_a_newer_one() {
+        let s = stream();
+        let parked = s.clone().park();
+        // cudrv's thread waits, so that the old handle's retirement is queued behind this.
+        let (go, wait) = mpsc::channel::<()>();
+        crate::host_fn::defer(move || {
+            let _ = wait.recv();
+        });
+        {
+            let _host_fn = crate::host_fn::HostFnScope::enter();
+            drop(s);
+        }
+        let newer = parked.revive().unwrap();
+        let retired = attach(&newer);
+        go.send(()).unwrap();
+        crate::flush_deferred_drops().unwrap();
+        assert_eq!(retired.load(Ordering::SeqCst), 0, "the old handle's retirement left the newer one's attachment");
+        drop(newer);
+        crate::flush_deferred_drops().unwrap();
+        assert_eq!(retired.load(Ordering::SeqCst), 1, "retired once, as the newer handle went");
     }
 }

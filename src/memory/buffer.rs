@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::host::PinnedBuffer;
-use super::uses::Held;
+use super::uses::{FreeStreams, Held};
 use super::{
     DevicePtr, DeviceResource, MemoryResource, StreamOrderedPool, UseGates, check_len, check_stream, unless_capturing,
 };
@@ -905,8 +905,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             session.live_buffers.fetch_sub(1, Ordering::AcqRel);
         }
         let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take().unwrap_or_default();
-        // The free takes a counted reference: it may run later, or never (a failed wait leaks
-        // the memory).
+        // A user, which keeps the view valid while the buffer's pin is let go below; the free
+        // keeps the stream parked.
         let stream = Stream::clone(&self.stream);
         match self.resource {
             // The pool keeps the stream for the allocation no more, so that a free that waits
@@ -926,20 +926,31 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 crate::host_fn::now_or_deferred(go)
             }
         }
-        let free = Free { resource: self.resource.clone(), ptr: self.ptr, bytes, stream, capture: self.capture, uses };
+        let Uses { streams: used, graphs } = *uses;
+        let free = Free {
+            resource: self.resource.clone(),
+            ptr: self.ptr,
+            bytes,
+            streams: FreeStreams::park(stream, used),
+            capture: self.capture,
+            graphs,
+        };
         crate::host_fn::now_or_deferred(move || free.run())
     }
 }
 
 /// A buffer's stream-ordered free that must wait for more than the buffer's stream: other
-/// streams it was used on, graphs that use it, a capture in progress.
+/// streams it was used on, graphs that use it, a capture in progress. It holds the streams
+/// parked, so that a capture it waits for still ends when its origin's last user goes.
 struct Free {
     resource: ResourceRef,
     ptr: DevicePtr,
     bytes: usize,
-    stream: Stream,
+    /// The buffer's stream, then the others it was used on.
+    streams: FreeStreams,
     capture: u64,
-    uses: Box<Uses>,
+    /// Graphs whose capture used the buffer.
+    graphs: Vec<GraphUse>,
 }
 
 impl GraphOwned for Free {
@@ -950,27 +961,31 @@ impl GraphOwned for Free {
 
 impl Free {
     /// Frees now if nothing stands in the way, else hands itself to what does; where that is the
-    /// legacy default stream held by a capture ([`Held::Legacy`]), cudrv's thread tries again.
+    /// legacy default stream held by a capture ([`Held::Legacy`]), or a stream cannot be used
+    /// just then ([`FreeStreams::revive`]), cudrv's thread tries again.
     fn run(self) {
         crate::host_fn::attempt_until_done(self, Free::attempt);
     }
 
-    /// [`Free::run`], once: the free back where the legacy default stream holds it.
+    /// [`Free::run`], once: the free back where it cannot be done yet.
     fn attempt(mut self) -> Option<Free> {
         // Graphs whose launches have all completed need nothing (and handing the free to each in
         // turn would recurse once per graph).
-        self.uses.graphs.retain(|g| !g.is_done());
-        if let Some(graph) = self.uses.graphs.pop() {
+        self.graphs.retain(|g| !g.is_done());
+        if let Some(graph) = self.graphs.pop() {
             // After that graph's last launch (then the next graph, if any).
             graph.after_launches(Box::new(self));
             return None;
         }
+        let Some(streams) = self.streams.revive() else { return Some(self) };
         // A capture in progress on the buffer's stream, or on a stream it was used on, that the
         // buffer does not belong to: the free would be captured (or join the capture); it waits
         // for the end of the capture.
-        let held = unless_capturing(std::iter::once(&self.stream).chain(&self.uses.streams), self.capture, || {
-            free_after_uses(&*self.resource, self.ptr, self.bytes, &self.stream, &self.uses.streams);
+        let held = unless_capturing(streams.all(), self.capture, || {
+            free_after_uses(&*self.resource, self.ptr, self.bytes, &streams.owner, &streams.used);
         });
+        // Before the free waits on: the users go (see [`FreeStreams`]).
+        drop(streams);
         match held {
             Some(Held::Capture(session)) => {
                 session.after_end(Box::new(move || self.run()));

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::session::CaptureSession;
-use crate::stream::{Gate, Stream};
+use crate::stream::{Gate, ParkedStream, Stream};
 
 /// Checks that `stream` belongs to `device`.
 pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) -> Result<()> {
@@ -96,7 +96,9 @@ pub(crate) fn wait_for_uses(owner: &Stream, used: &[Stream]) -> Result<()> {
 
 /// A synchronous free (`cuMemFree` does not wait for queued work) of memory used on `owner` and
 /// `used`: waits for them, then runs `free`. Outside host functions (deferred from inside one),
-/// and after the end of a capture that any of the streams takes part in.
+/// and after the end of a capture that any of the streams takes part in. The streams wait parked
+/// ([`FreeStreams`]).
+///
 /// A failed wait leaks the memory (its work may still run), which is sound, and reports the
 /// error: `free` is then forgotten, never run nor dropped.
 pub(crate) fn free_after_waiting<F: FnOnce() -> Result<()> + Send + 'static>(
@@ -104,29 +106,34 @@ pub(crate) fn free_after_waiting<F: FnOnce() -> Result<()> + Send + 'static>(
     used: Vec<Stream>,
     free: F,
 ) {
+    let streams = FreeStreams::park(owner, used);
     if crate::host_fn::in_host_fn() {
-        crate::host_fn::defer(move || free_after_waiting(owner, used, free));
-        return;
+        crate::host_fn::defer(move || wait_then_free(streams, free));
+    } else {
+        wait_then_free(streams, free);
     }
-    // Held by a capture that cudrv cannot wait for the end of: tried again on cudrv's thread.
-    crate::host_fn::attempt_until_done((owner, used, free), |(owner, used, free)| {
-        try_free_after_waiting(owner, used, free)
-    });
 }
 
-/// [`free_after_waiting`], outside host functions: what it gets back where the legacy default
-/// stream, standing for one of the streams, is held by a capture ([`Held::Legacy`]).
-fn try_free_after_waiting<F: FnOnce() -> Result<()> + Send + 'static>(
-    owner: Stream,
-    used: Vec<Stream>,
+/// [`free_after_waiting`], outside host functions. Held by a capture that cudrv cannot wait for
+/// the end of: tried again on cudrv's thread.
+fn wait_then_free<F: FnOnce() -> Result<()> + Send + 'static>(streams: FreeStreams, free: F) {
+    crate::host_fn::attempt_until_done((streams, free), |(streams, free)| try_wait_then_free(streams, free));
+}
+
+/// [`wait_then_free`], once: what it gets back where the streams cannot be used just then (see
+/// [`FreeStreams::revive`]).
+fn try_wait_then_free<F: FnOnce() -> Result<()> + Send + 'static>(
+    streams: FreeStreams,
     free: F,
-) -> Option<(Stream, Vec<Stream>, F)> {
+) -> Option<(FreeStreams, F)> {
+    let Some(users) = streams.revive() else { return Some((streams, free)) };
+    let (owner, used) = (&users.owner, &users.used);
     // A stream that takes part in a capture cannot be waited for (and work queued on it would be
     // captured): the free waits for the end of the capture.
     let mut free = Some(free);
-    let held = unless_capturing(std::iter::once(&owner).chain(&used), 0, || {
+    let held = unless_capturing(users.all(), 0, || {
         let Some(free) = free.take() else { return };
-        let done = match wait_for_uses(&owner, &used) {
+        let done = match wait_for_uses(owner, used) {
             Ok(()) => free(),
             Err(e) => {
                 // The work may still run: the closure is not run, and not dropped either (what it
@@ -139,13 +146,56 @@ fn try_free_after_waiting<F: FnOnce() -> Result<()> + Send + 'static>(
             crate::context::report_drop_error(Some(owner.context()), e);
         }
     });
+    // Before the free waits on: the users go (see [`FreeStreams`]).
+    drop(users);
     match (held, free) {
         (Some(Held::Capture(session)), Some(free)) => {
-            session.after_end(Box::new(move || free_after_waiting(owner, used, free)));
+            session.after_end(Box::new(move || wait_then_free(streams, free)));
             None
         }
-        (Some(Held::Legacy), Some(free)) => Some((owner, used, free)),
+        (Some(Held::Legacy), Some(free)) => Some((streams, free)),
         _ => None,
+    }
+}
+
+/// The streams that a free waits for, the memory's own first, held parked
+/// ([`ParkedStream`]): the free may wait for the end of a capture on one of them, or for a graph's
+/// launches, and must not keep a capture's origin from being abandoned when its last user goes
+/// (then the free runs).
+pub(crate) struct FreeStreams {
+    owner: ParkedStream,
+    used: Vec<ParkedStream>,
+}
+
+impl FreeStreams {
+    /// Parks `owner` and `used` (letting go of these users).
+    pub(crate) fn park(owner: Stream, used: Vec<Stream>) -> FreeStreams {
+        FreeStreams { owner: owner.park(), used: used.into_iter().map(Stream::park).collect() }
+    }
+
+    /// Users of the streams, to do the free with. `None` where one cannot be made just then
+    /// ([`ParkedStream::revive`]): try again later. Drop them before the free waits on, so that
+    /// the capture it waits for may be abandoned.
+    pub(crate) fn revive(&self) -> Option<FreeUsers> {
+        Some(FreeUsers {
+            owner: self.owner.revive()?,
+            used: self.used.iter().map(ParkedStream::revive).collect::<Option<_>>()?,
+        })
+    }
+}
+
+/// Users of [`FreeStreams`], while a free is tried.
+pub(crate) struct FreeUsers {
+    /// The memory's own stream.
+    pub(crate) owner: Stream,
+    /// The others it was used on.
+    pub(crate) used: Vec<Stream>,
+}
+
+impl FreeUsers {
+    /// Every stream, the owner first.
+    pub(crate) fn all(&self) -> impl Iterator<Item = &Stream> + Clone {
+        std::iter::once(&self.owner).chain(&self.used)
     }
 }
 

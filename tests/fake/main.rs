@@ -180,4 +180,5 @@ mod review24;
 mod review24a;
 mod review24b;
 mod review24c;
+mod review25;
 mod review_faults21;
