@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
+use crate::capture::RelaxedCaptureMode;
 use crate::context::{Context, bound_drop_call};
 use crate::device::Device;
 use crate::error::Result;
@@ -56,6 +57,9 @@ unsafe impl MemoryResource for SyncResource {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         check_stream("SyncResource::allocate", self.device(), stream)?;
         let _b = self.ctx.bind()?;
+        // Never part of a capture: in the global mode the driver would refuse it (a "potentially
+        // unsafe" call) and invalidate another thread's capture.
+        let _relaxed = RelaxedCaptureMode::enter();
         let mut ptr = 0;
         // SAFETY: `ptr` is a valid out-pointer; the context is current. Zero bytes is an error
         // for cuMemAlloc, so a zero-sized request takes one byte.
@@ -97,6 +101,8 @@ unsafe impl MemoryResource for SyncResource {
         // Waits even if an unrelated error is pending; never frees while the stream may use it.
         stream.wait_for_memory()?;
         let _b = self.ctx.bind()?;
+        // As `allocate`'s.
+        let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: the caller passes a pointer from `allocate`; the stream's work is done.
         unsafe { drv!(cuMemFree_v2(ptr)) }?;
         self.in_use.fetch_sub(bytes, Ordering::Relaxed);

@@ -5,12 +5,14 @@
 //! stream, so the stream's handle never went and the capture was never ended (review 24 found
 //! it and kept it as an ignored test).
 
+use std::sync::Arc;
+
 use cudrv::graph::{CaptureMode, CaptureStatus};
-use cudrv::memory::{DeviceBuffer, DeviceBuffer2D};
+use cudrv::memory::{DeviceBuffer, DeviceBuffer2D, MemoryResource, SyncResource};
 use cudrv::{Device, Stream};
 use cudrv_test_support::{assert_no_leaks, fake_report, live_graphs, run_with_fake_modes};
 
-use crate::graph_cases;
+use crate::{graph_cases, while_another_thread_captures};
 
 const MODES: [&str; 2] = ["linux", "tcc"];
 const CAPTURE_MODES: [CaptureMode; 3] = [CaptureMode::Global, CaptureMode::ThreadLocal, CaptureMode::Relaxed];
@@ -134,5 +136,31 @@ fn a_free_that_waited_for_a_capture_runs_on_the_live_stream_when_it_ends() {
         drop(stream);
         graph_cases::release_everything(&dev);
         assert_no_leaks();
+    });
+}
+
+/// `SyncResource`'s `cuMemAlloc` and `cuMemFree` are "potentially unsafe" calls, which the driver
+/// refuses on every thread while a capture in the global mode is active (the default mode),
+/// invalidating that capture; the emulated driver now does so too. They run with the thread's
+/// capture mode relaxed (never part of a capture, as the pool's own allocations): a buffer made
+/// and freed through `SyncResource` on one thread leaves another thread's capture alone. It failed
+/// before (the allocation got the driver's 900, and the other thread's `end_capture` 901).
+#[test]
+fn sync_resource_allocations_leave_another_thread_s_global_capture_alone() {
+    run_with_fake_modes(&MODES, &[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let sync: Arc<dyn MemoryResource> = Arc::new(SyncResource::new(&dev).unwrap());
+        let (made, ended) = while_another_thread_captures(CaptureMode::Global, false, || {
+            let buf = DeviceBuffer::from_slice_in(&[1u32, 2, 3], &s, sync.clone())?;
+            let read = buf.to_vec()?;
+            drop(buf);
+            cudrv::flush_deferred_drops()?;
+            Ok::<_, cudrv::Error>(read)
+        });
+        assert!(ended.is_ok(), "the other thread's capture: {ended:?}");
+        assert_eq!(made.unwrap(), vec![1, 2, 3]);
+        assert_eq!(sync.stats().unwrap().in_use, 0, "freed");
+        assert!(fake_report().violations.is_empty(), "{:?}", fake_report().violations);
     });
 }

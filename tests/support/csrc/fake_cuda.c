@@ -2892,6 +2892,7 @@ API_OLD cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     if (!dptr || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 25) */
     if (!r) r = reserve_block_locked(c->dev, bytesize, &b);
     if (!r) {
         fk_alloc *a = new_alloc(b->base, bytesize, AK_DEVICE, c->dev, b);
@@ -2910,6 +2911,7 @@ API_OLD cuMemFree_v2(CUdeviceptr dptr) {
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
     if (!r && dptr == 0) goto out; /* freeing NULL is a no-op */
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 25) */
     if (!r && graph_mem_free_locked(dptr, &r)) goto out; /* fake_graph.c: graph memory */
     if (!r) {
         a = tab_exact(&G.dtab, dptr, NULL);
