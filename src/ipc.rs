@@ -69,6 +69,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudrv_sys::{CUevent, CUmemAllocationHandleType, CUmemoryPool, CUpointer_attribute as PA, CUresult};
 
+use crate::capture::RelaxedCaptureMode;
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::check;
@@ -675,6 +676,7 @@ impl Drop for LegacyMapping {
     fn drop(&mut self) {
         let base = self.base;
         crate::context::drop_call(self.ctx.clone(), move || {
+            let _relaxed = RelaxedCaptureMode::enter();
             // SAFETY: the mapping was opened once in this context (current) and is closed once, by
             // its last user, after every use of it completed (IpcBuffer's drop waits).
             unsafe { drv!(cuIpcCloseMemHandle(base)) }
@@ -753,6 +755,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
                     let mut base = 0;
                     {
                         let _b = ctx.bind()?;
+                        let _relaxed = RelaxedCaptureMode::enter();
                         let raw = cudrv_sys::CUipcMemHandle { reserved: handle.raw.map(|b| b as _) };
                         let flags = cudrv_sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.0;
                         // SAFETY: valid out-pointer; the handle is bytes the driver validates; the
@@ -934,6 +937,7 @@ impl<T: DeviceRepr> Drop for IpcBuffer<T> {
                 Some(Mapping::Legacy(m)) => drop(m),
                 Some(Mapping::Pool { ptr, _pool }) => {
                     let _b = ctx.bind()?;
+                    let _relaxed = RelaxedCaptureMode::enter();
                     // SAFETY: the pointer was imported once by this buffer and is freed once,
                     // after every use completed (waited for).
                     unsafe { drv!(cuMemFree_v2(ptr)) }?;
@@ -1331,6 +1335,7 @@ impl ImportedPool {
             unsafe { drv!(cuMemPoolImportPointer(&mut ptr, self.inner.raw, &mut data)) }?;
             // The size is the handle's claim: checked against the allocation imported.
             if let Err(e) = within_allocation::<T>(ptr, 0, handle.bytes) {
+                let _relaxed = RelaxedCaptureMode::enter();
                 // SAFETY: imported just above, unused, freed once.
                 if let Err(free) = unsafe { drv!(cuMemFree_v2(ptr)) } {
                     report_drop_error(Some(&self.inner.ctx), free);

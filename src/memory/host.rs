@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use super::buffer::{DeviceRepr, byte_len};
 use super::{DevicePtr, MemoryResource, ResourceKind, check_stream};
+use crate::capture::RelaxedCaptureMode;
 use crate::context::{Context, bound_drop_call, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -297,6 +298,7 @@ fn host_alloc(ctx: &Context, bytes: usize, write_combined: bool) -> Result<*mut 
         flags |= cudrv_sys::CU_MEMHOSTALLOC_WRITECOMBINED;
     }
     let _b = ctx.bind()?;
+    let _relaxed = RelaxedCaptureMode::enter();
     let mut ptr = std::ptr::null_mut();
     // SAFETY: valid out-pointer; the context is current. Zero bytes take one.
     unsafe { drv!(cuMemHostAlloc(&mut ptr, bytes.max(1), flags)) }?;
@@ -304,8 +306,12 @@ fn host_alloc(ctx: &Context, bytes: usize, write_combined: bool) -> Result<*mut 
 }
 
 fn host_free(ctx: &Context, ptr: *mut c_void) {
-    // SAFETY: `ptr` came from cuMemHostAlloc and no copy uses it any more; the context is current.
-    bound_drop_call(ctx, || unsafe { drv!(cuMemFreeHost(ptr)) });
+    bound_drop_call(ctx, || {
+        let _relaxed = RelaxedCaptureMode::enter();
+        // SAFETY: `ptr` came from cuMemHostAlloc and no copy uses it any more; the context is
+        // current.
+        unsafe { drv!(cuMemFreeHost(ptr)) }
+    });
 }
 
 /// Pinned host memory as a [`MemoryResource`] (`cuMemHostAlloc`, portable, not write-combined).
@@ -344,6 +350,7 @@ unsafe impl MemoryResource for PinnedHostResource {
         }
         stream.wait_for_memory()?;
         let _b = self.ctx.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: the caller passes memory from `allocate`; the stream's uses are complete.
         unsafe { drv!(cuMemFreeHost(ptr as *mut std::ffi::c_void)) }
     }
@@ -389,6 +396,7 @@ pub fn register_host<'a, T: DeviceRepr>(device: &Device, slice: &'a mut [T]) -> 
     // size of 0.
     if size_of_val(slice) != 0 {
         let _b = ctx.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: the slice is valid for its length and stays borrowed until unregistered.
         unsafe {
             drv!(cuMemHostRegister_v2(
@@ -437,9 +445,12 @@ impl<T: DeviceRepr> Drop for HostRegistration<'_, T> {
         let (ptr, ctx) =
             (crate::host_fn::SendHandle(self.slice.as_mut_ptr().cast::<std::ffi::c_void>()), self.ctx.clone());
         crate::host_fn::now_or_deferred(move || {
-            // SAFETY: the memory was registered by `register_host` and is unregistered once; the
-            // context is current.
-            bound_drop_call(&ctx, || unsafe { drv!(cuMemHostUnregister(ptr.get())) });
+            bound_drop_call(&ctx, || {
+                let _relaxed = RelaxedCaptureMode::enter();
+                // SAFETY: the memory was registered by `register_host` and is unregistered once;
+                // the context is current.
+                unsafe { drv!(cuMemHostUnregister(ptr.get())) }
+            });
         });
     }
 }

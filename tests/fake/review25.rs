@@ -8,10 +8,14 @@
 use std::sync::Arc;
 
 use cudrv::graph::{CaptureMode, CaptureStatus};
-use cudrv::memory::{DeviceBuffer, DeviceBuffer2D, MemoryResource, SyncResource};
+use cudrv::ipc::{IpcBuffer, IpcMemHandle};
+use cudrv::memory::{
+    DeviceBuffer, DeviceBuffer2D, MemoryResource, PinnedBuffer, PinnedHostResource, SyncResource, register_host,
+};
 use cudrv::{Device, Stream};
-use cudrv_test_support::{assert_no_leaks, fake_report, live_graphs, run_with_fake_modes};
+use cudrv_test_support::{assert_no_leaks, fake_report, live_graphs, run_with_fake, run_with_fake_modes};
 
+use crate::api::{peer_data, run_peer};
 use crate::{graph_cases, while_another_thread_captures};
 
 const MODES: [&str; 2] = ["linux", "tcc"];
@@ -162,5 +166,72 @@ fn sync_resource_allocations_leave_another_thread_s_global_capture_alone() {
         assert_eq!(made.unwrap(), vec![1, 2, 3]);
         assert_eq!(sync.stats().unwrap().in_use, 0, "freed");
         assert!(fake_report().violations.is_empty(), "{:?}", fake_report().violations);
+    });
+}
+
+/// Pinned host memory and host registration are made and given back with "potentially unsafe"
+/// calls too (`cuMemHostAlloc`, `cuMemFreeHost`, `cuMemHostRegister`, `cuMemHostUnregister`):
+/// PyTorch's data loaders broke global-mode captures on other threads by pinning memory. They now
+/// run with the thread's capture mode relaxed. It failed before (900, and the other thread's
+/// capture invalidated), once the emulated driver treated these calls as the driver does.
+#[test]
+fn pinned_memory_and_registration_leave_another_thread_s_global_capture_alone() {
+    run_with_fake_modes(&MODES, &[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let pinned_res = PinnedHostResource::new(&dev).unwrap();
+        let mut plain = vec![0u32; 1024];
+        let (made, ended) = while_another_thread_captures(CaptureMode::Global, false, || {
+            let pinned = PinnedBuffer::from_slice(&dev, &[4u32; 256])?;
+            let read = pinned.as_slice()?.to_vec();
+            drop(pinned);
+            let p = pinned_res.allocate(4096, &s)?;
+            // SAFETY: from this resource with this size on this stream, unused, freed once.
+            unsafe { pinned_res.deallocate(p, 4096, &s) }?;
+            let mut registered = register_host(&dev, &mut plain)?;
+            registered.as_mut_slice()[0] = 8;
+            drop(registered);
+            Ok::<_, cudrv::Error>(read)
+        });
+        assert!(ended.is_ok(), "the other thread's capture: {ended:?}");
+        assert_eq!(made.unwrap(), vec![4; 256]);
+        assert_eq!(plain[0], 8);
+        drop((s, pinned_res));
+        graph_cases::release_everything(&dev);
+        assert_no_leaks();
+    });
+}
+
+/// Legacy IPC mappings are opened and closed with "potentially unsafe" calls as well
+/// (`cuIpcOpenMemHandle`, `cuIpcCloseMemHandle`): an importer's open, copy and close on one
+/// thread now leave another thread's global capture alone. It failed before, as above.
+#[test]
+fn ipc_mappings_leave_another_thread_s_global_capture_alone() {
+    if let Some(data) = peer_data("importer") {
+        let h: IpcMemHandle = data.parse().unwrap();
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let (read, ended) = while_another_thread_captures(CaptureMode::Global, false, || {
+            let b = IpcBuffer::<u32>::open(&h, &s)?;
+            let read = b.to_vec()?;
+            drop(b);
+            Ok::<_, cudrv::Error>(read)
+        });
+        assert!(ended.is_ok(), "the other thread's capture: {ended:?}");
+        assert_eq!(read.unwrap(), vec![6; 64]);
+        let report = fake_report();
+        assert!(report.violations.is_empty(), "{report}");
+        println!("peer done: importer");
+        return;
+    }
+    run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        if crate::ipc_refused_on_oldest(&dev, &s) {
+            return;
+        }
+        let a = DeviceBuffer::from_slice_in(&[6u32; 64], &s, Arc::new(SyncResource::new(&dev).unwrap())).unwrap();
+        s.synchronize().unwrap();
+        run_peer("importer", &a.ipc_handle().unwrap().to_string());
     });
 }

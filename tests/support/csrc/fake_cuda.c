@@ -2994,6 +2994,7 @@ API_OLD cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags) {
     if (!pp || bytesize == 0 || (Flags & ~(unsigned)CU_MEMHOSTALLOC_ALL)) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 25) */
     if (!r) {
         void *p = host_aligned_alloc(bytesize);
         if (!p) r = CUDA_ERROR_OUT_OF_MEMORY;
@@ -3022,7 +3023,8 @@ API_OLD cuMemFreeHost(void *p) {
     fk_lock(&G.lock);
     a = tab_exact(&G.htab, (uint64_t)(uintptr_t)p, NULL);
     if (!p || !a || a->kind != AK_HOSTALLOC) r = CUDA_ERROR_INVALID_VALUE;
-    else free_alloc_locked(a);
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 25) */
+    if (!r) free_alloc_locked(a);
     fk_unlock(&G.lock);
     return r;
 }
@@ -3034,6 +3036,7 @@ static CUresult host_register(const char *api, void *p, size_t bytesize, unsigne
     if (!p || bytesize == 0 || (Flags & ~(unsigned)CU_MEMHOSTREGISTER_ALL)) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 25) */
     if (!r && htab_overlaps((uint64_t)(uintptr_t)p, bytesize)) r = CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
     if (!r) {
         fk_block *b = (fk_block *)calloc(1, sizeof *b);
@@ -3061,6 +3064,7 @@ API_OLD cuMemHostUnregister(void *p) {
     ENTER("cuMemHostUnregister");
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 25) */
     if (!r) {
         a = tab_exact(&G.htab, (uint64_t)(uintptr_t)p, NULL);
         if (!p || !a || a->kind != AK_REGISTERED) r = CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
@@ -4513,6 +4517,7 @@ API_11000 cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsig
     r = cur_ctx_locked(&c);
     if (!r && !ipc_supported(c->dev)) r = CUDA_ERROR_NOT_SUPPORTED;
     if (!r && w.pid == (uint32_t)fk_pid()) r = CUDA_ERROR_INVALID_CONTEXT; /* a handle of this very process */
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 25) */
     if (!r) r = map_shared_locked(c->dev, w.name, w.size, 1, pdptr);
     fk_unlock(&G.lock);
     return r;
@@ -4525,6 +4530,7 @@ API_OLD cuIpcCloseMemHandle(CUdeviceptr dptr) {
     ENTER("cuIpcCloseMemHandle");
     fk_lock(&G.lock);
     r = cur_ctx_locked(&c);
+    if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 25) */
     if (!r) {
         a = tab_exact(&G.dtab, dptr, NULL);
         if (!a || a->kind != AK_IPC || a->ipc != 1) r = CUDA_ERROR_INVALID_VALUE;
