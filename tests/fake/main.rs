@@ -172,6 +172,24 @@ pub fn ipc_refused_on_oldest(dev: &Device, stream: &Stream) -> bool {
     }
     true
 }
+
+/// The exporter's half of a two-process legacy IPC test: in a child on the emulated driver, a
+/// buffer of 64 `value`s (from `SyncResource`, which legacy IPC exports), whose handle goes to the
+/// peer run as `"importer"`; then `check` reads the buffer, after the peer. Nothing where the
+/// oldest driver refuses IPC ([`ipc_refused_on_oldest`]).
+pub fn export_to_importer(value: u32, check: impl FnOnce(&DeviceBuffer<u32>)) {
+    cudrv_test_support::run_with_fake(&[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        if ipc_refused_on_oldest(&dev, &s) {
+            return;
+        }
+        let a = DeviceBuffer::from_slice_in(&[value; 64], &s, Arc::new(SyncResource::new(&dev).unwrap())).unwrap();
+        s.synchronize().unwrap();
+        api::run_peer("importer", &a.ipc_handle().unwrap().to_string());
+        check(&a);
+    });
+}
 mod review22;
 mod review22b;
 mod review23a;

@@ -14,11 +14,11 @@ use std::time::Duration;
 
 use cudrv::graph::CaptureMode;
 use cudrv::ipc::{IpcBuffer, IpcMemHandle};
-use cudrv::memory::{DeviceBuffer, MemoryResource, PinnedBuffer, PinnedHostResource, SyncResource, register_host};
+use cudrv::memory::{DeviceBuffer, MemoryResource, PinnedBuffer, PinnedHostResource, register_host};
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{fake_report, run_with_fake};
 
-use crate::api::{peer_data, run_peer};
+use crate::api::peer_data;
 use crate::{while_another_thread_captures, within_10s};
 
 // ------------------------------------------------------------------------------------------------
@@ -157,17 +157,7 @@ fn ipc_host_copies_through_the_legacy_stream_are_refused_during_a_blocking_captu
         println!("peer done: importer");
         return;
     }
-    run_with_fake(&[], || {
-        let dev = Device::get(0).unwrap();
-        let s = Stream::new(&dev).unwrap();
-        if crate::ipc_refused_on_oldest(&dev, &s) {
-            return;
-        }
-        let a = DeviceBuffer::from_slice_in(&[5u32; 64], &s, Arc::new(SyncResource::new(&dev).unwrap())).unwrap();
-        s.synchronize().unwrap();
-        run_peer("importer", &a.ipc_handle().unwrap().to_string());
-        assert_eq!(a.to_vec().unwrap(), vec![9; 64], "the importer's last copy");
-    });
+    crate::export_to_importer(5u32, |a| assert_eq!(a.to_vec().unwrap(), vec![9; 64], "the importer's last copy"));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -266,16 +256,7 @@ fn ipc_open_refuses_an_offset_misaligned_for_the_element_type() {
         println!("peer done: importer");
         return;
     }
-    run_with_fake(&[], || {
-        let dev = Device::get(0).unwrap();
-        let s = Stream::new(&dev).unwrap();
-        if crate::ipc_refused_on_oldest(&dev, &s) {
-            return;
-        }
-        let a = DeviceBuffer::from_slice_in(&[0x5A5Au32; 64], &s, Arc::new(SyncResource::new(&dev).unwrap())).unwrap();
-        s.synchronize().unwrap();
-        run_peer("importer", &a.ipc_handle().unwrap().to_string());
-    });
+    crate::export_to_importer(0x5A5Au32, |_| {});
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ use cudrv::memory::{
     DeviceBuffer, DeviceBuffer2D, MemoryResource, PinnedBuffer, PinnedHostResource, SyncResource, register_host,
 };
 use cudrv::{Device, Stream};
-use cudrv_test_support::{assert_no_leaks, fake_report, live_graphs, run_with_fake, run_with_fake_modes};
+use cudrv_test_support::{assert_no_leaks, fake_report, live_graphs, run_with_fake_modes};
 
-use crate::api::{peer_data, run_peer};
+use crate::api::peer_data;
 use crate::{graph_cases, while_another_thread_captures};
 
 const MODES: [&str; 2] = ["linux", "tcc"];
@@ -224,14 +224,5 @@ fn ipc_mappings_leave_another_thread_s_global_capture_alone() {
         println!("peer done: importer");
         return;
     }
-    run_with_fake(&[], || {
-        let dev = Device::get(0).unwrap();
-        let s = Stream::new(&dev).unwrap();
-        if crate::ipc_refused_on_oldest(&dev, &s) {
-            return;
-        }
-        let a = DeviceBuffer::from_slice_in(&[6u32; 64], &s, Arc::new(SyncResource::new(&dev).unwrap())).unwrap();
-        s.synchronize().unwrap();
-        run_peer("importer", &a.ipc_handle().unwrap().to_string());
-    });
+    crate::export_to_importer(6u32, |_| {});
 }
