@@ -199,4 +199,5 @@ mod review24a;
 mod review24b;
 mod review24c;
 mod review25;
+mod review25b;
 mod review_faults21;
