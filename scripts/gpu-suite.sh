@@ -9,6 +9,11 @@
 #                                        # check), natively and through the interposer
 #   bash scripts/gpu-suite.sh bench      # the benchmarks (memory, copies, launch)
 #   bash scripts/gpu-suite.sh stress S   # the stress test, S seconds per resource and per device
+#   bash scripts/gpu-suite.sh session    # a session's verification batch in one device call (about
+#                                        # 7 minutes): tests, the gpu tests without virtual memory
+#                                        # management through the interposer, 16-thread stress there,
+#                                        # the wraps table, the launch bench, memcheck (bounded) and
+#                                        # the driver probes of scripts/
 #
 # Logs go to $OUT (or ./gpu-logs). Each phase ends with a 'N passed, N failed' line.
 set -uo pipefail
@@ -75,6 +80,32 @@ stress)
   done
   check stress-tcc all_devices stress-tcc env CUDRV_DRIVER_PATH="$tcc"
   cat "$out"/stress-tcc-dev*.log | grep '^stress:' | sed 's/^/tcc /'
+  ;;
+session)
+  # What a session that changed the library checks on the device before it says so. Each phase's
+  # log is in $out; the summary lines go to standard output.
+  (cd "$here/scripts" && timeout 60 python3 module-unload-wait.py) >"$out/probe-module-unload.log" 2>&1
+  tail -3 "$out/probe-module-unload.log"
+  (cd "$here/scripts" && timeout 60 python3 capture-probe.py) >"$out/probe-capture.log" 2>&1
+  tail -20 "$out/probe-capture.log"
+  OUT="$out/tests" bash "$0" tests | tail -12
+  novmm() { # every gpu test through the interposer with no virtual memory management
+    local t
+    for t in "$g"/tests/gpu-*; do
+      CUDRV_DRIVER_PATH="$tcc" CUDRV_EXPECT_DRIVER_MODEL=tcc CUDRV_EXPECT_RESOURCE=StreamOrderedPool \
+        CUDRV_TCC_NO_VMM=1 "$t" --test-threads=1 || return 1
+    done
+  }
+  check gpu-tests-tcc-novmm novmm
+  grep -h "^test result" "$out/gpu-tests-tcc-novmm.log" | sed 's/^/novmm: /'
+  check stress-tcc-novmm env CUDRV_DRIVER_PATH="$tcc" CUDRV_TCC_NO_VMM=1 CUDRV_MEMORY_RESOURCE=pool \
+    "$g/bin/stress" --seconds 8 --threads 16 --streams 2
+  grep '^stress:' "$out/stress-tcc-novmm.log"
+  check bench-wraps "$g/bin/memory" --wraps
+  tail -25 "$out/bench-wraps.log"
+  check bench-launch-quick "$g/bin/launch" --quick
+  tail -12 "$out/bench-launch-quick.log"
+  OUT="$out/sanitizer" timeout 170 bash "$0" sanitizer | grep -E "ERROR SUMMARY|LEAK SUMMARY|gpu suite"
   ;;
 esac
 echo "gpu suite ${1:-tests}: $pass passed, $fail failed"
