@@ -2,8 +2,9 @@
 """What the driver answers, during a stream capture, to calls that cudrv refuses or passes through
 (review 24): an upload of an executable graph into the capturing stream, another thread's
 cuMemAlloc / cuMemFree during a global capture (with that thread's mode global, then relaxed),
-and a query of an event recorded in the capture. Each case prints the call's result, then the
-capture's status and cuStreamEndCapture's result. ctypes on libcuda.so.1 (through
+a query of an event recorded in the capture, and (review 25) another thread's pinned allocation,
+host registration and synchronisation of an unrelated stream during a global capture. Each case
+prints the call's result, then the capture's status and cuStreamEndCapture's result. ctypes on libcuda.so.1 (through
 cuda_ctypes.py); run on a machine with a GPU: python3 scripts/capture-probe.py
 """
 import ctypes as C
@@ -78,9 +79,35 @@ for relaxed in (False, True):
         on_thread(lambda: cu.cuMemAlloc_v2(C.byref(p), 1 << 20), relaxed))
     if p.value:
         begin(GLOBAL)
-        end(f"another thread's cuMemFree ({mode} mode) during a global capture",
-            on_thread(lambda: cu.cuMemFree_v2(p), relaxed))
-        cu.cuMemFree_v2(p)
+        rc = on_thread(lambda: cu.cuMemFree_v2(p), relaxed)
+        end(f"another thread's cuMemFree ({mode} mode) during a global capture", rc)
+        if rc != 0:
+            cu.cuMemFree_v2(p)
+
+# Review 25: what else cudrv relaxes (pinned memory, registration), and what it does not (a
+# synchronisation of an unrelated non-blocking stream), on another thread in the global mode.
+other = C.c_void_p()
+ck(cu.cuStreamCreate(C.byref(other), 1), "cuStreamCreate")
+host = C.c_void_p()
+plain = C.create_string_buffer(1 << 16)
+for relaxed in (False, True):
+    mode = "relaxed" if relaxed else "global"
+    for name, call in (
+        ("cuMemHostAlloc", lambda: cu.cuMemHostAlloc(C.byref(host), C.c_size_t(1 << 16), 1)),
+        ("cuMemFreeHost", lambda: cu.cuMemFreeHost(host) if host.value else -1),
+        ("cuMemHostRegister", lambda: cu.cuMemHostRegister_v2(plain, C.c_size_t(1 << 16), 1)),
+        ("cuMemHostUnregister", lambda: cu.cuMemHostUnregister(plain)),
+        ("cuStreamSynchronize of another stream", lambda: cu.cuStreamSynchronize(other)),
+    ):
+        begin(GLOBAL)
+        rc = on_thread(call, relaxed)
+        if name == "cuMemFreeHost" and rc == 0:
+            host.value = None
+        end(f"another thread's {name} ({mode} mode) during a global capture", rc)
+    if host.value:
+        cu.cuMemFreeHost(host)
+        host.value = None
+    cu.cuMemHostUnregister(plain)
 
 event = C.c_void_p()
 ck(cu.cuEventCreate(C.byref(event), 0), "cuEventCreate")
