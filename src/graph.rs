@@ -93,7 +93,7 @@ use crate::module::Function;
 use crate::result::{driver, drv, drv_compat};
 pub use crate::session::{CaptureInfo, CaptureStatus};
 use crate::session::{CaptureSession, GraphResources, discard_graph, mark_before_join};
-use crate::stream::Stream;
+use crate::stream::{ParkedStream, Stream};
 
 /// How a capture treats "potentially unsafe" calls (`cuMemAlloc`, synchronous copies...) made
 /// meanwhile (`CUstreamCaptureMode`).
@@ -710,8 +710,9 @@ pub struct GraphExec {
     fenced: AtomicBool,
     /// Whether the graph holds memory of cudrv's pool (one executable graph at a time).
     pool_memory: bool,
-    /// The stream of the last launch, when `fenced`.
-    last_launch: Mutex<Option<Stream>>,
+    /// The stream of the last launch, when `fenced`, held parked (see [`ParkedStream`]): a live
+    /// executable graph does not keep a capture on it from being abandoned.
+    last_launch: Mutex<Option<ParkedStream>>,
     /// Whether the first launch happened (it waits for the capture's prelude events).
     started: AtomicBool,
 }
@@ -789,8 +790,8 @@ impl GraphExec {
         // Noted only once queued: the release waits for the stream of the last launch that is.
         if self.fenced.load(Ordering::Acquire) {
             let mut last = self.last_launch.lock().unwrap_or_else(PoisonError::into_inner);
-            if last.as_ref().is_none_or(|s| s.id() != stream.id()) {
-                *last = Some(stream.clone());
+            if last.as_ref().is_none_or(|s| s.key() != stream.key()) {
+                *last = Some(ParkedStream::from(stream));
             }
         }
         Ok(())
@@ -945,8 +946,7 @@ impl Drop for GraphExec {
                         None => r.exec_alive.store(false, Ordering::Release),
                         Some(stream) => {
                             // A record on a capturing stream would be captured.
-                            let done =
-                                crate::session::fence_unless_capturing(stream).and_then(Result::ok).map(Arc::new);
+                            let done = crate::session::fence_parked(stream).and_then(Result::ok).map(Arc::new);
                             match done {
                                 Some(done) => {
                                     r.lock().prelude.push(done);
@@ -954,7 +954,7 @@ impl Drop for GraphExec {
                                 }
                                 None => {
                                     let r = r.clone();
-                                    crate::session::after_stream_work(stream.clone(), move || {
+                                    crate::session::after_parked_stream_work(stream.clone(), move || {
                                         r.exec_alive.store(false, Ordering::Release)
                                     });
                                 }

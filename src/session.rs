@@ -16,7 +16,7 @@ use crate::error::{Result, check};
 use crate::event::Event;
 use crate::host_fn;
 use crate::result::{driver, drv};
-use crate::stream::{JoinHooks, Stream, StreamKey};
+use crate::stream::{JoinHooks, ParkedStream, Stream, StreamKey};
 
 /// Whether a stream is capturing (`CUstreamCaptureStatus`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -160,6 +160,16 @@ const JOIN_HOOKS: JoinHooks = JoinHooks {
     },
 };
 
+/// How many times cudrv's thread tries to end an abandoned capture that the driver refused to
+/// end (about a millisecond apart; see `CaptureSession::abandon`).
+const ABANDON_TRIES: u32 = 1000;
+
+/// Whether `e` is the driver's refusal to end a capture begun on another thread (global and
+/// thread-local modes), which no later try on this thread changes.
+fn is_wrong_thread(e: &crate::Error) -> bool {
+    e.code() == Some(cudrv_sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD)
+}
+
 /// Destroys `graph` (null: none), made by a capture that is discarded: never instantiated. Failing,
 /// it leaks.
 pub(crate) fn discard_graph(graph: CUgraph) {
@@ -287,16 +297,43 @@ impl CaptureSession {
     /// refuses to end it (another thread began it in global or thread-local mode) and the stream
     /// still captures, the capture goes on, as before; when it refuses but the capture is over
     /// all the same (an invalidated capture, or work left unjoined), the session ends too.
+    ///
+    /// Where the driver refuses for another reason than the thread (a passing fault), nothing
+    /// else would end the capture (its origin has no user left): cudrv's thread tries again, for
+    /// a while, as long as the stream has no user and no buffer allocated during the capture
+    /// lives (a capture in the relaxed mode may be ended on any thread; in the others the retry
+    /// meets the thread's refusal, and stops). Not for a per-thread stream.
     fn abandon(&self, origin: &StreamKey) {
         let is_origin = self.streams.lock().unwrap_or_else(PoisonError::into_inner).first() == Some(origin);
         if !is_origin || self.live_buffers.load(Ordering::Acquire) != 0 {
             return;
         }
+        // Not a per-thread stream: on cudrv's thread its handle would mean the legacy stream.
+        if self.try_end(origin).is_some_and(|e| !is_wrong_thread(&e)) && origin.carries_context() {
+            let (id, origin) = (self.id, origin.clone());
+            let mut tries = 0u32;
+            host_fn::defer_until(move || {
+                tries += 1;
+                let Some(session) = CaptureSession::active(id) else { return true };
+                if origin.handle_lives() || session.live_buffers.load(Ordering::Acquire) != 0 {
+                    // A user again (its going abandons the capture again), or memory of the graph.
+                    return true;
+                }
+                session.try_end(&origin).is_none_or(|e| is_wrong_thread(&e)) || tries >= ABANDON_TRIES
+            });
+        }
+    }
+
+    /// Ends the capture of `origin` and discards its graph, finishing the session where the
+    /// capture is over: the driver's refusal where it goes on.
+    fn try_end(&self, origin: &StreamKey) -> Option<crate::Error> {
         let (ended, graph) = origin.end_capture_raw();
         discard_graph(graph);
         if ended.is_ok() || origin.capture_status().is_ok_and(|s| s == CaptureStatus::None) {
             self.finish();
+            return None;
         }
+        ended.err()
     }
 
     /// Runs `free` once the capture has ended: at once if it has (the caller saw the session
@@ -346,7 +383,21 @@ pub(crate) struct Kept {
     /// and the buffers it used, stood before it).
     pub(crate) prelude: Vec<Arc<Event>>,
     /// The streams of the last launches of dropped executable graphs.
-    pub(crate) fences: Vec<Stream>,
+    pub(crate) fences: Fences,
+}
+
+/// The streams of the last launches of dropped executable graphs, which the graph's resources
+/// wait for before they are given back: held parked ([`ParkedStream`]), so that a capture on one
+/// of them still ends when its origin's last user goes, while the graph lives or its release
+/// waits for that capture's end.
+#[derive(Default)]
+pub(crate) struct Fences(Vec<ParkedStream>);
+
+impl Fences {
+    /// Adds `stream` (letting go of a user).
+    pub(crate) fn push(&mut self, stream: impl Into<ParkedStream>) {
+        self.0.push(stream.into());
+    }
 }
 
 impl fmt::Debug for GraphResources {
@@ -412,7 +463,7 @@ impl Drop for GraphResources {
     fn drop(&mut self) {
         let kept = std::mem::take(self.inner.get_mut().unwrap_or_else(PoisonError::into_inner));
         let done = self.done.clone();
-        if kept.fences.is_empty() && !host_fn::in_host_fn() {
+        if kept.fences.0.is_empty() && !host_fn::in_host_fn() {
             // Never launched: nothing on the GPU uses any of it.
             release_kept(kept, &done);
         } else {
@@ -491,18 +542,43 @@ impl Completion {
 /// Runs `job` on cudrv's deferred-work thread once the work queued on `stream` so far has
 /// completed (seen on the host). A stream that is capturing cannot be waited on: the job comes
 /// back later. If the wait fails, `job` never runs (what it would release stays, which is sound).
+/// The stream waits parked ([`ParkedStream`]), so that a capture on it still ends when its
+/// origin's last user goes.
 pub(crate) fn after_stream_work(stream: Stream, job: impl FnOnce() + Send + 'static) {
+    after_parked_stream_work(stream.park(), job);
+}
+
+/// [`after_stream_work`], with the stream parked.
+pub(crate) fn after_parked_stream_work(stream: ParkedStream, job: impl FnOnce() + Send + 'static) {
     host_fn::defer(move || {
-        let Some(fence) = fence_unless_capturing(&stream) else {
+        let Some(fence) = fence_parked(&stream) else {
             std::thread::sleep(std::time::Duration::from_millis(1));
-            after_stream_work(stream, job);
+            after_parked_stream_work(stream, job);
             return;
         };
-        match fence.and_then(|e| e.wait()).or_else(|_| stream.wait_for_memory()) {
+        match wait_for_fence(&stream, fence) {
             Ok(()) => job(),
-            Err(e) => report_drop_error(Some(stream.context()), e),
+            Err(e) => report_drop_error(Some(stream.key().context()), e),
         }
     });
+}
+
+/// [`fence_unless_capturing`] for a parked stream: `None` also where a user of it cannot be made
+/// just then ([`ParkedStream::revive`]). A capture that cudrv tracks is seen before a user is made,
+/// and the user goes before the caller waits: the last user of a capture's origin is never
+/// cudrv's, which the driver may not let end the capture (another thread began it).
+pub(crate) fn fence_parked(stream: &ParkedStream) -> Option<Result<Event>> {
+    if stream.key().capture_id() != 0 {
+        return None;
+    }
+    fence_unless_capturing(&stream.revive()?)
+}
+
+/// Waits for `fence`, made by [`fence_parked`]; where that fails, for the stream itself
+/// ([`Stream::wait_for_memory`]), as a user revived for the wait (the failed wait's error where
+/// none can be made just then).
+fn wait_for_fence(stream: &ParkedStream, fence: Result<Event>) -> Result<()> {
+    fence.and_then(|e| e.wait()).or_else(|e| stream.revive().map_or(Err(e), |s| s.wait_for_memory()))
 }
 
 /// An event recorded on `stream` now, which completes after the work queued there so far; `None`
@@ -530,22 +606,22 @@ pub(crate) fn fence_unless_capturing(stream: &Stream) -> Option<Result<Event>> {
 /// releases what the graph kept. A stream that is capturing now cannot be waited on: the job
 /// comes back later.
 fn release_after_launches(mut kept: Kept, done: Arc<Completion>) {
-    while let Some(stream) = kept.fences.last() {
+    while let Some(stream) = kept.fences.0.last() {
         // An event recorded now, on the stream of the last launch, completes after it; on the
         // legacy stream (a per-thread stream seen from this thread) after every blocking stream.
-        let Some(fence) = fence_unless_capturing(stream) else {
+        let Some(fence) = fence_parked(stream) else {
             std::thread::sleep(std::time::Duration::from_millis(1));
             host_fn::defer(move || release_after_launches(kept, done));
             return;
         };
-        if let Err(e) = fence.and_then(|e| e.wait()).or_else(|_| stream.wait_for_memory()) {
+        if let Err(e) = wait_for_fence(stream, fence) {
             // The launch may still run: what it uses stays (leaked), which is sound.
-            report_drop_error(Some(stream.context()), e);
+            report_drop_error(Some(stream.key().context()), e);
             std::mem::forget(kept.owned);
             std::mem::forget(kept.keep);
             return;
         }
-        kept.fences.pop();
+        kept.fences.0.pop();
     }
     release_kept(kept, &done);
 }

@@ -507,6 +507,17 @@ impl StreamKey {
         }
     }
 
+    /// Whether the handle names a stream of its own (see [`Stream::carries_context`]), the same
+    /// on every thread.
+    pub(crate) fn carries_context(&self) -> bool {
+        self.0.raw as usize > CU_STREAM_PER_THREAD
+    }
+
+    /// Whether a handle of the stream lives: it has a user, or a pin (see `Inner::handle`).
+    pub(crate) fn handle_lives(&self) -> bool {
+        self.0.handle.lock().unwrap_or_else(std::sync::PoisonError::into_inner).strong_count() != 0
+    }
+
     /// Whether the stream takes part in a capture cudrv tracks (without taking a reference to its
     /// session: see [`capture::is_tracked`]).
     #[inline]
@@ -852,6 +863,7 @@ impl Drop for Handle {
 /// ends a capture that it began and abandoned (see [`JoinHooks::abandoned`]), which the waiting
 /// work would otherwise keep from ending for ever. [`ParkedStream::revive`] makes a user of the
 /// stream again, to do the work with.
+#[derive(Clone)]
 pub(crate) struct ParkedStream(StreamKey);
 
 impl Stream {
@@ -859,6 +871,19 @@ impl Stream {
     /// stream's last reference, the stream's handle goes here, as in a drop.
     pub(crate) fn park(self) -> ParkedStream {
         ParkedStream(self.key().clone())
+    }
+}
+
+impl From<Stream> for ParkedStream {
+    fn from(stream: Stream) -> ParkedStream {
+        stream.park()
+    }
+}
+
+impl From<&Stream> for ParkedStream {
+    /// The stream parked, without making a user of it (`stream` may be a view that a pin keeps).
+    fn from(stream: &Stream) -> ParkedStream {
+        ParkedStream(stream.key().clone())
     }
 }
 
@@ -873,14 +898,27 @@ impl ParkedStream {
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return None,
         };
+        Some(self.0.user_under(&mut current))
+    }
+
+    /// The stream.
+    pub(crate) fn key(&self) -> &StreamKey {
+        &self.0
+    }
+}
+
+impl StreamKey {
+    /// A user of the stream, made under its handle's lock (`current`, see `Inner::handle`): of
+    /// its live handle, else of a new one.
+    fn user_under(&self, current: &mut Weak<Handle>) -> Stream {
         if let Some(handle) = current.upgrade() {
             // A new user, as a clone of a pin's view makes one (the stream may have had none left).
             handle.users.fetch_add(1, Ordering::Relaxed);
-            return Some(Stream { handle });
+            return Stream { handle };
         }
-        let handle = Arc::new(Handle { key: self.0.clone(), users: AtomicUsize::new(1) });
+        let handle = Arc::new(Handle { key: self.clone(), users: AtomicUsize::new(1) });
         *current = Arc::downgrade(&handle);
-        Some(Stream { handle })
+        Stream { handle }
     }
 }
 
@@ -923,9 +961,9 @@ struct Inner {
     /// threads that allocate on different streams must not share one.
     attachments: CachePadded<Mutex<Attachments>>,
     /// The stream's [`Handle`] (its users' share) while one lives. Work that waits with the stream
-    /// parked ([`ParkedStream`]) makes a user of it, or a new handle where the last one went
-    /// meanwhile; a handle that goes retires the stream only while none newer lives, under this
-    /// lock (see [`Handle`]'s drop).
+    /// parked ([`ParkedStream`]), and [`Stream::per_thread`] for its thread's stream, make a user
+    /// of it, or a new handle where the last one went meanwhile; a handle that goes retires the
+    /// stream only while none newer lives, under this lock (see [`Handle`]'s drop).
     handle: Mutex<Weak<Handle>>,
     /// Run once by the next settling of the bank that finds no pin and no user, between that look
     /// and its decision ([`Handle::settle_bank`]), so that a test can act there.
@@ -1008,8 +1046,10 @@ fn thread_token() -> u64 {
 
 thread_local! {
     /// This thread's per-thread stream of each context (by the context's address), so that every
-    /// `Stream::per_thread` on a thread shares one identity.
-    static PER_THREAD: RefCell<Vec<(usize, Weak<Handle>)>> = const { RefCell::new(Vec::new()) };
+    /// `Stream::per_thread` on a thread shares one identity: the stream itself, not its handle,
+    /// which may go while work waits with the stream parked and revives it later
+    /// ([`ParkedStream`]).
+    static PER_THREAD: RefCell<Vec<(usize, Weak<Inner>)>> = const { RefCell::new(Vec::new()) };
 }
 
 impl Stream {
@@ -1111,13 +1151,16 @@ impl Stream {
         PER_THREAD.with(|cache| {
             let mut cache = cache.borrow_mut();
             cache.retain(|(_, w)| w.strong_count() > 0);
-            if let Some(handle) = cache.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
-                // A new user (the stream may have had none left, only pins).
-                handle.users.fetch_add(1, Ordering::Relaxed);
-                return Ok(Stream { handle });
+            if let Some(inner) = cache.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+                // A user of its live handle, else of a new one (its last went while work waiting
+                // with it parked keeps it; that work revives the same handle). The lock is held
+                // briefly: while a handle is made, or a handle that went retires the stream.
+                let key = StreamKey(inner);
+                let mut current = key.0.handle.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                return Ok(key.user_under(&mut current));
             }
             let stream = Self::wrap(CU_STREAM_PER_THREAD as CUstream, ctx, false, thread_token());
-            cache.push((key, Arc::downgrade(&stream.handle)));
+            cache.push((key, Arc::downgrade(&stream.key().0)));
             Ok(stream)
         })
     }
@@ -1667,5 +1710,32 @@ mod tests {
         drop(newer);
         crate::flush_deferred_drops().unwrap();
         assert_eq!(retired.load(Ordering::SeqCst), 1, "retired once, as the newer handle went");
+    }
+
+    /// Checked and sound: work that cannot revive its parked stream while the stream's handle lock
+    /// is held (a handle that went retires the stream) is tried again on cudrv's thread, which
+    /// goes on serving meanwhile (a flush returns), and it is done once the lock is let go.
+    #[test]
+    fn a_contended_revival_is_retried_without_blocking_cudrvs_thread() {
+        let s = stream();
+        let parked = s.clone().park();
+        let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let held = s.key().0.handle.lock().unwrap();
+        let counted = done.clone();
+        crate::host_fn::attempt_until_done(parked, move |parked| match parked.revive() {
+            None => Some(parked),
+            Some(user) => {
+                drop(user);
+                counted.fetch_add(1, Ordering::SeqCst);
+                None
+            }
+        });
+        crate::flush_deferred_drops().unwrap();
+        assert_eq!(done.load(Ordering::SeqCst), 0, "revived under the lock");
+        drop(held);
+        std::thread::sleep(Duration::from_millis(20));
+        crate::flush_deferred_drops().unwrap();
+        assert_eq!(done.load(Ordering::SeqCst), 1, "done once the lock went");
+        drop(s);
     }
 }
