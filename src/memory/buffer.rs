@@ -977,6 +977,10 @@ impl Free {
             graph.after_launches(Box::new(self));
             return None;
         }
+        if let Some(session) = self.streams.held_by_capture(self.capture) {
+            session.after_end(Box::new(move || self.run()));
+            return None;
+        }
         let Some(streams) = self.streams.revive() else { return Some(self) };
         // A capture in progress on the buffer's stream, or on a stream it was used on, that the
         // buffer does not belong to: the free would be captured (or join the capture); it waits

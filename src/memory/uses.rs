@@ -126,6 +126,10 @@ fn try_wait_then_free<F: FnOnce() -> Result<()> + Send + 'static>(
     streams: FreeStreams,
     free: F,
 ) -> Option<(FreeStreams, F)> {
+    if let Some(session) = streams.held_by_capture(0) {
+        session.after_end(Box::new(move || wait_then_free(streams, free)));
+        return None;
+    }
     let Some(users) = streams.revive() else { return Some((streams, free)) };
     let (owner, used) = (&users.owner, &users.used);
     // A stream that takes part in a capture cannot be waited for (and work queued on it would be
@@ -171,6 +175,19 @@ impl FreeStreams {
     /// Parks `owner` and `used` (letting go of these users).
     pub(crate) fn park(owner: Stream, used: Vec<Stream>) -> FreeStreams {
         FreeStreams { owner: owner.park(), used: used.into_iter().map(Stream::park).collect() }
+    }
+
+    /// A capture cudrv tracks, other than `own` (0: none), that one of the streams takes part in:
+    /// the free waits for its end. Seen without making a user of the streams, so that the last
+    /// user of a capture's origin stays its owner's (were it cudrv's, on cudrv's thread, the
+    /// driver could refuse to end the abandoned capture there). [`unless_capturing`] looks again,
+    /// under the streams' gates, once users are made.
+    pub(crate) fn held_by_capture(&self, own: u64) -> Option<Arc<CaptureSession>> {
+        std::iter::once(&self.owner)
+            .chain(&self.used)
+            .map(|s| s.key().capture_id())
+            .filter(|&id| id != 0 && id != own)
+            .find_map(CaptureSession::active)
     }
 
     /// Users of the streams, to do the free with. `None` where one cannot be made just then
