@@ -1008,8 +1008,10 @@ fn prohibited_operations_during_capture() {
             // Synchronous copies on the capturing thread: prohibited in GLOBAL mode.
             ok(cu.begin(s, GLOBAL));
             assert_eq!(cu.begin(s, GLOBAL), ILLEGAL_STATE);
-            let q = cu.alloc(64); // allowed during capture
-            cu.free(q);
+            // cuMemAlloc is a potentially unsafe call too (the H200's driver answers so:
+            // scripts/capture-probe.py).
+            let mut q = 0;
+            assert_eq!((cu.mem_alloc)(&mut q, 64), CAPTURE_UNSUPPORTED);
             assert_eq!((cu.htod)(p, host.as_ptr().cast(), 64), CAPTURE_UNSUPPORTED);
             assert_eq!(cu.end(s), (CAPTURE_INVALIDATED, null_mut()));
 
@@ -1030,6 +1032,8 @@ fn prohibited_operations_during_capture() {
             ok(cu.begin(s, RELAXED));
             ok((cu.htod)(p, host.as_ptr().cast(), 64));
             ok((cu.event_query)(e));
+            let q = cu.alloc(64);
+            cu.free(q);
             assert_eq!((cu.ctx_sync)(), CAPTURE_UNSUPPORTED);
             assert_eq!(cu.end(s).0, CAPTURE_INVALIDATED);
 
