@@ -1255,6 +1255,9 @@ impl Stream {
         let _gate = self.refuse_in_capture("Stream::synchronize")?;
         {
             let _b = self.inner().ctx.bind()?;
+            // The stream takes no part in a capture (refused above): the wait may not invalidate
+            // another thread's capture in the global mode (a "potentially unsafe" call there).
+            let _relaxed = capture::RelaxedCaptureMode::enter();
             // SAFETY: the stream is valid while `self` lives; its context is current.
             unsafe { drv!(cuStreamSynchronize(self.as_raw())) }?;
         }
@@ -1272,6 +1275,8 @@ impl Stream {
         // capture): the caller keeps the memory (leaks it), which is sound.
         let _gate = self.refuse_in_capture("waiting for a capturing stream")?;
         let synced = self.inner().ctx.bind().and_then(|_b| {
+            // As `synchronize`'s.
+            let _relaxed = capture::RelaxedCaptureMode::enter();
             // SAFETY: the stream is valid while `self` lives; its context is current.
             unsafe { drv!(cuStreamSynchronize(self.as_raw())) }
         });
@@ -1288,6 +1293,7 @@ impl Stream {
         loop {
             let asked = {
                 let _b = self.inner().ctx.bind();
+                let _relaxed = capture::RelaxedCaptureMode::enter();
                 // SAFETY: the stream is valid while `self` lives.
                 match unsafe { d.cuStreamQuery(self.as_raw()) } {
                     Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
@@ -1323,6 +1329,8 @@ impl Stream {
         // The driver would refuse it too, and invalidate the capture.
         let _gate = self.refuse_in_capture("Stream::query")?;
         let _b = self.inner().ctx.bind()?;
+        // As `synchronize`'s.
+        let _relaxed = capture::RelaxedCaptureMode::enter();
         // SAFETY: the stream is valid while `self` lives; its context is current.
         let rc = unsafe { driver()?.cuStreamQuery(self.as_raw()) };
         match rc {

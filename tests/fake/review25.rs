@@ -226,3 +226,31 @@ fn ipc_mappings_leave_another_thread_s_global_capture_alone() {
     }
     crate::export_to_importer(6u32, |_| {});
 }
+
+/// `cuStreamSynchronize` and `cuStreamQuery` of a stream that takes no part in a capture are
+/// "potentially unsafe" calls too: the H200's driver answered 900 to another thread's
+/// synchronisation of an unrelated stream during a global capture, and invalidated the capture
+/// (`scripts/capture-probe.py`, this session's device batch); the emulated driver now does so.
+/// `Stream::synchronize`, `Stream::query` and the waits of frees run relaxed: a thread's own
+/// stream work and its waits leave another thread's capture alone. It failed before (900).
+#[test]
+fn stream_synchronisation_leaves_another_thread_s_global_capture_alone() {
+    run_with_fake_modes(&MODES, &[], || {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let sync: Arc<dyn MemoryResource> = Arc::new(SyncResource::new(&dev).unwrap());
+        let (done, ended) = while_another_thread_captures(CaptureMode::Global, false, || {
+            let mut buf = DeviceBuffer::<u32>::zeroed(256, &s)?;
+            buf.fill(5)?;
+            let queried = s.query()?;
+            s.synchronize()?;
+            // A free that waits for its stream (SyncResource's) on the host.
+            drop(DeviceBuffer::from_slice_in(&[1u32; 16], &s, sync.clone())?);
+            Ok::<_, cudrv::Error>((queried, buf.to_vec()?))
+        });
+        assert!(ended.is_ok(), "the other thread's capture: {ended:?}");
+        let (_, read) = done.unwrap();
+        assert_eq!(read, vec![5; 256]);
+        assert!(fake_report().violations.is_empty(), "{:?}", fake_report().violations);
+    });
+}

@@ -768,7 +768,9 @@ static CUresult capture_sync_check_locked(fk_stream *s) {
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     }
     if (s->kind == SK_LEGACY && blocking_captures_locked(s->ctx, 1)) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
-    return CUDA_SUCCESS;
+    /* A potentially unsafe call otherwise: the H200's driver answers 900 to another thread's
+       cuStreamSynchronize of an unrelated stream during a global capture (review 25). */
+    return capture_unsafe_call_locked();
 }
 
 /* cuEventQuery / cuEventSynchronize. */
