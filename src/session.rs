@@ -394,9 +394,9 @@ pub(crate) struct Kept {
 pub(crate) struct Fences(Vec<ParkedStream>);
 
 impl Fences {
-    /// Adds `stream` (letting go of a user).
-    pub(crate) fn push(&mut self, stream: impl Into<ParkedStream>) {
-        self.0.push(stream.into());
+    /// Adds `stream`.
+    pub(crate) fn push(&mut self, stream: ParkedStream) {
+        self.0.push(stream);
     }
 }
 

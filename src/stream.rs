@@ -824,9 +824,7 @@ impl Drop for Handle {
         let retire = move || {
             // A newer handle lives (work that waited with the stream parked revived it): the
             // stream is retired when that one goes.
-            let superseded =
-                || key.0.handle.lock().unwrap_or_else(std::sync::PoisonError::into_inner).strong_count() != 0;
-            if superseded() {
+            if key.handle_lives() {
                 return;
             }
             if key.capture_id() != 0
@@ -870,13 +868,7 @@ impl Stream {
     /// Lets go of this user, keeping the stream parked (see [`ParkedStream`]). Where this was the
     /// stream's last reference, the stream's handle goes here, as in a drop.
     pub(crate) fn park(self) -> ParkedStream {
-        ParkedStream(self.key().clone())
-    }
-}
-
-impl From<Stream> for ParkedStream {
-    fn from(stream: Stream) -> ParkedStream {
-        stream.park()
+        ParkedStream::from(&self)
     }
 }
 
@@ -1225,7 +1217,7 @@ impl Stream {
     /// legacy or per-thread handle, which mean "the current context's").
     #[inline]
     pub(crate) fn carries_context(&self) -> bool {
-        self.inner().raw as usize > CU_STREAM_PER_THREAD
+        self.key().carries_context()
     }
 
     /// The stream's device.

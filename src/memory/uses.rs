@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::session::CaptureSession;
-use crate::stream::{Gate, ParkedStream, Stream};
+use crate::stream::{Gate, ParkedStream, Stream, StreamKey};
 
 /// Checks that `stream` belongs to `device`.
 pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) -> Result<()> {
@@ -183,11 +183,7 @@ impl FreeStreams {
     /// driver could refuse to end the abandoned capture there). [`unless_capturing`] looks again,
     /// under the streams' gates, once users are made.
     pub(crate) fn held_by_capture(&self, own: u64) -> Option<Arc<CaptureSession>> {
-        std::iter::once(&self.owner)
-            .chain(&self.used)
-            .map(|s| s.key().capture_id())
-            .filter(|&id| id != 0 && id != own)
-            .find_map(CaptureSession::active)
+        capture_of(std::iter::once(&self.owner).chain(&self.used).map(ParkedStream::key), own)
     }
 
     /// Users of the streams, to do the free with. `None` where one cannot be made just then
@@ -228,6 +224,11 @@ pub(crate) enum Held {
     Legacy,
 }
 
+/// The capture cudrv tracks, other than `own` (0: none), that one of `keys` takes part in.
+fn capture_of<'a>(keys: impl Iterator<Item = &'a StreamKey>, own: u64) -> Option<Arc<CaptureSession>> {
+    keys.map(StreamKey::capture_id).filter(|&id| id != 0 && id != own).find_map(CaptureSession::active)
+}
+
 /// Runs `f` unless one of `streams` takes part in a capture that cudrv tracks, other than `own`
 /// (0: none), or stands for the legacy default stream while a blocking stream captures; then `f`
 /// does not run, and what holds it comes back. The streams' gates are held from the look to the
@@ -238,12 +239,7 @@ pub(crate) fn unless_capturing<'a>(
     f: impl FnOnce(),
 ) -> Option<Held> {
     let _gates: Vec<Gate<'_>> = streams.clone().map(|s| s.key().enter()).collect();
-    let capturing = streams
-        .clone()
-        .map(|s| s.key().capture_id())
-        .filter(|&id| id != 0 && id != own)
-        .find_map(CaptureSession::active);
-    if let Some(session) = capturing {
+    if let Some(session) = capture_of(streams.clone().map(Stream::key), own) {
         return Some(Held::Capture(session));
     }
     if streams.any(|s| s.key().legacy_held_by_capture()) {
