@@ -103,7 +103,12 @@ fn run(q: &'static Queue) {
     // driver must not refuse them while another thread captures in global mode.
     let _relaxed = crate::capture::RelaxedCaptureMode::always();
     loop {
-        let job = {
+        // Work that deferred work deferred comes first: it belongs to the job that came before.
+        if let Some(job) = NEXT.with(|n| n.borrow_mut().pop_front()) {
+            run_job(job);
+            continue;
+        }
+        let queued = {
             let mut jobs = q.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             loop {
                 if let Some(job) = jobs.pop_front() {
@@ -121,23 +126,28 @@ fn run(q: &'static Queue) {
                 }
             }
         };
-        // What was not done is tried again before each later job (so that a job queued after it,
-        // `flush_deferred_drops`'s, runs after one more try), and every `RETRY_EVERY`.
+        // What was not done is tried again before each job queued later, and every
+        // `RETRY_EVERY`; what that defers runs before the job. So `flush_deferred_drops`'s job
+        // runs after one more try of the work queued before it, and after what that try led to.
         try_retries();
-        let retry = match job {
-            Some(Job::Once(job)) => {
-                // A panic in a drop must not end the thread that serves every later one.
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
-                    .map_err(|_| warn_line!("cudrv: work deferred out of a host function panicked"));
-                None
+        if let Some(job) = queued {
+            NEXT.with(|n| n.borrow_mut().push_back(job));
+        }
+    }
+}
+
+/// Runs one job on the deferred-work thread.
+fn run_job(job: Job) {
+    match job {
+        Job::Once(job) => {
+            // A panic in a drop must not end the thread that serves every later one.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+                .map_err(|_| warn_line!("cudrv: work deferred out of a host function panicked"));
+        }
+        Job::Until(mut retry) => {
+            if !done(&mut retry) {
+                RETRIES.with(|r| r.borrow_mut().push(retry));
             }
-            Some(Job::Until(retry)) => Some(retry),
-            None => None,
-        };
-        if let Some(mut retry) = retry
-            && !done(&mut retry)
-        {
-            RETRIES.with(|r| r.borrow_mut().push(retry));
         }
     }
 }
@@ -145,6 +155,9 @@ fn run(q: &'static Queue) {
 thread_local! {
     /// On cudrv's deferred-work thread: the work that is not done yet ([`defer_until`]).
     static RETRIES: RefCell<Vec<Retry>> = const { RefCell::new(Vec::new()) };
+    /// On cudrv's deferred-work thread: work deferred by deferred work, run before the jobs
+    /// queued meanwhile (a flush's among them).
+    static NEXT: RefCell<VecDeque<Job>> = const { RefCell::new(VecDeque::new()) };
 }
 
 /// Whether work waits to be tried again, on the deferred-work thread.
@@ -152,12 +165,19 @@ fn retries_pending() -> bool {
     RETRIES.with(|r| !r.borrow().is_empty())
 }
 
-/// Tries again the work that was not done, on the deferred-work thread (which may add more
-/// meanwhile: a retry's own drops may defer).
+/// Tries again the work that was not done, on the deferred-work thread. A retry's own drops may
+/// defer more work until it is done: that is tried in the same pass.
 fn try_retries() {
-    let mut pending = RETRIES.with(|r| std::mem::take(&mut *r.borrow_mut()));
-    pending.retain_mut(|retry| !done(retry));
-    RETRIES.with(|r| r.borrow_mut().append(&mut pending));
+    let mut waiting = Vec::new();
+    loop {
+        let mut pending = RETRIES.with(|r| std::mem::take(&mut *r.borrow_mut()));
+        if pending.is_empty() {
+            break;
+        }
+        pending.retain_mut(|retry| !done(retry));
+        waiting.append(&mut pending);
+    }
+    RETRIES.with(|r| *r.borrow_mut() = waiting);
 }
 
 /// Tries `retry` once: whether it is done (a panic counts as done, and is reported).
@@ -169,8 +189,9 @@ fn done(retry: &mut Retry) -> bool {
 }
 
 /// Runs `job` on cudrv's deferred-work thread, as soon as possible: for work that must not run
-/// inside a host function. If that thread could not be started the job is forgotten: what it
-/// would free leaks, which is sound.
+/// inside a host function. Deferred by deferred work, it runs before the jobs queued meanwhile
+/// (so that [`flush_deferred_drops`] waits for it too). If that thread could not be started the
+/// job is forgotten: what it would free leaks, which is sound.
 pub(crate) fn defer(job: impl FnOnce() + Send + 'static) {
     push(Job::Once(Box::new(job)));
 }
@@ -188,7 +209,7 @@ pub(crate) fn now_or_deferred(job: impl FnOnce() + Send + 'static) {
 /// [`defer`], if the thread could not be started.
 pub(crate) fn defer_until(job: impl FnMut() -> bool + Send + 'static) {
     if ON_DEFERRED_THREAD.with(Cell::get) {
-        // Tried before the next job, queued already or not.
+        // Tried before the next queued job (in the same pass, where a retry deferred it).
         RETRIES.with(|r| r.borrow_mut().push(Box::new(job)));
     } else {
         push(Job::Until(Box::new(job)));
@@ -196,12 +217,20 @@ pub(crate) fn defer_until(job: impl FnMut() -> bool + Send + 'static) {
 }
 
 /// Runs `attempt` on `state` now; where it hands the state back (the work cannot be done yet),
-/// runs it again on cudrv's deferred-work thread until it does not ([`defer_until`]).
+/// runs it again on cudrv's deferred-work thread until it does not ([`defer_attempts`]).
 pub(crate) fn attempt_until_done<T: Send + 'static>(
     state: T,
     mut attempt: impl FnMut(T) -> Option<T> + Send + 'static,
 ) {
-    let Some(state) = attempt(state) else { return };
+    if let Some(state) = attempt(state) {
+        defer_attempts(state, attempt);
+    }
+}
+
+/// Runs `attempt` on `state` on cudrv's deferred-work thread, again and again while it hands the
+/// state back ([`defer_until`]): so a later [`flush_deferred_drops`] finds it tried once more
+/// after what was deferred before it, such as the end of a capture it waits for.
+pub(crate) fn defer_attempts<T: Send + 'static>(state: T, mut attempt: impl FnMut(T) -> Option<T> + Send + 'static) {
     let mut pending = Some(state);
     defer_until(move || {
         pending = pending.take().and_then(&mut attempt);
@@ -210,6 +239,10 @@ pub(crate) fn attempt_until_done<T: Send + 'static>(
 }
 
 fn push(job: Job) {
+    if ON_DEFERRED_THREAD.with(Cell::get) {
+        NEXT.with(|n| n.borrow_mut().push_back(job));
+        return;
+    }
     match queue() {
         Some(q) => {
             q.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push_back(job);
@@ -307,6 +340,51 @@ mod tests {
         super::defer(move || saw_tx.send(seen.load(Ordering::SeqCst)).unwrap());
         queued_tx.send(()).unwrap();
         assert_eq!(saw_rx.recv().unwrap(), 1, "the work was not tried before the job queued before it");
+    }
+
+    /// A flush queued while deferred work runs waits for what that work defers in turn: jobs,
+    /// and retries (tried once at least), also where a retry that just got done deferred them.
+    #[test]
+    fn a_flush_waits_for_what_deferred_work_defers() {
+        let (runs, retried, chained) =
+            (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (queued_tx, queued_rx) = std::sync::mpsc::channel::<()>();
+        let (r, t, c) = (runs.clone(), retried.clone(), chained.clone());
+        super::defer(move || {
+            // The flush is queued behind this job before it defers anything.
+            queued_rx.recv().unwrap();
+            let r2 = r.clone();
+            super::defer(move || {
+                // Slow: a flush that did not wait for it would return first.
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                r2.fetch_add(1, Ordering::SeqCst);
+            });
+            let mut first = true;
+            defer_until(move || {
+                t.fetch_add(1, Ordering::SeqCst);
+                // Done at its first try: what it defers then comes before the flush as well.
+                if std::mem::take(&mut first) {
+                    let (r3, c2) = (r.clone(), c.clone());
+                    super::defer(move || {
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        r3.fetch_add(1, Ordering::SeqCst);
+                    });
+                    defer_until(move || {
+                        c2.fetch_add(1, Ordering::SeqCst);
+                        true
+                    });
+                }
+                true
+            });
+        });
+        let flushed = std::thread::spawn(flush_deferred_drops);
+        // The flush's job is queued once the flush waits; give it the time to get there.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        queued_tx.send(()).unwrap();
+        flushed.join().unwrap().unwrap();
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "the deferred jobs ran before the flush returned");
+        assert_eq!(retried.load(Ordering::SeqCst), 1, "the retry was tried before the flush returned");
+        assert_eq!(chained.load(Ordering::SeqCst), 1, "the retry's retry was tried before the flush returned");
     }
 
     #[test]

@@ -468,7 +468,7 @@ impl Drop for GraphResources {
             release_kept(kept, &done);
         } else {
             // Waiting for the last launches may take long: do it on cudrv's thread.
-            host_fn::defer(move || release_after_launches(kept, done));
+            host_fn::defer_attempts((kept, done), release_after_launches);
         }
     }
 }
@@ -550,16 +550,13 @@ pub(crate) fn after_stream_work(stream: Stream, job: impl FnOnce() + Send + 'sta
 
 /// [`after_stream_work`], with the stream parked.
 pub(crate) fn after_parked_stream_work(stream: ParkedStream, job: impl FnOnce() + Send + 'static) {
-    host_fn::defer(move || {
-        let Some(fence) = fence_parked(&stream) else {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            after_parked_stream_work(stream, job);
-            return;
-        };
+    host_fn::defer_attempts((stream, job), |(stream, job)| {
+        let Some(fence) = fence_parked(&stream) else { return Some((stream, job)) };
         match wait_for_fence(&stream, fence) {
             Ok(()) => job(),
             Err(e) => report_drop_error(Some(stream.key().context()), e),
         }
+        None
     });
 }
 
@@ -603,27 +600,24 @@ pub(crate) fn fence_unless_capturing(stream: &Stream) -> Option<Result<Event>> {
 }
 
 /// Waits (on cudrv's deferred-work thread) for the last launch of each executable graph, then
-/// releases what the graph kept. A stream that is capturing now cannot be waited on: the job
-/// comes back later.
-fn release_after_launches(mut kept: Kept, done: Arc<Completion>) {
+/// releases what the graph kept. A stream that is capturing now cannot be waited on: the state
+/// comes back, to be tried later ([`host_fn::defer_attempts`]).
+fn release_after_launches((mut kept, done): (Kept, Arc<Completion>)) -> Option<(Kept, Arc<Completion>)> {
     while let Some(stream) = kept.fences.0.last() {
         // An event recorded now, on the stream of the last launch, completes after it; on the
         // legacy stream (a per-thread stream seen from this thread) after every blocking stream.
-        let Some(fence) = fence_parked(stream) else {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            host_fn::defer(move || release_after_launches(kept, done));
-            return;
-        };
+        let Some(fence) = fence_parked(stream) else { return Some((kept, done)) };
         if let Err(e) = wait_for_fence(stream, fence) {
             // The launch may still run: what it uses stays (leaked), which is sound.
             report_drop_error(Some(stream.key().context()), e);
             std::mem::forget(kept.owned);
             std::mem::forget(kept.keep);
-            return;
+            return None;
         }
         kept.fences.0.pop();
     }
     release_kept(kept, &done);
+    None
 }
 
 #[cfg(test)]

@@ -156,23 +156,23 @@ impl Attachment for StreamCache {
 
 /// Forgets `stream` in the pool, which records one last event on it: not while the stream
 /// captures a graph (the record would be captured, and order nothing), but once the capture has
-/// ended, on cudrv's deferred-work thread. The key keeps the stream valid meanwhile.
+/// ended, on cudrv's deferred-work thread ([`host_fn::attempt_until_done`]). The key keeps the
+/// stream valid meanwhile.
 fn retire_when_not_capturing(shared: Arc<Shared>, stream: StreamKey, cache: Cache) {
-    if shared.backend.is_capturing(&stream) {
-        host_fn::defer(move || {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            retire_when_not_capturing(shared, stream, cache);
-        });
-        return;
-    }
-    if let Err(e) = pool::retire(&*shared, &stream, cache) {
-        report_drop_error(Some(&shared.backend.ctx), e);
-    }
-    if shared.dropped.load(std::sync::atomic::Ordering::Acquire) {
-        // The pool went while a capture deferred this (its teardown could not see the blocks
-        // the cache held): give back what they were in.
-        release_pool(&shared);
-    }
+    host_fn::attempt_until_done((shared, stream, cache), |(shared, stream, cache)| {
+        if shared.backend.is_capturing(&stream) {
+            return Some((shared, stream, cache));
+        }
+        if let Err(e) = pool::retire(&*shared, &stream, cache) {
+            report_drop_error(Some(&shared.backend.ctx), e);
+        }
+        if shared.dropped.load(std::sync::atomic::Ordering::Acquire) {
+            // The pool went while a capture deferred this (its teardown could not see the blocks
+            // the cache held): give back what they were in.
+            release_pool(&shared);
+        }
+        None
+    });
 }
 
 impl Host for Shared {

@@ -200,4 +200,5 @@ mod review24b;
 mod review24c;
 mod review25;
 mod review25b;
+mod review26;
 mod review_faults21;
