@@ -149,28 +149,46 @@ fn device_work_racing_captures_is_kept_alive_by_the_graphs_that_captured_it() {
 #[test]
 fn a_capture_waits_for_a_host_copy_under_way_on_its_stream() {
     // Each operation of the emulated GPU takes 100 ms: the copy below is under way when the other
-    // thread begins its capture.
+    // thread begins its capture, which must wait for it. A round where this thread came late (the
+    // capture came first: the copy is refused, or the capture was over before the copy) proves
+    // nothing, and is tried again.
+    const COPY: Duration = Duration::from_millis(100);
     run_with_fake(&[("CUDRV_FAKE_DELAY_US", "100000")], || {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
         let buf = DeviceBuffer::from_slice(&[3u32; 64], &s).unwrap();
         s.synchronize().unwrap();
-        let copied = Arc::new(AtomicBool::new(false));
-        let (s2, copied2) = (s.clone(), copied.clone());
-        let start = Instant::now();
-        let capture = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(30));
-            s2.begin_capture(CaptureMode::Relaxed).unwrap();
-            let waited = copied2.load(Ordering::SeqCst);
-            let graph = s2.end_capture().unwrap();
-            (waited, graph.nodes().unwrap().len())
-        });
-        assert_eq!(buf.to_vec().unwrap(), vec![3; 64]);
-        copied.store(true, Ordering::SeqCst);
-        let (waited, nodes) = capture.join().unwrap();
-        assert!(start.elapsed() >= Duration::from_millis(100), "the copy did not take the emulated time");
-        assert!(waited, "the capture began while the copy was under way");
-        assert_eq!(nodes, 0);
+        for round in 0..20 {
+            let s2 = s.clone();
+            let capture = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                s2.begin_capture(CaptureMode::Relaxed).unwrap();
+                let began = Instant::now();
+                let graph = s2.end_capture().unwrap();
+                (began, Instant::now(), graph.nodes().unwrap().len())
+            });
+            let copy_began = Instant::now();
+            let copied = buf.to_vec();
+            let copy_done = Instant::now();
+            let (capture_began, capture_ended, nodes) = capture.join().unwrap();
+            assert_eq!(nodes, 0);
+            match copied {
+                // The copy held the stream from at latest `copy_done - COPY` on: a capture that
+                // ended after that did not come first, so it began once the copy was done.
+                Ok(back) if capture_ended > copy_done - COPY => {
+                    assert_eq!(back, vec![3; 64]);
+                    assert!(
+                        capture_began >= copy_began + COPY,
+                        "the capture began while the copy was under way (round {round})"
+                    );
+                    return;
+                }
+                Ok(back) => assert_eq!(back, vec![3; 64]),
+                Err(Error::Capturing { .. }) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("the capture came before the copy in every round");
     });
 }
 
@@ -295,22 +313,39 @@ fn two_threads_beginning_a_capture_on_one_stream_leave_one_capture_tracked() {
 }
 
 /// A driver pool that takes its time to allocate (50 ms), so that a capture can try to end while
-/// an allocation of the capture is under way.
+/// an allocation of the capture is under way; it says when an allocation has begun.
 #[derive(Debug)]
-struct SlowPool(DriverPool);
+struct SlowPool {
+    pool: DriverPool,
+    began: std::sync::Mutex<std::sync::mpsc::Sender<()>>,
+}
+
+/// The device's driver pool, slowed ([`SlowPool`]), and what says when an allocation of it is
+/// under way (inside `allocate`, so under the stream's gate).
+fn slow_pool(dev: &Device) -> (Arc<dyn MemoryResource>, std::sync::mpsc::Receiver<()>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let pool = SlowPool { pool: DriverPool::default_pool(dev).unwrap(), began: std::sync::Mutex::new(tx) };
+    (Arc::new(pool), rx)
+}
+
+/// Waits until an allocation of a [`slow_pool`] is under way.
+fn under_way(began: &std::sync::mpsc::Receiver<()>) {
+    began.recv_timeout(Duration::from_secs(30)).expect("the allocation began");
+}
 
 // SAFETY: every pointer is the driver pool's, handed out and taken back as it came.
 unsafe impl MemoryResource for SlowPool {
     fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<cudrv::memory::DevicePtr> {
+        let _ = self.began.lock().unwrap().send(());
         std::thread::sleep(Duration::from_millis(50));
-        self.0.allocate(bytes, stream)
+        self.pool.allocate(bytes, stream)
     }
     unsafe fn deallocate(&self, ptr: cudrv::memory::DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.0.deallocate(ptr, bytes, stream) }
+        unsafe { self.pool.deallocate(ptr, bytes, stream) }
     }
     fn device(&self) -> Device {
-        self.0.device()
+        self.pool.device()
     }
     fn kind(&self) -> cudrv::memory::ResourceKind {
         cudrv::memory::ResourceKind::Custom
@@ -332,13 +367,13 @@ fn a_capture_does_not_end_under_an_allocation_of_it_under_way() {
         }
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
-        let pool: Arc<dyn MemoryResource> = Arc::new(SlowPool(DriverPool::default_pool(&dev).unwrap()));
+        let (pool, began) = slow_pool(&dev);
         s.begin_capture(CaptureMode::Relaxed).unwrap();
         let allocator = {
             let (s, pool) = (s.clone(), pool.clone());
             std::thread::spawn(move || DeviceBuffer::<u32>::zeroed_in(256, &s, pool).unwrap())
         };
-        std::thread::sleep(Duration::from_millis(15)); // the allocation is under way
+        under_way(&began);
         let ended = s.end_capture();
         assert!(
             matches!(ended, Err(Error::Capturing { .. })),
@@ -384,7 +419,7 @@ fn a_join_waits_for_an_allocation_under_way(how: Join) {
         }
         let dev = Device::get(0).unwrap();
         let (s1, s2) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
-        let pool: Arc<dyn MemoryResource> = Arc::new(SlowPool(DriverPool::default_pool(&dev).unwrap()));
+        let (pool, began) = slow_pool(&dev);
         // A capture has begun before (the joins are tracked from the first one on).
         s1.begin_capture(CaptureMode::Relaxed).unwrap();
         drop(s1.end_capture().unwrap());
@@ -393,7 +428,7 @@ fn a_join_waits_for_an_allocation_under_way(how: Join) {
             let (s2, pool) = (s2.clone(), pool.clone());
             std::thread::spawn(move || DeviceBuffer::<u32>::zeroed_in(256, &s2, pool).unwrap())
         };
-        std::thread::sleep(Duration::from_millis(15)); // the allocation is under way
+        under_way(&began);
         join(how, &s1, &s2);
         let buf = allocator.join().unwrap();
         s1.wait_stream(&s2).unwrap(); // joined back
@@ -433,13 +468,13 @@ fn a_capture_waits_for_an_allocation_of_the_device_resource_under_way() {
         }
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
-        let pool: Arc<dyn MemoryResource> = Arc::new(SlowPool(DriverPool::default_pool(&dev).unwrap()));
+        let (pool, began) = slow_pool(&dev);
         dev.set_memory_resource(pool, "a slow driver pool, for the test").unwrap();
         let allocator = {
             let s = s.clone();
             std::thread::spawn(move || DeviceBuffer::<u32>::zeroed(256, &s).unwrap())
         };
-        std::thread::sleep(Duration::from_millis(15)); // the allocation is under way
+        under_way(&began);
         s.begin_capture(CaptureMode::Relaxed).unwrap();
         let buf = allocator.join().unwrap();
         drop(s.end_capture().unwrap());
@@ -483,6 +518,7 @@ fn a_capture_begins_and_ends_while_another_thread_queues_work_in_a_loop() {
             slow += capture.join().unwrap().iter().filter(|&&t| t > Duration::from_millis(100)).count();
             s.synchronize().unwrap();
         }
-        assert!(slow <= 3, "{slow} of {} begins and ends waited more than 100 ms", 2 * rounds);
+        // The defect made one in ten wait; a loaded machine stalls a few threads now and then.
+        assert!(slow <= 6, "{slow} of {} begins and ends waited more than 100 ms", 2 * rounds);
     });
 }

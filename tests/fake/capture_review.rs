@@ -601,8 +601,9 @@ fn a_stream_retired_after_its_pool_gives_the_blocks_it_cached_back_to_the_driver
         let graph = origin.end_capture().unwrap();
         drop(graph);
         // The retirement runs on cudrv's thread once the capture has ended.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         while fake_report().live_allocations > 0 && std::time::Instant::now() < deadline {
+            cudrv::flush_deferred_drops().unwrap();
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert_eq!(fake_report().live_allocations, 0, "the cached block's memory was not given back");

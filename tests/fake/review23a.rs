@@ -185,11 +185,22 @@ fn spin_fill(module: &Module, stream: &Stream, out: &mut DeviceBuffer<u32>, valu
 struct Slow {
     inner: SyncResource,
     pause: Duration,
+    /// Told when an allocation begins (inside `allocate`: under the stream's gate).
+    began: std::sync::Mutex<std::sync::mpsc::Sender<()>>,
+}
+
+/// A [`Slow`] `SyncResource` whose allocations hold the stream's gate for about 300 ms, and
+/// what says when one is under way.
+fn slow(dev: &Device) -> (Arc<Slow>, std::sync::mpsc::Receiver<()>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let slow = Slow { inner: SyncResource::new(dev).unwrap(), pause: Duration::from_millis(300), began: tx.into() };
+    (Arc::new(slow), rx)
 }
 
 // SAFETY: forwards to `SyncResource`.
 unsafe impl MemoryResource for Slow {
     fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<DevicePtr> {
+        let _ = self.began.lock().unwrap().send(());
         std::thread::sleep(self.pause);
         self.inner.allocate(bytes, stream)
     }
@@ -242,10 +253,10 @@ fn join_after_queued_work(join: fn(&Stream, &Stream) -> cudrv::Result<()>) {
         let (origin, s, launch) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
         let n = 1024;
         // An allocation that holds `s`'s gate for about 300 ms.
-        let slow = Arc::new(Slow { inner: SyncResource::new(&dev).unwrap(), pause: Duration::from_millis(300) });
+        let (slow, began) = slow(&dev);
         let s1 = s.clone();
         let allocator = std::thread::spawn(move || DeviceBuffer::<u32>::zeroed_in(n, &s1, slow).unwrap());
-        std::thread::sleep(Duration::from_millis(50));
+        began.recv_timeout(Duration::from_secs(30)).expect("the allocation began");
         origin.begin_capture(CaptureMode::Relaxed).unwrap();
         let (s2, origin2) = (s.clone(), origin.clone());
         let joiner = std::thread::spawn(move || join(&s2, &origin2));
@@ -291,10 +302,10 @@ fn a_capture_notes_where_its_stream_stands_after_work_queued_while_it_waited_to_
         let module = Module::from_ptx(&dev, PTX).unwrap();
         let (s, launch) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
         let n = 64;
-        let slow = Arc::new(Slow { inner: SyncResource::new(&dev).unwrap(), pause: Duration::from_millis(300) });
+        let (slow, began) = slow(&dev);
         let s1 = s.clone();
         let allocator = std::thread::spawn(move || DeviceBuffer::<u32>::zeroed_in(n, &s1, slow).unwrap());
-        std::thread::sleep(Duration::from_millis(50));
+        began.recv_timeout(Duration::from_secs(30)).expect("the allocation began");
         let s2 = s.clone();
         let beginner = std::thread::spawn(move || s2.begin_capture(CaptureMode::Relaxed));
         std::thread::sleep(Duration::from_millis(50));

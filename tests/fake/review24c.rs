@@ -157,7 +157,10 @@ fn dropping_a_loaded_driver_leaves_its_library_mapped_for_the_drivers_threads() 
         }
         // The stream's worker sleeps 300 ms inside the driver before it runs the host function.
         drop(d);
-        std::thread::sleep(Duration::from_millis(700));
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !HOST_FN_RAN.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         assert!(HOST_FN_RAN.load(Ordering::SeqCst), "the driver's thread ran the host function");
         // The library, and the driver's state, are the same ones.
         let d = Driver::global().unwrap();
