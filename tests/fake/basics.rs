@@ -268,11 +268,19 @@ fn queries_see_pending_work() {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
         let mut buf = DeviceBuffer::<u8>::zeroed(16, &s).unwrap();
+        // The stream's work waits for this host function until the queries are made: pending
+        // however long this thread takes.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        s.launch_host_fn(move || {
+            let _ = held.recv();
+        })
+        .unwrap();
         buf.memset(1).unwrap();
         let ev = Event::new(&dev).unwrap();
         ev.record(&s).unwrap();
         assert!(!s.query().unwrap());
         assert!(!ev.query().unwrap());
+        release.send(()).unwrap();
         ev.synchronize().unwrap();
         assert!(ev.query().unwrap());
         s.synchronize().unwrap();

@@ -186,11 +186,18 @@ fn pinned_async_copies_wait_before_host_access() {
         let s = Stream::new(&dev).unwrap();
         let src = PinnedBuffer::from_slice(&dev, &[9u32; 4096]).unwrap();
         let mut buf = DeviceBuffer::<u32>::zeroed(4096, &s).unwrap();
+        // The copies wait for this host function until the query is made.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        s.launch_host_fn(move || {
+            let _ = held.recv();
+        })
+        .unwrap();
         buf.copy_from_pinned_async(&src).unwrap();
         let mut back = PinnedBuffer::<u32>::new(&dev, 4096).unwrap();
         buf.fill(11).unwrap();
         buf.copy_to_pinned_async(&mut back).unwrap();
-        assert!(!s.query().unwrap(), "the copies are still queued behind the delays");
+        assert!(!s.query().unwrap(), "the copies are still queued behind the host function");
+        release.send(()).unwrap();
         // Host access waits for the copy into `back`: it must see the data, never zeros.
         assert!(back.as_slice().unwrap().iter().all(|&v| v == 11));
         drop(src);
