@@ -165,19 +165,12 @@ fn retries_pending() -> bool {
     RETRIES.with(|r| !r.borrow().is_empty())
 }
 
-/// Tries again the work that was not done, on the deferred-work thread. A retry's own drops may
-/// defer more work until it is done: that is tried in the same pass.
+/// Tries again the work that was not done, on the deferred-work thread. What a retry defers goes
+/// to the work deferred by deferred work ([`push`]), which runs next.
 fn try_retries() {
-    let mut waiting = Vec::new();
-    loop {
-        let mut pending = RETRIES.with(|r| std::mem::take(&mut *r.borrow_mut()));
-        if pending.is_empty() {
-            break;
-        }
-        pending.retain_mut(|retry| !done(retry));
-        waiting.append(&mut pending);
-    }
-    RETRIES.with(|r| *r.borrow_mut() = waiting);
+    let mut pending = RETRIES.with(|r| std::mem::take(&mut *r.borrow_mut()));
+    pending.retain_mut(|retry| !done(retry));
+    RETRIES.with(|r| r.borrow_mut().append(&mut pending));
 }
 
 /// Tries `retry` once: whether it is done (a panic counts as done, and is reported).
@@ -203,17 +196,12 @@ pub(crate) fn now_or_deferred(job: impl FnOnce() + Send + 'static) {
 }
 
 /// Runs `job` on cudrv's deferred-work thread until it returns true (it is done): first as
-/// [`defer`] does, then again before each later deferred job and every millisecond. For work that
+/// [`defer`] does, then again before each job queued later and every millisecond. For work that
 /// must wait for another thread but must not block that thread, which may itself wait for the
 /// deferred work ([`flush_deferred_drops`] runs after one more try of it). Forgotten, as with
 /// [`defer`], if the thread could not be started.
 pub(crate) fn defer_until(job: impl FnMut() -> bool + Send + 'static) {
-    if ON_DEFERRED_THREAD.with(Cell::get) {
-        // Tried before the next queued job (in the same pass, where a retry deferred it).
-        RETRIES.with(|r| r.borrow_mut().push(Box::new(job)));
-    } else {
-        push(Job::Until(Box::new(job)));
-    }
+    push(Job::Until(Box::new(job)));
 }
 
 /// Runs `attempt` on `state` now; where it hands the state back (the work cannot be done yet),
@@ -238,6 +226,8 @@ pub(crate) fn defer_attempts<T: Send + 'static>(state: T, mut attempt: impl FnMu
     });
 }
 
+/// Queues `job` for the deferred-work thread; from that thread itself, ahead of the jobs queued
+/// meanwhile (see [`run`]).
 fn push(job: Job) {
     if ON_DEFERRED_THREAD.with(Cell::get) {
         NEXT.with(|n| n.borrow_mut().push_back(job));
@@ -349,15 +339,21 @@ mod tests {
         let (runs, retried, chained) =
             (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let (queued_tx, queued_rx) = std::sync::mpsc::channel::<()>();
-        let (r, t, c) = (runs.clone(), retried.clone(), chained.clone());
+        let late = Arc::new(AtomicUsize::new(0));
+        let (r, t, c, late2) = (runs.clone(), retried.clone(), chained.clone(), late.clone());
         super::defer(move || {
             // The flush is queued behind this job before it defers anything.
             queued_rx.recv().unwrap();
-            let r2 = r.clone();
+            let (r2, l) = (r.clone(), late2);
             super::defer(move || {
                 // Slow: a flush that did not wait for it would return first.
                 std::thread::sleep(std::time::Duration::from_millis(20));
                 r2.fetch_add(1, Ordering::SeqCst);
+                // Not done at its first try, which comes before the flush returns.
+                defer_until(move || {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    l.fetch_add(1, Ordering::SeqCst) + 1 >= 3
+                });
             });
             let mut first = true;
             defer_until(move || {
@@ -370,6 +366,7 @@ mod tests {
                         r3.fetch_add(1, Ordering::SeqCst);
                     });
                     defer_until(move || {
+                        std::thread::sleep(std::time::Duration::from_millis(20));
                         c2.fetch_add(1, Ordering::SeqCst);
                         true
                     });
@@ -385,6 +382,7 @@ mod tests {
         assert_eq!(runs.load(Ordering::SeqCst), 2, "the deferred jobs ran before the flush returned");
         assert_eq!(retried.load(Ordering::SeqCst), 1, "the retry was tried before the flush returned");
         assert_eq!(chained.load(Ordering::SeqCst), 1, "the retry's retry was tried before the flush returned");
+        assert!(late.load(Ordering::SeqCst) >= 1, "the deferred job's retry was tried before the flush returned");
     }
 
     #[test]
