@@ -248,6 +248,30 @@ fn push(job: Job) {
 /// stream whose last user went while another thread was queueing work on it is destroyed by the
 /// same thread: this waits for one more try at that, which succeeds unless work is being queued
 /// on the stream still (or by the caller, from a custom resource's `allocate` or `deallocate`).
+/// Work that waits for a capture to end (the release of a graph, or of its executable graph,
+/// dropped while the stream of its last launch captured; a pool's retirement of a stream that
+/// went during a capture) is likewise tried once more, with what it leads to: after
+/// `end_capture`, a flush finds it done.
+///
+/// ```no_run
+/// # fn main() -> cudrv::Result<()> {
+/// use cudrv::memory::DeviceBuffer;
+/// use cudrv::{Device, Stream};
+///
+/// let dev = Device::get(0)?;
+/// let stream = Stream::new(&dev)?;
+/// let buf = DeviceBuffer::<f32>::zeroed(1 << 20, &stream)?;
+/// // Dropped in the host function: its free is deferred to cudrv's thread.
+/// stream.launch_host_fn(move || drop(buf))?;
+/// stream.synchronize()?;
+/// cudrv::flush_deferred_drops()?;
+/// // The resource's statistics now count the buffer as freed.
+/// let in_use = dev.memory_resource()?.stats().map(|s| s.in_use);
+/// # let _ = in_use;
+/// # Ok(())
+/// # }
+/// ```
+///
 /// Called on cudrv's own thread (a custom resource's `deallocate`, for a buffer dropped in a
 /// host function, runs there), it returns at once: what was deferred before is done.
 ///
