@@ -328,8 +328,8 @@ fn slow_pool(dev: &Device) -> (Arc<dyn MemoryResource>, std::sync::mpsc::Receive
     (Arc::new(pool), rx)
 }
 
-/// Waits until an allocation of a [`slow_pool`] is under way.
-fn under_way(began: &std::sync::mpsc::Receiver<()>) {
+/// Waits until an allocation of a [`slow_pool`] (or another slowed resource that says so) is under way.
+pub(crate) fn under_way(began: &std::sync::mpsc::Receiver<()>) {
     began.recv_timeout(Duration::from_secs(30)).expect("the allocation began");
 }
 
