@@ -126,7 +126,9 @@ impl Stream {
     /// ends the capture and drops its graph, so that the driver stops refusing other threads' work
     /// (`CaptureMode::Global`). In global and thread-local modes only the thread that began the
     /// capture may end it: dropped on another thread (or in a host function), the capture goes
-    /// on. It is not ended either while a buffer allocated during it lives.
+    /// on. While a buffer allocated during it lives, it is not ended (the buffer's memory is the
+    /// graph's) until the last such buffer is dropped, which then ends it as the handle would
+    /// have (on the thread of that drop).
     ///
     /// # Errors
     /// The driver's error (`CUDA_ERROR_ILLEGAL_STATE` when the stream is capturing already, or

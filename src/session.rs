@@ -293,7 +293,8 @@ impl CaptureSession {
     /// The last user of `origin` let go of it during the capture: ends the capture and destroys
     /// its graph, then the session, which gives back what the capture reserved (nothing of it
     /// ever ran). Only from the origin, and only when no buffer allocated during the capture is
-    /// alive (its memory would be the graph's). As [`Stream::end_capture`]: when the driver
+    /// alive (its memory would be the graph's): the last one's going calls this again
+    /// ([`CaptureSession::buffer_gone`]). As [`Stream::end_capture`]: when the driver
     /// refuses to end it (another thread began it in global or thread-local mode) and the stream
     /// still captures, the capture goes on, as before; when it refuses but the capture is over
     /// all the same (an invalidated capture, or work left unjoined), the session ends too.
@@ -304,9 +305,14 @@ impl CaptureSession {
     /// lives (a capture in the relaxed mode may be ended on any thread; in the others the retry
     /// meets the thread's refusal, and stops). Not for a per-thread stream.
     fn abandon(&self, origin: &StreamKey) {
-        let is_origin = self.streams.lock().unwrap_or_else(PoisonError::into_inner).first() == Some(origin);
-        if !is_origin || self.live_buffers.load(Ordering::Acquire) != 0 {
-            return;
+        {
+            // Under the streams' lock, as in `buffer_gone`: either this sees the last buffer gone,
+            // or that sees the origin's user gone, or both (then the second finds the session
+            // finished, or meets the driver's refusal to end it twice).
+            let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+            if streams.first() != Some(origin) || self.live_buffers.load(Ordering::Acquire) != 0 {
+                return;
+            }
         }
         // Not a per-thread stream: on cudrv's thread its handle would mean the legacy stream.
         if self.try_end(origin).is_some_and(|e| !is_wrong_thread(&e)) && origin.carries_context() {
@@ -321,6 +327,26 @@ impl CaptureSession {
                 }
                 session.try_end(&origin).is_none_or(|e| is_wrong_thread(&e)) || tries >= ABANDON_TRIES
             });
+        }
+    }
+
+    /// A buffer allocated during the capture went, and its free was queued (into the capture,
+    /// where it belongs). If it was the last one and the origin's last user went meanwhile, the
+    /// capture is abandoned now: `abandon` left it on while the buffer lived (its memory was the
+    /// graph's), and nothing else would end it.
+    pub(crate) fn buffer_gone(&self) {
+        if self.live_buffers.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let orphan = {
+            // The origin's `Handle` lets go of the stream before its drop takes this lock (in
+            // `abandon`), and the count above fell before this takes it: whichever takes it
+            // second sees what the other did.
+            let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+            streams.first().filter(|origin| !origin.handle_lives()).cloned()
+        };
+        if let Some(origin) = orphan {
+            self.abandon(&origin);
         }
     }
 

@@ -899,11 +899,8 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
 impl<T: DeviceRepr> DeviceBuffer<T> {
     #[cold]
     fn drop_slow(&mut self, bytes: usize) {
-        if self.capture != 0
-            && let Some(session) = CaptureSession::active(self.capture)
-        {
-            session.live_buffers.fetch_sub(1, Ordering::AcqRel);
-        }
+        // Counted out of the capture's live buffers once its free is queued (below).
+        let session = if self.capture != 0 { CaptureSession::active(self.capture) } else { None };
         let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take().unwrap_or_default();
         // A user, which keeps the view valid while the buffer's pin is let go below; the free
         // keeps the stream parked.
@@ -935,7 +932,14 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             capture: self.capture,
             graphs,
         };
-        crate::host_fn::now_or_deferred(move || free.run())
+        crate::host_fn::now_or_deferred(move || {
+            free.run();
+            // After the free's first try, which queues it into the capture (where the buffer's
+            // memory belongs): a capture ended on the count's fall does not miss it.
+            if let Some(session) = session {
+                session.buffer_gone();
+            }
+        })
     }
 }
 

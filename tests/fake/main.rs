@@ -201,4 +201,5 @@ mod review24c;
 mod review25;
 mod review25b;
 mod review26;
+mod review27;
 mod review_faults21;
