@@ -153,3 +153,38 @@ fn a_capture_whose_origin_has_a_user_again_is_left_on() {
         assert_eq!(after.to_vec().unwrap(), vec![6; 64]);
     });
 }
+
+/// The origin's last user and the capture's last buffer go at once, on two threads, in either
+/// order: whichever comes second ends the capture (`abandon` and `buffer_gone` decide under the
+/// session's lock), never neither, and nothing is freed twice or left behind.
+#[test]
+fn the_origins_user_and_the_last_buffer_racing_still_end_the_capture() {
+    each_capture_mode(&[CaptureMode::Relaxed], |dev, mode| {
+        let side = Stream::new(&dev).unwrap();
+        let graphs = live_graphs();
+        for round in 0..100 {
+            let origin = Stream::new(&dev).unwrap();
+            origin.begin_capture(mode).unwrap();
+            side.wait_stream(&origin).unwrap();
+            let mut buf = DeviceBuffer::<u32>::zeroed(64 + round, &side).unwrap();
+            buf.fill(1).unwrap();
+            let start = std::sync::Arc::new(std::sync::Barrier::new(2));
+            let s2 = start.clone();
+            let other = std::thread::spawn(move || {
+                s2.wait();
+                drop(buf);
+            });
+            start.wait();
+            drop(origin);
+            other.join().unwrap();
+            within(LIMIT, "the raced capture's end", || {
+                cudrv::flush_deferred_drops().unwrap();
+                assert_eq!(side.capture_status().unwrap(), CaptureStatus::None, "round {round}: the capture must end");
+            });
+        }
+        assert_eq!(live_graphs(), graphs, "every abandoned capture's graph is destroyed");
+        let mut after = DeviceBuffer::<u32>::zeroed(64, &side).unwrap();
+        after.fill(2).unwrap();
+        assert_eq!(after.to_vec().unwrap(), vec![2; 64]);
+    });
+}
