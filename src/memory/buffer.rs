@@ -900,7 +900,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     #[cold]
     fn drop_slow(&mut self, bytes: usize) {
         // Counted out of the capture's live buffers once its free is queued (below).
-        let session = if self.capture != 0 { CaptureSession::active(self.capture) } else { None };
+        let session = if self.capture == 0 { None } else { CaptureSession::active(self.capture) };
         let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take().unwrap_or_default();
         // A user, which keeps the view valid while the buffer's pin is let go below; the free
         // keeps the stream parked.
@@ -932,14 +932,21 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             capture: self.capture,
             graphs,
         };
-        crate::host_fn::now_or_deferred(move || {
-            free.run();
-            // After the free's first try, which queues it into the capture (where the buffer's
-            // memory belongs): a capture ended on the count's fall does not miss it.
-            if let Some(session) = session {
-                session.buffer_gone();
-            }
-        })
+        match session {
+            None => crate::host_fn::now_or_deferred(move || free.run()),
+            // Counted out once the free is queued into the capture, where the buffer's memory
+            // belongs (or handed to what it waits for), not while it is tried again: a capture
+            // ended on the count's fall then does not miss it.
+            Some(session) => crate::host_fn::now_or_deferred(move || {
+                crate::host_fn::attempt_until_done(free, move |free| {
+                    let again = free.attempt();
+                    if again.is_none() {
+                        session.buffer_gone();
+                    }
+                    again
+                })
+            }),
+        }
     }
 }
 
