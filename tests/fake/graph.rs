@@ -82,6 +82,11 @@ fn an_invalidated_capture_reports_it_and_the_stream_stays_usable() {
     each_mode("0", graph_cases::an_invalidated_capture_reports_it_and_the_stream_stays_usable);
 }
 
+#[test]
+fn an_orphaned_capture_ends_when_its_last_buffer_goes() {
+    each_mode("0", graph_cases::an_orphaned_capture_ends_when_its_last_buffer_goes);
+}
+
 /// On a CUDA 11.1 driver, which has neither memory pools nor the newer graph entry points
 /// (`cuStreamGetCaptureInfo_v2`/`_v3`, `cuGraphInstantiateWithFlags`, `cuGraphAddKernelNode_v2`,
 /// `cuGraphExecUpdate_v2`, `cuGraphExecKernelNodeSetParams_v2`), graphs work through the older
@@ -104,6 +109,7 @@ fn graphs_work_on_a_cuda_11_1_driver() {
         graph_cases::graphs_built_node_by_node_run_in_dependency_order();
         graph_cases::executable_graphs_update_in_place_or_say_why_not();
         graph_cases::graph_memory_nodes_where_the_driver_has_pools();
+        graph_cases::an_orphaned_capture_ends_when_its_last_buffer_goes();
         // Flags need cuGraphInstantiateWithFlags (11.4): refused, with what to do instead.
         let dev = cudrv::Device::get(0).unwrap();
         let mut graph = cudrv::graph::Graph::new(&dev).unwrap();

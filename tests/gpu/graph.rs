@@ -75,3 +75,8 @@ fn graph_memory_nodes_where_the_driver_has_pools() {
 fn an_invalidated_capture_reports_it_and_the_stream_stays_usable() {
     run_in_own_process(graph_cases::an_invalidated_capture_reports_it_and_the_stream_stays_usable);
 }
+
+#[test]
+fn an_orphaned_capture_ends_when_its_last_buffer_goes() {
+    run_in_own_process(graph_cases::an_orphaned_capture_ends_when_its_last_buffer_goes);
+}

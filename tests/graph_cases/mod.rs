@@ -562,3 +562,50 @@ pub fn graph_memory_nodes_where_the_driver_has_pools() {
     drop(out);
     release_everything(&dev);
 }
+
+/// The last user of a global capture's origin goes while a buffer allocated during the capture
+/// (on a stream that joined it, filled by a kernel) lives: a panic between `begin_capture` and
+/// `end_capture`, say. The capture goes on while the buffer lives (its memory is the graph's),
+/// and ends when the buffer is dropped, on the thread that began it: the driver then no longer
+/// refuses another thread's `cuMemAlloc`, and the joined stream runs work again.
+pub fn an_orphaned_capture_ends_when_its_last_buffer_goes() {
+    let (dev, module, side) = setup();
+    let fill = module.function("fill_u32").unwrap();
+    let pool = capture_pool(&dev, &side);
+    let origin = Stream::new(&dev).unwrap();
+    origin.begin_capture(CaptureMode::Global).unwrap();
+    side.wait_stream(&origin).unwrap();
+    // SAFETY: every element is written by the fill below, which is never run (the capture is
+    // abandoned), and nothing reads the buffer.
+    let mut tmp = unsafe {
+        match &pool {
+            Some(p) => DeviceBuffer::<u32>::uninit_in(4096, &side, p.clone()),
+            None => DeviceBuffer::<u32>::uninit(4096, &side),
+        }
+    }
+    .unwrap();
+    // SAFETY: fill_u32(u32*, u32, u64) writes tmp[0..4096].
+    unsafe { fill.launch(LaunchConfig::for_num_elems(4096), &side, (&mut tmp, 3u32, 4096u64)).unwrap() };
+    drop(origin);
+    cudrv::flush_deferred_drops().unwrap();
+    assert_eq!(side.capture_status().unwrap(), CaptureStatus::Active, "a buffer of the capture lives");
+    refused(tmp.to_vec(), "host access to the graph's memory");
+    drop(tmp);
+    cudrv::flush_deferred_drops().unwrap();
+    assert_eq!(side.capture_status().unwrap(), CaptureStatus::None, "the orphaned capture must end");
+    std::thread::spawn(move || {
+        // `cuMemAlloc`, which a global capture on any thread would refuse.
+        let s = Stream::new(&dev).unwrap();
+        let sync: Arc<dyn MemoryResource> = Arc::new(SyncResource::new(&dev).unwrap());
+        let b = DeviceBuffer::<u32>::from_slice_in(&[4; 64], &s, sync).unwrap();
+        assert_eq!(b.to_vec().unwrap(), vec![4; 64]);
+    })
+    .join()
+    .expect("another thread's work after the orphaned capture's end");
+    let mut out = DeviceBuffer::<u32>::zeroed(256, &side).unwrap();
+    // SAFETY: fill_u32(u32*, u32, u64) writes out[0..256].
+    unsafe { fill.launch(LaunchConfig::for_num_elems(256), &side, (&mut out, 5u32, 256u64)).unwrap() };
+    assert_eq!(out.to_vec().unwrap(), vec![5; 256], "the joined stream runs work again");
+    drop((out, side, pool));
+    release_everything(&dev);
+}
