@@ -312,47 +312,11 @@ fn two_threads_beginning_a_capture_on_one_stream_leave_one_capture_tracked() {
     });
 }
 
-/// A driver pool that takes its time to allocate (50 ms), so that a capture can try to end while
-/// an allocation of the capture is under way; it says when an allocation has begun.
-#[derive(Debug)]
-struct SlowPool {
-    pool: DriverPool,
-    began: std::sync::Mutex<std::sync::mpsc::Sender<()>>,
-}
-
-/// The device's driver pool, slowed ([`SlowPool`]), and what says when an allocation of it is
-/// under way (inside `allocate`, so under the stream's gate).
+/// The device's driver pool, slowed by 50 ms an allocation (so that a capture can try to end
+/// while an allocation of the capture is under way), and what tells when one is under way.
 fn slow_pool(dev: &Device) -> (Arc<dyn MemoryResource>, std::sync::mpsc::Receiver<()>) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let pool = SlowPool { pool: DriverPool::default_pool(dev).unwrap(), began: std::sync::Mutex::new(tx) };
-    (Arc::new(pool), rx)
-}
-
-/// Waits until an allocation of a [`slow_pool`] (or another slowed resource that says so) is under way.
-pub(crate) fn under_way(began: &std::sync::mpsc::Receiver<()>) {
-    began.recv_timeout(Duration::from_secs(30)).expect("the allocation began");
-}
-
-// SAFETY: every pointer is the driver pool's, handed out and taken back as it came.
-unsafe impl MemoryResource for SlowPool {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<cudrv::memory::DevicePtr> {
-        let _ = self.began.lock().unwrap().send(());
-        std::thread::sleep(Duration::from_millis(50));
-        self.pool.allocate(bytes, stream)
-    }
-    unsafe fn deallocate(&self, ptr: cudrv::memory::DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.pool.deallocate(ptr, bytes, stream) }
-    }
-    fn device(&self) -> Device {
-        self.pool.device()
-    }
-    fn kind(&self) -> cudrv::memory::ResourceKind {
-        cudrv::memory::ResourceKind::Custom
-    }
-    fn supports_capture(&self) -> bool {
-        true
-    }
+    let (pool, began) = crate::slowed::slowed(DriverPool::default_pool(dev).unwrap(), Duration::from_millis(50));
+    (pool, began)
 }
 
 #[test]
@@ -373,7 +337,7 @@ fn a_capture_does_not_end_under_an_allocation_of_it_under_way() {
             let (s, pool) = (s.clone(), pool.clone());
             std::thread::spawn(move || DeviceBuffer::<u32>::zeroed_in(256, &s, pool).unwrap())
         };
-        under_way(&began);
+        crate::slowed::under_way(&began);
         let ended = s.end_capture();
         assert!(
             matches!(ended, Err(Error::Capturing { .. })),
@@ -428,7 +392,7 @@ fn a_join_waits_for_an_allocation_under_way(how: Join) {
             let (s2, pool) = (s2.clone(), pool.clone());
             std::thread::spawn(move || DeviceBuffer::<u32>::zeroed_in(256, &s2, pool).unwrap())
         };
-        under_way(&began);
+        crate::slowed::under_way(&began);
         join(how, &s1, &s2);
         let buf = allocator.join().unwrap();
         s1.wait_stream(&s2).unwrap(); // joined back
@@ -474,7 +438,7 @@ fn a_capture_waits_for_an_allocation_of_the_device_resource_under_way() {
             let s = s.clone();
             std::thread::spawn(move || DeviceBuffer::<u32>::zeroed(256, &s).unwrap())
         };
-        under_way(&began);
+        crate::slowed::under_way(&began);
         s.begin_capture(CaptureMode::Relaxed).unwrap();
         let buf = allocator.join().unwrap();
         drop(s.end_capture().unwrap());

@@ -13,6 +13,7 @@ use cudrv::module::Module;
 use cudrv::{Device, Error, Event, Stream};
 use cudrv_test_support::{fake_report, run_with_fake};
 
+use crate::slowed::{Slowed, slowed, under_way};
 use crate::within_10s;
 
 const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
@@ -179,41 +180,10 @@ fn spin_fill(module: &Module, stream: &Stream, out: &mut DeviceBuffer<u32>, valu
     unsafe { f.launch(LaunchConfig::for_num_elems(out.len()), stream, (out, value, n, spin_us)).unwrap() };
 }
 
-/// A resource whose `allocate` takes a while (under the stream's gate, as every allocation of a
-/// `DeviceBuffer` from a resource other than the device's pool).
-#[derive(Debug)]
-struct Slow {
-    inner: SyncResource,
-    pause: Duration,
-    /// Told when an allocation begins (inside `allocate`: under the stream's gate).
-    began: std::sync::Mutex<std::sync::mpsc::Sender<()>>,
-}
-
-/// A [`Slow`] `SyncResource` whose allocations hold the stream's gate for about 300 ms, and
-/// what says when one is under way.
-fn slow(dev: &Device) -> (Arc<Slow>, std::sync::mpsc::Receiver<()>) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let slow = Slow { inner: SyncResource::new(dev).unwrap(), pause: Duration::from_millis(300), began: tx.into() };
-    (Arc::new(slow), rx)
-}
-
-// SAFETY: forwards to `SyncResource`.
-unsafe impl MemoryResource for Slow {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<DevicePtr> {
-        let _ = self.began.lock().unwrap().send(());
-        std::thread::sleep(self.pause);
-        self.inner.allocate(bytes, stream)
-    }
-    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.inner.deallocate(ptr, bytes, stream) }
-    }
-    fn device(&self) -> Device {
-        self.inner.device()
-    }
-    fn kind(&self) -> ResourceKind {
-        ResourceKind::Custom
-    }
+/// A `SyncResource` whose allocations hold the stream's gate for about 300 ms, and what tells
+/// when one is under way.
+fn slow(dev: &Device) -> (Arc<Slowed<SyncResource>>, std::sync::mpsc::Receiver<()>) {
+    slowed(SyncResource::new(dev).unwrap(), Duration::from_millis(300))
 }
 
 /// DEFECT (failed before the fix: the buffer read 7, the freed buffer's kernel having written
@@ -256,7 +226,7 @@ fn join_after_queued_work(join: fn(&Stream, &Stream) -> cudrv::Result<()>) {
         let (slow, began) = slow(&dev);
         let s1 = s.clone();
         let allocator = std::thread::spawn(move || DeviceBuffer::<u32>::zeroed_in(n, &s1, slow).unwrap());
-        crate::capture_race::under_way(&began);
+        under_way(&began);
         origin.begin_capture(CaptureMode::Relaxed).unwrap();
         let (s2, origin2) = (s.clone(), origin.clone());
         let joiner = std::thread::spawn(move || join(&s2, &origin2));
@@ -305,7 +275,7 @@ fn a_capture_notes_where_its_stream_stands_after_work_queued_while_it_waited_to_
         let (slow, began) = slow(&dev);
         let s1 = s.clone();
         let allocator = std::thread::spawn(move || DeviceBuffer::<u32>::zeroed_in(n, &s1, slow).unwrap());
-        crate::capture_race::under_way(&began);
+        under_way(&began);
         let s2 = s.clone();
         let beginner = std::thread::spawn(move || s2.begin_capture(CaptureMode::Relaxed));
         std::thread::sleep(Duration::from_millis(50));
