@@ -5,7 +5,8 @@
 
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::ptr::null_mut;
-use std::sync::Barrier;
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use cudrv_test_support::*;
@@ -16,6 +17,9 @@ type H = *mut c_void;
 
 const NOT_READY: R = 600;
 const NOT_SUPPORTED: R = 801;
+
+/// `CUhostFn` (`CUDA_CB` is `__stdcall`, as `"system"` is on 32-bit Windows).
+type HostFn = unsafe extern "system" fn(*mut c_void);
 
 /// Looks a function up in the fake loaded in this process.
 macro_rules! f {
@@ -56,8 +60,10 @@ struct Cu {
     memset_d32_async: unsafe extern "system" fn(Ptr, c_uint, usize, H) -> R,
     htod: unsafe extern "system" fn(Ptr, *const c_void, usize) -> R,
     dtoh: unsafe extern "system" fn(*mut c_void, Ptr, usize) -> R,
+    dtoh_async: unsafe extern "system" fn(*mut c_void, Ptr, usize, H) -> R,
     htod_async: unsafe extern "system" fn(Ptr, *const c_void, usize, H) -> R,
     dtod_async: unsafe extern "system" fn(Ptr, Ptr, usize, H) -> R,
+    launch_host_func: unsafe extern "system" fn(H, HostFn, *mut c_void) -> R,
 }
 
 impl Cu {
@@ -90,8 +96,10 @@ impl Cu {
             memset_d32_async: f!("cuMemsetD32Async": unsafe extern "system" fn(Ptr, c_uint, usize, H) -> R),
             htod: f!("cuMemcpyHtoD_v2": unsafe extern "system" fn(Ptr, *const c_void, usize) -> R),
             dtoh: f!("cuMemcpyDtoH_v2": unsafe extern "system" fn(*mut c_void, Ptr, usize) -> R),
+            dtoh_async: f!("cuMemcpyDtoHAsync_v2": unsafe extern "system" fn(*mut c_void, Ptr, usize, H) -> R),
             htod_async: f!("cuMemcpyHtoDAsync_v2": unsafe extern "system" fn(Ptr, *const c_void, usize, H) -> R),
             dtod_async: f!("cuMemcpyDtoDAsync_v2": unsafe extern "system" fn(Ptr, Ptr, usize, H) -> R),
+            launch_host_func: f!("cuLaunchHostFunc": unsafe extern "system" fn(H, HostFn, *mut c_void) -> R),
         }
     }
 
@@ -123,11 +131,116 @@ impl Cu {
         v
     }
 
+    /// [`Cu::read_u32`] through `stream`, not through the legacy stream (which `cuMemcpyDtoH` uses,
+    /// and which waits for every blocking stream): to pageable memory, the copy is synchronous.
+    fn read_u32_on(&self, p: Ptr, n: usize, stream: H) -> Vec<u32> {
+        let mut v = vec![0u32; n];
+        // SAFETY: see `setup`; `v` holds n * 4 bytes.
+        unsafe { ok((self.dtoh_async)(v.as_mut_ptr().cast(), p, n * 4, stream)) };
+        v
+    }
+
     fn stream(&self) -> H {
         let mut s = null_mut();
         // SAFETY: see `setup`.
         unsafe { ok((self.stream_create)(&mut s, 0)) };
         s
+    }
+}
+
+// ---- holding a stream ---------------------------------------------------------------------------
+
+/// How long a held host function waits for [`Gate::open`] before it lets its stream go by itself.
+/// A safety net only, never part of a passing run: a call that waits for a held stream (made by
+/// the test before it opens the gate: a bug of the fake, or of the test) would otherwise hang the
+/// test instead of failing it. [`Gate::open`] fails when it fired, and [`Gate::is_open`] tells.
+const GATE_SAFETY_NET: Duration = Duration::from_secs(60);
+
+/// A [`Gate`]'s state: whether it is open, and whether the safety net opened it.
+#[derive(Default)]
+struct GateFlags {
+    open: bool,
+    timed_out: bool,
+}
+
+/// What a [`Gate`]'s host functions wait on.
+type GateState = (Mutex<GateFlags>, Condvar);
+
+/// A host function (`cuLaunchHostFunc`) that holds the stream it is queued on until the test opens
+/// the gate. Work queued behind it has certainly not run while the gate is closed, however the
+/// threads are scheduled: the tests assert "not ready" there instead of betting that a delay
+/// (CUDRV_FAKE_DELAY_US, a spinning kernel) outlasts the test thread's next few calls.
+///
+/// Dropping the gate opens it, so a failed assertion (a panic) cannot leave a stream held, and the
+/// test hung on it.
+struct Gate(Arc<GateState>);
+
+impl Gate {
+    fn new() -> Gate {
+        Gate(Arc::default())
+    }
+
+    /// Queues a host function on `stream` that waits until the gate is open.
+    fn hold(&self, cu: &Cu, stream: H) {
+        let data = Arc::into_raw(Arc::clone(&self.0)).cast_mut().cast::<c_void>();
+        // SAFETY: see `Cu::setup`; `gate_host_fn` has the `CUhostFn` signature, and `data` is one
+        // reference to the gate's state, which the host function takes back when it runs.
+        let r = unsafe { (cu.launch_host_func)(stream, gate_host_fn, data) };
+        if r != 0 {
+            // SAFETY: not queued, so the host function will not run: the reference is still ours
+            // (from `Arc::into_raw` above), taken back once.
+            drop(unsafe { Arc::from_raw(data.cast_const().cast::<GateState>()) });
+        }
+        ok(r);
+    }
+
+    /// Lets every host function of this gate return (and any queued later return at once). Fails
+    /// if the [`GATE_SAFETY_NET`] had to open it: something waited for the held stream.
+    #[track_caller]
+    fn open(&self) {
+        let timed_out = self.release();
+        assert!(
+            !timed_out,
+            "a held stream was let go by the safety net after {GATE_SAFETY_NET:?}: a call waited for it"
+        );
+    }
+
+    /// Opens the gate; returns whether the safety net had opened it already.
+    fn release(&self) -> bool {
+        let (flags, cv) = &*self.0;
+        let mut flags = flags.lock().unwrap_or_else(PoisonError::into_inner);
+        flags.open = true;
+        cv.notify_all();
+        flags.timed_out
+    }
+
+    /// Whether the gate is open: by [`Gate::open`], or by the [`GATE_SAFETY_NET`].
+    fn is_open(&self) -> bool {
+        self.0.0.lock().unwrap_or_else(PoisonError::into_inner).open
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// The host function of [`Gate::hold`]: waits until the gate is open (or the safety net fires,
+/// which opens it for good). It calls no driver function (the driver forbids that) and cannot
+/// panic (a poisoned lock is still used).
+unsafe extern "system" fn gate_host_fn(data: *mut c_void) {
+    // SAFETY: `data` is the reference to the gate's state that `Gate::hold` made with
+    // `Arc::into_raw` for this one call; it is taken back here once, and dropped on return.
+    let state = unsafe { Arc::from_raw(data.cast_const().cast::<GateState>()) };
+    let (flags, cv) = &*state;
+    let flags = flags.lock().unwrap_or_else(PoisonError::into_inner);
+    let (mut flags, wait) =
+        cv.wait_timeout_while(flags, GATE_SAFETY_NET, |f| !f.open).unwrap_or_else(PoisonError::into_inner);
+    if wait.timed_out() {
+        flags.open = true;
+        flags.timed_out = true;
+        cv.notify_all();
     }
 }
 
@@ -162,24 +275,44 @@ fn not_initialized_then_deinitialized() {
     });
 }
 
-/// (1) Work on a delayed stream really runs after the call returned.
+/// (1) Work on a delayed stream really runs after the call returned: queued behind a held host
+/// function, it has not run (the stream is not ready, the memory is untouched) until the stream goes
+/// on, and then it waits CUDRV_FAKE_DELAY_US.
 #[test]
 fn stream_runs_asynchronously() {
     run_with_fake(&[("CUDRV_FAKE_DELAY_US", "200000")], || {
         let cu = Cu::setup(0);
         let p = cu.alloc(4096);
-        let s = cu.stream();
+        let (s, other) = (cu.stream(), cu.stream());
+        let zeros = vec![0u32; 1024];
+        // SAFETY: see `Cu::setup`; `zeros` holds 4096 bytes.
+        unsafe { ok((cu.htod)(p, zeros.as_ptr().cast(), 4096)) };
+        let gate = Gate::new();
+        gate.hold(&cu, s);
         // SAFETY: see `Cu::setup`.
         unsafe {
             ok((cu.memset_d32_async)(p, 0xdead_beef, 1024, s));
             assert_eq!((cu.stream_query)(s), NOT_READY);
+        }
+        // Read on another stream: the legacy stream would wait for `s`.
+        assert_eq!(cu.read_u32_on(p, 1024, other), zeros, "the memset ran before its stream went on");
+        let opened = Instant::now();
+        gate.open();
+        // SAFETY: see `Cu::setup`.
+        unsafe {
             ok((cu.stream_sync)(s));
             ok((cu.stream_query)(s));
         }
+        // The delay itself: the memset slept CUDRV_FAKE_DELAY_US (200 ms) after the gate opened. A
+        // lower bound, which load only lengthens, so it cannot fail spuriously; half the delay
+        // leaves room for coarse sleep timers (Windows' Sleep counts in ticks).
+        let waited = opened.elapsed();
+        assert!(waited >= Duration::from_millis(100), "the memset ran {waited:?} after its stream went on");
         assert!(cu.read_u32(p, 1024).iter().all(|&x| x == 0xdead_beef));
         // SAFETY: see `Cu::setup`.
         unsafe {
             ok((cu.stream_destroy)(s));
+            ok((cu.stream_destroy)(other));
             ok((cu.mem_free)(p));
         }
         assert_no_leaks();
@@ -226,15 +359,23 @@ fn fault_injection_hits_exactly_the_nth_call() {
 /// (3) A queued copy into memory freed before it ran is reported as a violation and skipped.
 #[test]
 fn use_after_free_through_queued_copy_is_reported() {
-    run_with_fake(&[("CUDRV_FAKE_DELAY_US", "100000")], || {
+    run_with_fake(&[], || {
         let cu = Cu::setup(0);
         let p = cu.alloc(1 << 16);
         let s = cu.stream();
         let host = vec![7u8; 1 << 16];
+        // The copy stays queued (behind the held host function) until the memory is freed.
+        let gate = Gate::new();
+        gate.hold(&cu, s);
         // SAFETY: see `Cu::setup`.
         unsafe {
             ok((cu.htod_async)(p, host.as_ptr().cast(), host.len(), s));
             ok((cu.mem_free)(p)); // frees at once: the copy is still queued
+            assert_eq!((cu.stream_query)(s), NOT_READY);
+        }
+        gate.open();
+        // SAFETY: see `Cu::setup`.
+        unsafe {
             ok((cu.stream_sync)(s));
             ok((cu.stream_destroy)(s));
         }
@@ -640,10 +781,17 @@ fn event_wait_orders_streams() {
         let (src, dst) = (cu.alloc(4096), cu.alloc(4096));
         let (s1, s2) = (cu.stream(), cu.stream());
         let (mut start, mut done) = (null_mut(), null_mut());
+        // s1 is held (before `start`, so that the held time is not in the elapsed time) until s2 has
+        // queued its wait: `done` is certainly pending then, and the wait a real one.
+        let gate = Gate::new();
         // SAFETY: see `Cu::setup`.
         unsafe {
             ok((cu.event_create)(&mut start, 0));
             ok((cu.event_create)(&mut done, 0));
+        }
+        gate.hold(&cu, s1);
+        // SAFETY: see `Cu::setup`.
+        unsafe {
             ok((cu.event_record)(start, s1));
             ok((cu.memset_d32_async)(src, 1, 1024, s1));
             ok((cu.memset_d32_async)(src, 2, 1024, s1));
@@ -654,9 +802,13 @@ fn event_wait_orders_streams() {
             assert_eq!((cu.event_elapsed)(&mut ms, start, done), NOT_READY);
             ok((cu.stream_wait_event)(s2, done, 0));
             ok((cu.dtod_async)(dst, src, 4096, s2));
+            assert_eq!((cu.stream_query)(s2), NOT_READY, "s2 does not wait for `done`");
+            gate.open();
             ok((cu.stream_sync)(s2));
             ok((cu.event_query)(done));
             ok((cu.event_elapsed)(&mut ms, start, done));
+            // The delay itself: a lower bound, which load only lengthens (it cannot fail
+            // spuriously); it leaves room for coarse sleep timers (Windows' Sleep counts in ticks).
             assert!(ms >= 100.0, "three delayed ops take at least 150 ms, got {ms}");
         }
         assert!(cu.read_u32(dst, 1024).iter().all(|&x| x == 3));
@@ -733,6 +885,10 @@ fn per_thread() -> H {
 const PTX_SPIN: &[u8] = b".version 8.4\n.target sm_90\n\
 .visible .entry spin_fill_u32(.param .u64 o, .param .u32 v, .param .u64 n, .param .u64 us) { ret; }\n\0";
 
+/// How long the tests' `spin_fill_u32` kernels spin: briefly. No check depends on it: what must
+/// still be running when a test looks is held back by a [`Gate`] instead.
+const SPIN_US: u64 = 1_000;
+
 /// The built-in kernel `spin_fill_u32`, as addresses (to cross threads).
 struct Kernels {
     launch: Launch,
@@ -795,7 +951,7 @@ impl Cu {
     }
 }
 
-/// Every host thread has its own per-thread stream, with its own worker: a long kernel on thread
+/// Every host thread has its own per-thread stream, with its own worker: a kernel held on thread
 /// A's does not hold up thread B's, and synchronising B's waits for B's only. They never count as
 /// live streams, and are released when their thread exits.
 #[test]
@@ -806,48 +962,50 @@ fn per_thread_streams_of_two_threads_run_concurrently() {
         let ctx = cu.current();
         let n = 1024u64;
         let (a, b) = (cu.alloc(4096), cu.alloc(4096));
-        let started = Barrier::new(2);
-        let b_done = Barrier::new(2);
+        // Holds thread A's per-thread stream until thread B is done.
+        let gate = Gate::new();
+        // Channels, not barriers: a thread that fails drops its sender, and the other one's `recv`
+        // fails instead of waiting for ever.
+        let (queued_tx, queued_rx) = mpsc::channel::<()>();
+        let (b_done_tx, b_done_rx) = mpsc::channel::<()>();
         // Joined explicitly: a scope's end does not wait for the threads' TLS destructors, which
         // release their per-thread streams, but a join does.
         std::thread::scope(|scope| {
             let thread_a = scope.spawn(|| {
+                let (queued_tx, b_done_rx) = (queued_tx, b_done_rx); // moved in: dropped if A fails
                 cu.enter(ctx);
-                k.spin_fill(a, 1, n, 1_000_000, per_thread());
-                started.wait();
-                b_done.wait();
-                // B is done; A's kernel still spins.
+                gate.hold(&cu, per_thread());
+                k.spin_fill(a, 1, n, SPIN_US, per_thread());
+                queued_tx.send(()).unwrap();
+                b_done_rx.recv().expect("thread B failed");
+                // B is done; A's kernel is still held.
+                // SAFETY: see `Cu::setup`.
+                unsafe { assert_eq!((cu.stream_query)(per_thread()), NOT_READY) };
+                gate.open();
                 // SAFETY: see `Cu::setup`.
                 unsafe {
-                    assert_eq!((cu.stream_query)(per_thread()), NOT_READY);
                     ok((cu.stream_sync)(per_thread()));
                     ok((cu.stream_query)(per_thread()));
                 }
             });
             let thread_b = scope.spawn(|| {
+                let (queued_rx, b_done_tx) = (queued_rx, b_done_tx); // moved in: dropped if B fails
                 cu.enter(ctx);
-                started.wait();
-                let t = Instant::now();
+                queued_rx.recv().expect("thread A failed");
                 // SAFETY: see `Cu::setup`.
                 unsafe {
                     ok((cu.memset_d32_async)(b, 7, n as usize, per_thread()));
                     ok((cu.stream_sync)(per_thread()));
                 }
-                let waited = t.elapsed();
+                // Certain, not timed: had B's stream waited for A's, its synchronisation would have
+                // returned only when the gate opened (by the safety net: A opens it after B).
+                assert!(!gate.is_open(), "thread B's per-thread stream waited for thread A's");
                 // Not through the legacy stream (cuMemcpyDtoH), which would wait for thread A's
                 // stream: a copy to pageable memory on B's per-thread stream is synchronous there.
-                let dtoh_async: unsafe extern "system" fn(*mut c_void, Ptr, usize, H) -> R =
-                    f!("cuMemcpyDtoHAsync_v2": unsafe extern "system" fn(*mut c_void, Ptr, usize, H) -> R);
-                let mut got = vec![0u32; n as usize];
-                // SAFETY: see `Cu::setup`; `got` holds n * 4 bytes.
-                unsafe { ok(dtoh_async(got.as_mut_ptr().cast(), b, got.len() * 4, per_thread())) };
+                let got = cu.read_u32_on(b, n as usize, per_thread());
                 assert!(got.iter().all(|&x| x == 7));
-                assert!(
-                    waited < Duration::from_millis(500),
-                    "thread B's per-thread stream waited {waited:?} for thread A's"
-                );
                 assert_eq!(fake_per_thread_streams(), 2);
-                b_done.wait();
+                b_done_tx.send(()).unwrap();
             });
             thread_a.join().unwrap();
             thread_b.join().unwrap();
@@ -881,12 +1039,14 @@ fn events_on_per_thread_streams_order_other_streams() {
             ok((cu.event_create)(&mut ev2, 0));
         }
         let (ev_addr, ev2_addr) = (ev.expose_provenance(), ev2.expose_provenance());
-        // Thread A: a slow fill on its per-thread stream, and an event after it. It exits at once:
+        // Thread A: a held fill on its per-thread stream, and an event after it. It exits at once:
         // its stream is released, but the work and the event still complete.
+        let gate_a = Gate::new();
         std::thread::scope(|scope| {
             let thread_a = scope.spawn(|| {
                 cu.enter(ctx);
-                k.spin_fill(p, 5, n, 300_000, per_thread());
+                gate_a.hold(&cu, per_thread());
+                k.spin_fill(p, 5, n, SPIN_US, per_thread());
                 let ev: H = std::ptr::with_exposed_provenance_mut(ev_addr);
                 // SAFETY: see `Cu::setup`.
                 unsafe {
@@ -902,13 +1062,21 @@ fn events_on_per_thread_streams_order_other_streams() {
         unsafe {
             ok((cu.stream_wait_event)(s, ev, 0));
             ok((cu.dtod_async)(q, p, 4096, s));
+            assert_eq!((cu.stream_query)(s), NOT_READY, "the stream does not wait for thread A's event");
+        }
+        gate_a.open();
+        // SAFETY: see `Cu::setup`.
+        unsafe {
             ok((cu.stream_sync)(s));
             ok((cu.event_query)(ev));
         }
         assert!(cu.read_u32(q, n as usize).iter().all(|&x| x == 5), "the copy ran before thread A's kernel");
 
-        // The other way: an event on a user stream, waited for by thread C's per-thread stream.
-        k.spin_fill(p, 9, n, 300_000, s);
+        // The other way: an event on a user stream (held until thread C has queued its copy),
+        // waited for by thread C's per-thread stream.
+        let gate_s = Gate::new();
+        gate_s.hold(&cu, s);
+        k.spin_fill(p, 9, n, SPIN_US, s);
         // SAFETY: see `Cu::setup`.
         unsafe { ok((cu.event_record)(ev2, s)) };
         std::thread::scope(|scope| {
@@ -919,8 +1087,11 @@ fn events_on_per_thread_streams_order_other_streams() {
                 unsafe {
                     ok((cu.stream_wait_event)(per_thread(), ev2, 0));
                     ok((cu.dtod_async)(q, p, 4096, per_thread()));
-                    ok((cu.stream_sync)(per_thread()));
+                    assert_eq!((cu.stream_query)(per_thread()), NOT_READY, "C's stream does not wait for the event");
                 }
+                gate_s.open();
+                // SAFETY: see `Cu::setup`.
+                unsafe { ok((cu.stream_sync)(per_thread())) };
                 assert!(cu.read_u32(q, n as usize).iter().all(|&x| x == 9), "the copy did not wait for the event");
             });
             thread_c.join().unwrap();
@@ -950,19 +1121,33 @@ fn legacy_stream_orders_with_every_threads_per_thread_stream() {
         let ctx = cu.current();
         let n = 1024u64;
         let p = cu.alloc(4096);
-        let step = Barrier::new(2);
+        // Each kernel is held until the work that must wait for it is queued (and seen waiting).
+        let (gate_a, gate_b) = (Gate::new(), Gate::new());
+        // Channels, not barriers: a thread that fails drops its sender, and the other one's `recv`
+        // fails instead of waiting for ever.
+        let (step1_tx, step1_rx) = mpsc::channel::<()>();
+        let (step2_tx, step2_rx) = mpsc::channel::<()>();
         std::thread::scope(|scope| {
             // Thread A
             scope.spawn(|| {
+                let (step1_tx, step2_rx) = (step1_tx, step2_rx); // moved in: dropped if A fails
                 cu.enter(ctx);
-                k.spin_fill(p, 1, n, 400_000, per_thread());
-                step.wait(); // (1) queued on A's per-thread stream
-                step.wait(); // (2) B queued its legacy-stream kernel
+                gate_a.hold(&cu, per_thread());
+                k.spin_fill(p, 1, n, SPIN_US, per_thread());
+                step1_tx.send(()).unwrap(); // (1) queued on A's per-thread stream
+                step2_rx.recv().expect("thread B failed"); // (2) B queued its legacy-stream kernel
                 // SAFETY: see `Cu::setup`.
                 unsafe {
                     ok((cu.memset_d32_async)(p, 4, n as usize, per_thread()));
-                    ok((cu.stream_sync)(per_thread()));
+                    assert_eq!(
+                        (cu.stream_query)(per_thread()),
+                        NOT_READY,
+                        "A's per-thread stream did not wait for the earlier legacy-stream kernel"
+                    );
                 }
+                gate_b.open();
+                // SAFETY: see `Cu::setup`.
+                unsafe { ok((cu.stream_sync)(per_thread())) };
                 assert!(
                     cu.read_u32(p, n as usize).iter().all(|&x| x == 4),
                     "A's per-thread stream did not wait for the earlier legacy-stream kernel"
@@ -970,19 +1155,28 @@ fn legacy_stream_orders_with_every_threads_per_thread_stream() {
             });
             // Thread B
             scope.spawn(|| {
+                let (step1_rx, step2_tx) = (step1_rx, step2_tx); // moved in: dropped if B fails
                 cu.enter(ctx);
-                step.wait(); // (1)
+                step1_rx.recv().expect("thread A failed"); // (1)
                 // SAFETY: see `Cu::setup`.
                 unsafe {
                     ok((cu.memset_d32_async)(p, 2, n as usize, legacy()));
-                    ok((cu.stream_sync)(legacy()));
+                    assert_eq!(
+                        (cu.stream_query)(legacy()),
+                        NOT_READY,
+                        "the legacy stream did not wait for thread A's per-thread stream"
+                    );
                 }
+                gate_a.open();
+                // SAFETY: see `Cu::setup`.
+                unsafe { ok((cu.stream_sync)(legacy())) };
                 assert!(
                     cu.read_u32(p, n as usize).iter().all(|&x| x == 2),
                     "the legacy stream did not wait for thread A's per-thread stream"
                 );
-                k.spin_fill(p, 3, n, 400_000, legacy());
-                step.wait(); // (2)
+                gate_b.hold(&cu, legacy());
+                k.spin_fill(p, 3, n, SPIN_US, legacy());
+                step2_tx.send(()).unwrap(); // (2)
             });
         });
         // SAFETY: see `Cu::setup`.
@@ -998,30 +1192,53 @@ fn legacy_stream_orders_with_every_threads_per_thread_stream() {
 /// A thread's per-thread stream is released when the thread exits, after its queued work ran.
 #[test]
 fn per_thread_streams_are_reclaimed_at_thread_exit() {
-    run_with_fake(&[("CUDRV_FAKE_DELAY_US", "100000")], || {
+    run_with_fake(&[], || {
         let cu = Cu::setup(0);
         let ctx = cu.current();
         let p = cu.alloc(4096);
+        let mut ev = null_mut();
+        // SAFETY: see `Cu::setup`.
+        unsafe { ok((cu.event_create)(&mut ev, 0)) };
         for value in 1..=3u32 {
+            // Holds the thread's per-thread stream until after the thread exited.
+            let gate = Gate::new();
             std::thread::scope(|scope| {
                 let thread = scope.spawn(|| {
                     cu.enter(ctx);
+                    // The first use makes the thread's per-thread stream. The report comes before the
+                    // stream is held: it first waits until every stream is idle.
+                    // SAFETY: see `Cu::setup`.
+                    unsafe { ok((cu.stream_query)(per_thread())) };
+                    assert_eq!(fake_report().live_streams, 0, "per-thread streams are not live streams");
+                    gate.hold(&cu, per_thread());
                     // SAFETY: see `Cu::setup`.
                     unsafe {
                         ok((cu.memset_d32_async)(p, value, 1024, per_thread()));
                         assert_eq!((cu.stream_query)(per_thread()), NOT_READY);
                     }
                     assert_eq!(fake_per_thread_streams(), 1);
-                    assert_eq!(fake_report().live_streams, 0, "per-thread streams are not live streams");
                 });
                 thread.join().unwrap();
             });
             assert_eq!(fake_per_thread_streams(), 0);
             // The legacy stream still waits for the released stream's queued work.
+            // SAFETY: see `Cu::setup`.
+            unsafe {
+                ok((cu.event_record)(ev, legacy()));
+                assert_eq!(
+                    (cu.event_query)(ev),
+                    NOT_READY,
+                    "the legacy stream does not wait for the released stream's queued work"
+                );
+            }
+            gate.open();
             assert!(cu.read_u32(p, 1024).iter().all(|&x| x == value));
         }
         // SAFETY: see `Cu::setup`.
-        unsafe { ok((cu.mem_free)(p)) };
+        unsafe {
+            ok((cu.event_destroy)(ev));
+            ok((cu.mem_free)(p));
+        }
         assert_no_leaks();
     });
 }
