@@ -127,11 +127,15 @@ fn run(q: &'static Queue) {
             }
         };
         // What was not done is tried again before each job queued later, and every
-        // `RETRY_EVERY`; what that defers runs before the job. So `flush_deferred_drops`'s job
-        // runs after one more try of the work queued before it, and after what that try led to.
+        // `RETRY_EVERY`; what that defers runs before the job, and what that defers in turn. So
+        // `flush_deferred_drops`'s job runs after one more try of the work queued before it, and
+        // after everything that try led to.
         try_retries();
+        while let Some(job) = NEXT.with(|n| n.borrow_mut().pop_front()) {
+            run_job(job);
+        }
         if let Some(job) = queued {
-            NEXT.with(|n| n.borrow_mut().push_back(job));
+            run_job(job);
         }
     }
 }
@@ -407,6 +411,51 @@ mod tests {
         assert_eq!(retried.load(Ordering::SeqCst), 1, "the retry was tried before the flush returned");
         assert_eq!(chained.load(Ordering::SeqCst), 1, "the retry's retry was tried before the flush returned");
         assert!(late.load(Ordering::SeqCst) >= 1, "the deferred job's retry was tried before the flush returned");
+    }
+
+    /// A retry done at the try that comes just before a flush's job defers work, which defers
+    /// work, which defers work: the flush returns after all of it. (The flush's job was queued
+    /// behind the first level only, and returned before the second had run: review 27b.)
+    #[test]
+    fn a_flush_waits_for_a_chain_that_a_retry_just_done_defers() {
+        use std::sync::atomic::AtomicBool;
+        let (ready, ran) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let (r, depth) = (ready.clone(), ran.clone());
+        defer_until(move || {
+            if !r.load(Ordering::SeqCst) {
+                return false;
+            }
+            let d = depth.clone();
+            super::defer(move || {
+                super::defer(move || {
+                    super::defer(move || {
+                        // Slow: a flush that did not wait for it would return first.
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                        d.fetch_add(1, Ordering::SeqCst);
+                    })
+                })
+            });
+            true
+        });
+        // Tried once: not done, so it waits among the retries.
+        flush_deferred_drops().unwrap();
+        // Hold cudrv's thread, so that the retry is tried next just before the flush's job.
+        let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        super::defer(move || {
+            started_tx.send(()).unwrap();
+            let _ = go_rx.recv();
+        });
+        started_rx.recv().unwrap();
+        ready.store(true, Ordering::SeqCst);
+        let flushed = std::thread::spawn(flush_deferred_drops);
+        let queue = super::queue().expect("the thread runs");
+        while queue.jobs.lock().unwrap().is_empty() {
+            std::thread::yield_now();
+        }
+        go_tx.send(()).unwrap();
+        flushed.join().unwrap().unwrap();
+        assert_eq!(ran.load(Ordering::SeqCst), 1, "the flush returned before the end of the chain");
     }
 
     #[test]
