@@ -186,6 +186,11 @@ impl Stream {
     /// discarded).
     pub fn end_capture(&self) -> Result<Graph> {
         let session = self.capture();
+        if let Some(s) = &session {
+            // Frees of the capture's buffers that were dropped where their stream could not be
+            // reached, now on the origin: after all of the capture's joined work, in the graph.
+            s.queue_frees_at_end(self);
+        }
         // Other threads' cudrv work on the stream waits from the look at the capture's buffers to
         // its end: a buffer allocated in between would be the graph's, and outlive the capture.
         let key = self.key();

@@ -217,9 +217,17 @@ pub(crate) struct CaptureSession {
     /// use, dropped while their stream was capturing).
     /// `None` once the capture has ended (they ran then; later ones run at once).
     after_end: Mutex<Option<Vec<AfterEnd>>>,
+    /// Frees of buffers allocated during the capture that belong in it, but that could not be
+    /// queued where they were dropped: the buffer's stream is another thread's per-thread stream
+    /// (see [`CaptureSession::free_at_end`]). Queued on the origin by [`Stream::end_capture`].
+    at_end: Mutex<Vec<AtEnd>>,
     /// What the graph keeps.
     pub(crate) res: Arc<GraphResources>,
 }
+
+/// A free that belongs in a capture, queued on its origin at its end (see
+/// [`CaptureSession::free_at_end`]).
+pub(crate) type AtEnd = Box<dyn FnOnce(&Stream) + Send>;
 
 impl fmt::Debug for CaptureSession {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -242,6 +250,7 @@ impl CaptureSession {
             live_buffers: AtomicUsize::new(0),
             streams: Mutex::new(vec![origin.key().clone()]),
             after_end: Mutex::new(Some(Vec::new())),
+            at_end: Mutex::new(Vec::new()),
             res,
         });
         crate::stream::set_join_hooks(JOIN_HOOKS);
@@ -287,6 +296,37 @@ impl CaptureSession {
         let frees = self.after_end.lock().unwrap_or_else(PoisonError::into_inner).take().unwrap_or_default();
         for free in frees {
             free();
+        }
+        // Frees that belonged in the capture and never reached it (it ended without
+        // `Stream::end_capture` on its origin: abandoned, or invalidated): outside the graph they
+        // would free its memory (a memory node's, with the driver's pool), so they are dropped.
+        // What cudrv's pool reserved for them stays reserved: a leak, which is sound.
+        drop(std::mem::take(&mut *self.at_end.lock().unwrap_or_else(PoisonError::into_inner)));
+    }
+
+    /// Keeps `free`, a free that belongs in the capture but cannot be queued where its buffer went
+    /// (its stream is a per-thread stream of another thread, which is not reachable there: the
+    /// legacy stream would stand in, outside the capture), until [`Stream::end_capture`] queues it
+    /// on the origin, after all of the capture's joined work. `Err` with `free` back once the
+    /// capture has ended.
+    pub(crate) fn free_at_end(&self, free: AtEnd) -> std::result::Result<(), AtEnd> {
+        if !capture::is_tracked(self.id) {
+            return Err(free);
+        }
+        self.at_end.lock().unwrap_or_else(PoisonError::into_inner).push(free);
+        Ok(())
+    }
+
+    /// Queues on `origin` (the capture's origin, which its end is called on, on a thread where it
+    /// names it) the frees kept by [`CaptureSession::free_at_end`].
+    pub(crate) fn queue_frees_at_end(&self, origin: &Stream) {
+        let is_origin = self.streams.lock().unwrap_or_else(PoisonError::into_inner).first() == Some(origin.key());
+        if !is_origin || !origin.key().named_here() {
+            return;
+        }
+        let frees = std::mem::take(&mut *self.at_end.lock().unwrap_or_else(PoisonError::into_inner));
+        for free in frees {
+            free(origin);
         }
     }
 
@@ -670,6 +710,7 @@ mod tests {
             live_buffers: AtomicUsize::new(0),
             streams: Mutex::new(vec![origin.key().clone()]),
             after_end: Mutex::new(Some(Vec::new())),
+            at_end: Mutex::new(Vec::new()),
             res: GraphResources::new(),
         });
         capture::register(id, session.clone(), Arc::as_ptr(origin.context()) as usize);

@@ -1006,8 +1006,24 @@ impl Free {
                 session.after_end(Box::new(move || self.run()));
                 None
             }
-            Some(Held::Legacy) => Some(self),
+            Some(Held::Legacy) => self.free_at_capture_end(),
             None => None,
+        }
+    }
+
+    /// A buffer allocated during a capture on a per-thread stream, dropped on another thread (or
+    /// in a host function, its free then on cudrv's thread): the legacy stream stands in for the
+    /// stream here, and the capture holds it. The free belongs in the capture, so it is queued on
+    /// the capture's origin at its end ([`CaptureSession::free_at_end`]). Otherwise (another
+    /// capture holds the legacy stream, or this one has ended) it is tried again later.
+    fn free_at_capture_end(self) -> Option<Free> {
+        let capture = if self.capture == 0 { None } else { CaptureSession::active(self.capture) };
+        let Some(session) = capture.filter(|_| !self.streams.owner_named_here()) else { return Some(self) };
+        let (resource, ptr, bytes) = (self.resource.clone(), self.ptr, self.bytes);
+        let at_end = Box::new(move |origin: &Stream| free_after_uses(&*resource, ptr, bytes, origin, &[]));
+        match session.free_at_end(at_end) {
+            Ok(()) => None,
+            Err(_) => Some(self),
         }
     }
 }

@@ -177,6 +177,12 @@ impl FreeStreams {
         FreeStreams { owner: owner.park(), used: used.into_iter().map(Stream::park).collect() }
     }
 
+    /// Whether the buffer's own stream can be named on this thread (see
+    /// [`StreamKey::named_here`](crate::stream::StreamKey::named_here)).
+    pub(crate) fn owner_named_here(&self) -> bool {
+        self.owner.key().named_here()
+    }
+
     /// A capture cudrv tracks, other than `own` (0: none), that one of the streams takes part in:
     /// the free waits for its end. Seen without making a user of the streams, so that the last
     /// user of a capture's origin stays its owner's (were it cudrv's, on cudrv's thread, the

@@ -203,4 +203,5 @@ mod review25;
 mod review25b;
 mod review26;
 mod review27;
+mod review27b;
 mod review_faults21;

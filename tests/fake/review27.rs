@@ -27,7 +27,7 @@ const LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Runs `body` with each capture mode in `modes`, on the emulated Linux driver (buffers from the
 /// device's driver pool) and TCC driver (from cudrv's pool); then lets go of cudrv's caches and
 /// checks that nothing is left and the driver saw no misuse.
-fn each_capture_mode(modes: &[CaptureMode], body: impl Fn(Device, CaptureMode)) {
+pub(crate) fn each_capture_mode(modes: &[CaptureMode], body: impl Fn(Device, CaptureMode)) {
     run_with_fake_modes(&MODES, &[("CUDRV_FAKE_DELAY_US", "0")], || {
         let dev = Device::get(0).unwrap();
         for &mode in modes {
