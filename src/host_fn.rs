@@ -279,6 +279,11 @@ fn push(job: Job) {
 /// Called on cudrv's own thread (a custom resource's `deallocate`, for a buffer dropped in a
 /// host function, runs there), it returns at once: what was deferred before is done.
 ///
+/// The deferred work may wait for GPU work it must follow (the last launch of a dropped graph,
+/// a freed buffer's uses on other streams), so a flush may wait for it too: as with
+/// [`Stream::synchronize`](crate::Stream::synchronize), do not flush while a host function that
+/// such work waits behind waits for the flushing thread.
+///
 /// # Errors
 /// [`Error::InHostFunction`](crate::Error::InHostFunction) inside a host function (waiting
 /// there could deadlock: the deferred work may itself wait for the host function).
