@@ -16,7 +16,10 @@
 //!   `Stream::end_capture` queues it on the origin);
 //! - an orphaned capture (the origin's last user gone) whose buffers were used on several joined
 //!   streams (`copy_from`, `record_use`), in every capture mode, on both emulated drivers:
-//!   `an_orphaned_capture_ends_with_a_buffer_used_on_several_streams`, found sound.
+//!   `an_orphaned_capture_ends_with_a_buffer_used_on_several_streams`, found sound;
+//! - an allocation on a joined stream made inside the capture but counted among its live buffers
+//!   only after the capture ended (suspected by the review, probed afterwards):
+//!   `a_buffer_counted_after_its_capture_ended_refuses_every_use`, found sound.
 //!
 //! Every test runs on the emulated Linux driver (the device's driver pool) and TCC driver
 //! (cudrv's `StreamOrderedPool`), and ends with no leak and no violation the driver saw.
@@ -276,4 +279,73 @@ fn launched_parent(dev: &Device, child: Graph, on: &Stream) -> Graph {
     drop(exec);
     on.synchronize().unwrap();
     parent
+}
+
+/// A resource whose allocation, once the resource it wraps has made it, waits until the test
+/// lets it return (at most 30 s): the capture can end between the driver's allocation and the
+/// buffer's count among the capture's live buffers.
+#[derive(Debug)]
+struct HeldAfter {
+    inner: Arc<dyn MemoryResource>,
+    made: Mutex<mpsc::Sender<()>>,
+    go: Mutex<mpsc::Receiver<()>>,
+}
+
+// SAFETY: forwards to `inner`; every pointer is handed out and taken back as `inner` made it.
+unsafe impl MemoryResource for HeldAfter {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<DevicePtr> {
+        let ptr = self.inner.allocate(bytes, stream);
+        let _ = self.made.lock().unwrap().send(());
+        let _ = self.go.lock().unwrap().recv_timeout(LIMIT);
+        ptr
+    }
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+    fn kind(&self) -> ResourceKind {
+        ResourceKind::Custom
+    }
+    fn supports_capture(&self) -> bool {
+        self.inner.supports_capture()
+    }
+}
+
+/// Sound (suspected by the review, probed here). An allocation on a joined stream that the
+/// driver (or cudrv's pool) made inside the capture, whose buffer is counted among the capture's
+/// live buffers only after the capture ended (`end_capture` looks at the count under the
+/// origin's mark, which does not hold back a joined stream's allocation). The buffer's memory
+/// belongs to a graph that was discarded (the allocation was unjoined work), and the buffer says
+/// so: every use is refused with `Error::Capturing`, and its drop frees nothing outside the
+/// graph (no violation, no leak).
+#[test]
+fn a_buffer_counted_after_its_capture_ended_refuses_every_use() {
+    each_capture_mode(&[CaptureMode::Relaxed], |dev, mode| {
+        let (made_tx, made) = mpsc::channel();
+        let (go, go_rx) = mpsc::channel();
+        let held = Arc::new(HeldAfter {
+            inner: dev.memory_resource().unwrap(),
+            made: Mutex::new(made_tx),
+            go: Mutex::new(go_rx),
+        });
+        let (origin, side) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+        origin.begin_capture(mode).unwrap();
+        side.wait_stream(&origin).unwrap();
+        let s2 = side.clone();
+        // SAFETY: never read (every use is refused, below).
+        let allocating = std::thread::spawn(move || unsafe { DeviceBuffer::<u32>::uninit_in(64, &s2, held) });
+        made.recv_timeout(LIMIT).expect("the allocation was made");
+        let ended = origin.end_capture();
+        assert_eq!(side.capture_status().unwrap(), CaptureStatus::None, "the capture is over ({:?})", ended.err());
+        go.send(()).unwrap();
+        let mut buf = allocating.join().unwrap().expect("the allocation");
+        assert!(matches!(buf.fill(3), Err(Error::Capturing { .. })), "a kernel's use of the discarded graph's memory");
+        assert!(matches!(buf.to_vec(), Err(Error::Capturing { .. })), "host access to the discarded graph's memory");
+        drop(buf);
+        cudrv::flush_deferred_drops().unwrap();
+        assert!(fake_report().violations.is_empty(), "{:?}", fake_report().violations);
+    });
 }
