@@ -182,7 +182,7 @@ fn spin_fill(module: &Module, stream: &Stream, out: &mut DeviceBuffer<u32>, valu
 
 /// A `SyncResource` whose allocations hold the stream's gate for about 300 ms, and what tells
 /// when one is under way.
-fn slow(dev: &Device) -> (Arc<Slowed<SyncResource>>, std::sync::mpsc::Receiver<()>) {
+fn slow(dev: &Device) -> (Arc<Slowed>, std::sync::mpsc::Receiver<()>) {
     slowed(SyncResource::new(dev).unwrap(), Duration::from_millis(300))
 }
 

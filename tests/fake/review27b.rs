@@ -281,39 +281,6 @@ fn launched_parent(dev: &Device, child: Graph, on: &Stream) -> Graph {
     parent
 }
 
-/// A resource whose allocation, once the resource it wraps has made it, waits until the test
-/// lets it return (at most 30 s): the capture can end between the driver's allocation and the
-/// buffer's count among the capture's live buffers.
-#[derive(Debug)]
-struct HeldAfter {
-    inner: Arc<dyn MemoryResource>,
-    made: Mutex<mpsc::Sender<()>>,
-    go: Mutex<mpsc::Receiver<()>>,
-}
-
-// SAFETY: forwards to `inner`; every pointer is handed out and taken back as `inner` made it.
-unsafe impl MemoryResource for HeldAfter {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> cudrv::Result<DevicePtr> {
-        let ptr = self.inner.allocate(bytes, stream);
-        let _ = self.made.lock().unwrap().send(());
-        let _ = self.go.lock().unwrap().recv_timeout(LIMIT);
-        ptr
-    }
-    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> cudrv::Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.inner.deallocate(ptr, bytes, stream) }
-    }
-    fn device(&self) -> Device {
-        self.inner.device()
-    }
-    fn kind(&self) -> ResourceKind {
-        ResourceKind::Custom
-    }
-    fn supports_capture(&self) -> bool {
-        self.inner.supports_capture()
-    }
-}
-
 /// Sound (suspected by the review, probed here). An allocation on a joined stream that the
 /// driver (or cudrv's pool) made inside the capture, whose buffer is counted among the capture's
 /// live buffers only after the capture ended (`end_capture` looks at the count under the
@@ -324,20 +291,14 @@ unsafe impl MemoryResource for HeldAfter {
 #[test]
 fn a_buffer_counted_after_its_capture_ended_refuses_every_use() {
     each_capture_mode(&[CaptureMode::Relaxed], |dev, mode| {
-        let (made_tx, made) = mpsc::channel();
-        let (go, go_rx) = mpsc::channel();
-        let held = Arc::new(HeldAfter {
-            inner: dev.memory_resource().unwrap(),
-            made: Mutex::new(made_tx),
-            go: Mutex::new(go_rx),
-        });
+        let (held, made, go) = crate::slowed::held_after(dev.memory_resource().unwrap());
         let (origin, side) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
         origin.begin_capture(mode).unwrap();
         side.wait_stream(&origin).unwrap();
         let s2 = side.clone();
         // SAFETY: never read (every use is refused, below).
         let allocating = std::thread::spawn(move || unsafe { DeviceBuffer::<u32>::uninit_in(64, &s2, held) });
-        made.recv_timeout(LIMIT).expect("the allocation was made");
+        crate::slowed::under_way(&made);
         let ended = origin.end_capture();
         assert_eq!(side.capture_status().unwrap(), CaptureStatus::None, "the capture is over ({:?})", ended.err());
         go.send(()).unwrap();
