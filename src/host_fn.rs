@@ -104,10 +104,7 @@ fn run(q: &'static Queue) {
     let _relaxed = crate::capture::RelaxedCaptureMode::always();
     loop {
         // Work that deferred work deferred comes first: it belongs to the job that came before.
-        if let Some(job) = NEXT.with(|n| n.borrow_mut().pop_front()) {
-            run_job(job);
-            continue;
-        }
+        run_next();
         let queued = {
             let mut jobs = q.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             loop {
@@ -131,12 +128,18 @@ fn run(q: &'static Queue) {
         // `flush_deferred_drops`'s job runs after one more try of the work queued before it, and
         // after everything that try led to.
         try_retries();
-        while let Some(job) = NEXT.with(|n| n.borrow_mut().pop_front()) {
-            run_job(job);
-        }
+        run_next();
         if let Some(job) = queued {
             run_job(job);
         }
+    }
+}
+
+/// Runs the work deferred by deferred work ([`NEXT`]) until there is none, with what it defers in
+/// turn.
+fn run_next() {
+    while let Some(job) = NEXT.with(|n| n.borrow_mut().pop_front()) {
+        run_job(job);
     }
 }
 

@@ -236,7 +236,7 @@ impl fmt::Debug for CaptureSession {
 }
 
 impl CaptureSession {
-    /// The session of capture `id`, if it is still active.
+    /// The session of capture `id`, if it is still active (none for 0, no capture).
     pub(crate) fn active(id: u64) -> Option<Arc<CaptureSession>> {
         capture::session(id)?.downcast::<CaptureSession>().ok()
     }

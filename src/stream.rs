@@ -513,7 +513,6 @@ impl StreamKey {
         self.0.raw as usize > CU_STREAM_PER_THREAD
     }
 
-    /// Whether a handle of the stream lives: it has a user, or a pin (see `Inner::handle`).
     /// Whether the stream's handle names it on the calling thread: not a per-thread stream used
     /// on another thread than its own (where the legacy stream stands in, see `Inner::raw_here`).
     #[inline]
@@ -521,6 +520,7 @@ impl StreamKey {
         self.0.raw_here() == self.0.raw
     }
 
+    /// Whether a handle of the stream lives: it has a user, or a pin (see `Inner::handle`).
     pub(crate) fn handle_lives(&self) -> bool {
         self.0.handle.lock().unwrap_or_else(std::sync::PoisonError::into_inner).strong_count() != 0
     }

@@ -900,7 +900,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     #[cold]
     fn drop_slow(&mut self, bytes: usize) {
         // Counted out of the capture's live buffers once its free is queued (below).
-        let session = if self.capture == 0 { None } else { CaptureSession::active(self.capture) };
+        let session = CaptureSession::active(self.capture);
         let uses = self.uses.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take().unwrap_or_default();
         // A user, which keeps the view valid while the buffer's pin is let go below; the free
         // keeps the stream parked.
@@ -1017,7 +1017,7 @@ impl Free {
     /// the capture's origin at its end ([`CaptureSession::free_at_end`]). Otherwise (another
     /// capture holds the legacy stream, or this one has ended) it is tried again later.
     fn free_at_capture_end(self) -> Option<Free> {
-        let capture = if self.capture == 0 { None } else { CaptureSession::active(self.capture) };
+        let capture = CaptureSession::active(self.capture);
         let Some(session) = capture.filter(|_| !self.streams.owner_named_here()) else { return Some(self) };
         let (resource, ptr, bytes) = (self.resource.clone(), self.ptr, self.bytes);
         let at_end = Box::new(move |origin: &Stream| free_after_uses(&*resource, ptr, bytes, origin, &[]));
