@@ -70,9 +70,14 @@ fn check_ended(side: &Stream, graphs: u64) {
         assert_eq!(side.capture_status().unwrap(), CaptureStatus::None, "the orphaned capture must end");
     });
     assert_eq!(live_graphs(), graphs, "the abandoned capture's graph is destroyed");
-    let mut after = DeviceBuffer::<u32>::zeroed(64, side).unwrap();
-    after.fill(5).unwrap();
-    assert_eq!(after.to_vec().unwrap(), vec![5; 64]);
+    runs_work(side, 5);
+}
+
+/// `stream` runs work again: a buffer filled there with `value` reads it back.
+pub(crate) fn runs_work(stream: &Stream, value: u32) {
+    let mut after = DeviceBuffer::<u32>::zeroed(64, stream).unwrap();
+    after.fill(value).unwrap();
+    assert_eq!(after.to_vec().unwrap(), vec![value; 64]);
 }
 
 /// DEFECT (failed before the fix). The last buffer of the capture goes, on the thread that began
@@ -148,9 +153,7 @@ fn a_capture_whose_origin_has_a_user_again_is_left_on() {
         drop(graph);
         cudrv::flush_deferred_drops().unwrap();
         assert_eq!(live_graphs(), graphs);
-        let mut after = DeviceBuffer::<u32>::zeroed(64, &side).unwrap();
-        after.fill(6).unwrap();
-        assert_eq!(after.to_vec().unwrap(), vec![6; 64]);
+        runs_work(&side, 6);
     });
 }
 
@@ -183,8 +186,6 @@ fn the_origins_user_and_the_last_buffer_racing_still_end_the_capture() {
             });
         }
         assert_eq!(live_graphs(), graphs, "every abandoned capture's graph is destroyed");
-        let mut after = DeviceBuffer::<u32>::zeroed(64, &side).unwrap();
-        after.fill(2).unwrap();
-        assert_eq!(after.to_vec().unwrap(), vec![2; 64]);
+        runs_work(&side, 2);
     });
 }

@@ -33,7 +33,7 @@ use cudrv::memory::{DeviceBuffer, DevicePtr, MemoryResource, ResourceKind, SyncR
 use cudrv::{Device, Error, Graph, Stream};
 use cudrv_test_support::{fake_report, live_graphs};
 
-use crate::review27::each_capture_mode;
+use crate::review27::{each_capture_mode, runs_work};
 use crate::soundness::within;
 
 const CAPTURE_MODES: [CaptureMode; 3] = [CaptureMode::Global, CaptureMode::ThreadLocal, CaptureMode::Relaxed];
@@ -225,9 +225,7 @@ fn per_thread_capture_buffer_dropped(
     cudrv::flush_deferred_drops().unwrap();
     assert_eq!(live_graphs(), graphs);
     assert!(fake_report().violations.is_empty(), "{mode:?}: {:?}", fake_report().violations);
-    let mut after = DeviceBuffer::<u32>::zeroed(64, &ps).unwrap();
-    after.fill(4).unwrap();
-    assert_eq!(after.to_vec().unwrap(), vec![4; 64]);
+    runs_work(&ps, 4);
 }
 
 /// Sound. An orphaned capture (the origin's last user gone) whose only buffer, allocated on a
@@ -262,9 +260,7 @@ fn an_orphaned_capture_ends_with_a_buffer_used_on_several_streams() {
             }
         });
         assert_eq!(live_graphs(), graphs);
-        let mut after = DeviceBuffer::<u32>::zeroed(64, &u2).unwrap();
-        after.fill(8).unwrap();
-        assert_eq!(after.to_vec().unwrap(), vec![8; 64]);
+        runs_work(&u2, 8);
     });
 }
 
