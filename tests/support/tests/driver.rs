@@ -1111,6 +1111,21 @@ fn events_on_per_thread_streams_order_other_streams() {
     });
 }
 
+/// Queues a memset of `value` over the `n` words at `p` on `stream`, which must wait for work of
+/// another stream that `held` holds: it is not ready while held, and once `held` opens and
+/// `stream` is synchronised every word reads `value`. `what` says the ordering that failed.
+fn memset_waits_for(cu: &Cu, (p, n, value): (Ptr, usize, c_uint), stream: H, held: &Gate, what: &str) {
+    // SAFETY: see `Cu::setup`; `p` holds `n` words.
+    unsafe {
+        ok((cu.memset_d32_async)(p, value, n, stream));
+        assert_eq!((cu.stream_query)(stream), NOT_READY, "{what}");
+    }
+    held.open();
+    // SAFETY: see `Cu::setup`.
+    unsafe { ok((cu.stream_sync)(stream)) };
+    assert!(cu.read_u32(p, n).iter().all(|&x| x == value), "{what}");
+}
+
 /// The legacy stream, used on thread B, waits for work queued earlier on thread A's per-thread
 /// stream; and later work on thread A's per-thread stream waits for that legacy-stream work.
 #[test]
@@ -1136,21 +1151,12 @@ fn legacy_stream_orders_with_every_threads_per_thread_stream() {
                 k.spin_fill(p, 1, n, SPIN_US, per_thread());
                 step1_tx.send(()).unwrap(); // (1) queued on A's per-thread stream
                 step2_rx.recv().expect("thread B failed"); // (2) B queued its legacy-stream kernel
-                // SAFETY: see `Cu::setup`.
-                unsafe {
-                    ok((cu.memset_d32_async)(p, 4, n as usize, per_thread()));
-                    assert_eq!(
-                        (cu.stream_query)(per_thread()),
-                        NOT_READY,
-                        "A's per-thread stream did not wait for the earlier legacy-stream kernel"
-                    );
-                }
-                gate_b.open();
-                // SAFETY: see `Cu::setup`.
-                unsafe { ok((cu.stream_sync)(per_thread())) };
-                assert!(
-                    cu.read_u32(p, n as usize).iter().all(|&x| x == 4),
-                    "A's per-thread stream did not wait for the earlier legacy-stream kernel"
+                memset_waits_for(
+                    &cu,
+                    (p, n as usize, 4),
+                    per_thread(),
+                    &gate_b,
+                    "A's per-thread stream did not wait for the earlier legacy-stream kernel",
                 );
             });
             // Thread B
@@ -1158,21 +1164,12 @@ fn legacy_stream_orders_with_every_threads_per_thread_stream() {
                 let (step1_rx, step2_tx) = (step1_rx, step2_tx); // moved in: dropped if B fails
                 cu.enter(ctx);
                 step1_rx.recv().expect("thread A failed"); // (1)
-                // SAFETY: see `Cu::setup`.
-                unsafe {
-                    ok((cu.memset_d32_async)(p, 2, n as usize, legacy()));
-                    assert_eq!(
-                        (cu.stream_query)(legacy()),
-                        NOT_READY,
-                        "the legacy stream did not wait for thread A's per-thread stream"
-                    );
-                }
-                gate_a.open();
-                // SAFETY: see `Cu::setup`.
-                unsafe { ok((cu.stream_sync)(legacy())) };
-                assert!(
-                    cu.read_u32(p, n as usize).iter().all(|&x| x == 2),
-                    "the legacy stream did not wait for thread A's per-thread stream"
+                memset_waits_for(
+                    &cu,
+                    (p, n as usize, 2),
+                    legacy(),
+                    &gate_a,
+                    "the legacy stream did not wait for thread A's per-thread stream",
                 );
                 gate_b.hold(&cu, legacy());
                 k.spin_fill(p, 3, n, SPIN_US, legacy());
