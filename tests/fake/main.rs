@@ -204,4 +204,5 @@ mod review25b;
 mod review26;
 mod review27;
 mod review27b;
+mod review28b;
 mod review_faults21;

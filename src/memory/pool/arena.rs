@@ -174,9 +174,12 @@ impl<B: Backend> Arena<B> {
         s
     }
 
-    /// A cache for `stream`, registered ([`Arena::register`]).
+    /// A cache for `stream`, registered ([`Arena::register`]) and counted among the stream's
+    /// caches until it retires ([`Arena::retire_cache`]).
     pub(crate) fn new_cache(&mut self, stream: &B::Stream) -> super::cache::Cache {
-        super::cache::Cache::new(self.register(stream), self.config.small_limit)
+        let s = self.register(stream);
+        self.streams[s].caches += 1;
+        super::cache::Cache::new(s, self.config.small_limit)
     }
 
     /// A number that tells a stream state from any earlier one in the same slot.

@@ -33,6 +33,11 @@ pub(crate) struct StreamState<B: Backend> {
     /// Its last user went, but the last record that would let the arena forget it failed: the
     /// arena forgets it at a later chance ([`Arena::retry_forgets`]), unless a new user comes.
     pub(crate) retired: bool,
+    /// The caches made for the stream ([`Arena::new_cache`]) and not retired yet. The state is
+    /// forgotten only when the last one retires ([`Arena::retire_cache`]): a retirement may run
+    /// late (a capture defers it), after the stream had a user and a cache again (a per-thread
+    /// stream made again on its thread), and that cache files its frees under this state's slot.
+    pub(crate) caches: u32,
 }
 
 impl<B: Backend> StreamState<B> {
@@ -49,6 +54,7 @@ impl<B: Backend> StreamState<B> {
             free: std::array::from_fn(|_| FreeList::new()),
             graph_frees: 0,
             retired: false,
+            caches: 0,
         }
     }
 

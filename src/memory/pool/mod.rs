@@ -538,9 +538,10 @@ pub(crate) fn orphan_live<H: Host>(h: &H, cache: &mut Cache) {
     }
 }
 
-/// Forgets `stream`, whose last user let go of it; `cache` is its cache, already taken off the
-/// stream. Its free blocks go to the arena with a last event recorded on the stream, and its live
-/// allocations become orphans that any stream may free. Where the record fails, the arena keeps
+/// Retires `cache`, taken off `stream`, whose last user let go of it, and forgets the stream unless
+/// it has a newer cache ([`Arena::retire_cache`]). The cache's free blocks go to the arena with a
+/// last event recorded on the stream, and its live allocations become orphans that any stream may
+/// free. Where the record fails, the arena keeps
 /// the stream and the error is returned; the next trim, or the next stream to retire, forgets it
 /// ([`Arena::retry_forgets`]). (Waiting for the stream on the host instead would not be sound for
 /// a per-thread stream retired off its thread: its handle there is the legacy stream, whose wait
@@ -562,7 +563,7 @@ pub(crate) fn retire<H: Host>(h: &H, stream: &StreamOf<H>, mut cache: Cache) -> 
         a.stats.retired_allocations += stats.allocations;
         a.stats.retired_hits += stats.hits;
         a.retry_forgets(h.backend());
-        a.forget_stream(h.backend(), stream)
+        a.retire_cache(h.backend(), stream)
     })
 }
 

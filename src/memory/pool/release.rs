@@ -175,19 +175,30 @@ impl<B: Backend> Arena<B> {
         self.reap_forgotten();
     }
 
-    /// Forgets `stream`, which its owner is about to destroy: call it while the stream is still
-    /// valid. Its free blocks stay in the arena: one last event is recorded on the stream to cover
-    /// them, and other streams reuse them after waiting on it. Later calls with an equal stream
-    /// value start afresh, so a recycled handle is safe. Unknown streams are ignored.
+    /// A cache of `stream` retired (its last user let go of it); once the stream has no cache
+    /// left, forgets it: call it while the stream is still valid. Its free blocks stay in the
+    /// arena: one last event is recorded on the stream to cover them, and other streams reuse
+    /// them after waiting on it. Later calls with an equal stream value start afresh, so a
+    /// recycled handle is safe. Unknown streams are ignored.
+    ///
+    /// A stream with a newer cache (made while this retirement waited for a capture to end) is
+    /// not forgotten: that cache files its frees under the state's slot, which must not go to
+    /// another stream. Its last retirement forgets it.
     ///
     /// Where the record fails, the arena keeps the stream (its key keeps the handle valid),
     /// flagged `retired`, and returns the error: [`Arena::retry_forgets`] forgets it later.
-    pub(crate) fn forget_stream(&mut self, b: &B, stream: &B::Stream) -> Result<(), B::Error> {
+    pub(crate) fn retire_cache(&mut self, b: &B, stream: &B::Stream) -> Result<(), B::Error> {
         let Some(&s) = self.stream_slots.get(stream) else { return Ok(()) };
+        // (0 where a teardown dropped the state its caches were counted in.)
+        let caches = &mut self.streams[s].caches;
+        *caches = caches.saturating_sub(1);
+        if *caches > 0 {
+            return Ok(());
+        }
         self.forget_slot(b, s)
     }
 
-    /// [`Arena::forget_stream`] of the stream in slot `s`.
+    /// Forgets the stream in slot `s` ([`Arena::retire_cache`]).
     fn forget_slot(&mut self, b: &B, s: u32) -> Result<(), B::Error> {
         let st = &self.streams[s];
         if st.has_free_blocks()
@@ -218,7 +229,7 @@ impl<B: Backend> Arena<B> {
     }
 
     /// Tries again to forget the streams whose last record failed when their last user went
-    /// ([`Arena::forget_stream`]), except those capturing a graph (a record there would be
+    /// ([`Arena::retire_cache`]), except those capturing a graph (a record there would be
     /// captured). Each one's frees are then covered by a record that succeeded, its own now or
     /// one made since (a trim records on every stream with frees to wait for).
     ///

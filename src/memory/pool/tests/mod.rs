@@ -192,6 +192,14 @@ impl Harness {
         self.arena(|a| {
             let retired = a.streams.iter().filter(|(_, st)| st.retired).count();
             assert_eq!(a.unforgotten, retired, "streams flagged retired");
+            // A cache files its frees under its slot: that must be its own stream's state, which
+            // counts it (and any cache taken out for a retirement not run yet).
+            for (k, c) in &caches {
+                let slot = c.lock().unwrap().slot;
+                assert_eq!(a.stream_slots.get(k), Some(&slot), "a cache of {k:?} in another stream's slot");
+                let held = caches.iter().filter(|(other, _)| other == k).count();
+                assert!(a.streams[slot].caches as usize >= held, "a state counts fewer caches than it has");
+            }
             for (&p, l) in &a.orphans {
                 assert!(live.insert(p, l.blk).is_none(), "an orphan also live in a cache");
             }

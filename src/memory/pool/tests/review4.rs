@@ -1,7 +1,8 @@
 //! Review 4: a request the driver refuses leaves the most memory live at once (and with it the
 //! headroom bound) as it was; the headroom bound saturates; and a stream's retirement that runs
 //! after the pool's teardown gives its cached blocks back under the stream, never under a slot
-//! that is vacant or another stream's since.
+//! that is vacant or another stream's since. A retirement that runs late, after its stream got a
+//! user and a cache again, leaves the stream's state to that cache (review 28b).
 
 use super::mock::{Mock, S};
 use super::*;
@@ -211,6 +212,36 @@ fn a_retirement_after_teardown_into_a_vacant_slot() {
             // The live allocation became an orphan, which another stream frees.
             h.free(p, 1);
         }
+        h.teardown();
+    }
+}
+
+/// Review 28b, in the arena: a stream's retirement runs late (a capture deferred it), after the
+/// stream had a user and a cache again (a per-thread stream made again on its thread). The
+/// state stays the newer cache's: another stream never gets its slot, where the newer cache would
+/// file its frees and take that stream's blocks as its own. The last retirement forgets it.
+#[test]
+fn a_late_retirement_leaves_the_state_to_the_streams_newer_cache() {
+    for vmm in [false, true] {
+        let h = device(plain(), vmm);
+        let p = h.alloc(MIB, 0).unwrap();
+        h.free(p, 0);
+        let old = take_cache(&h, 0);
+        // Stream 0 has a user again: a new cache, in the same state.
+        let q = h.alloc(4 * MIB, 0).unwrap();
+        let slot = h.arena(|a| a.stream_slots[&S(0)]);
+        assert_eq!(h.arena(|a| a.streams[slot].caches), 2);
+        retire(&h, &S(0), old).unwrap();
+        assert_eq!(h.arena(|a| a.stream_slots.get(&S(0)).copied()), Some(slot), "vmm {vmm}: stream 0 forgotten");
+        // Stream 1 comes: a slot of its own.
+        let r = h.alloc(MIB, 1).unwrap();
+        assert_ne!(h.arena(|a| a.stream_slots[&S(1)]), slot, "vmm {vmm}: stream 1 took stream 0's slot");
+        h.check();
+        h.free(q, 0);
+        h.free(r, 1);
+        h.retire(0);
+        assert!(!h.arena(|a| a.stream_slots.contains_key(&S(0))), "vmm {vmm}: the last retirement forgets it");
+        h.check();
         h.teardown();
     }
 }
