@@ -47,10 +47,20 @@ sanitizer)
   # memcheck must find 0 errors. The tests provoke driver errors on purpose (unknown function
   # names, bad PTX, out of memory), so API-error reports are off here. The leak check runs in a
   # second, informational pass: it lists what is still allocated at exit (see BENCHMARKS.md).
+  #
+  # The pool-IPC test runs under memcheck in a process of its own: memcheck does not see the
+  # `cuMemFree` of a pointer imported with `cuMemPoolImportPointer` (its leak check lists the
+  # range at exit), so when the driver later maps that address again (a pool's segment), the
+  # stale record makes memcheck report the new memory past its end as out of bounds (run 56).
+  ipc=api::pool_ipc_between_two_processes
+  mc() { compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 "$@"; }
+  each() { "$@" --test-threads=1 --skip "$ipc" && "$@" --test-threads=1 --exact "$ipc"; }
+  export -f mc each
+  export ipc
   for t in "$g"/tests/gpu-*; do
     n=$(basename "$t" | sed 's/-.*//')
-    check "memcheck-$n" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 "$t" --test-threads=1
-    check "memcheck-tcc-$n" env CUDRV_DRIVER_PATH="$tcc" CUDRV_EXPECT_DRIVER_MODEL=tcc compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 "$t" --test-threads=1
+    check "memcheck-$n" bash -c 'each mc "$0"' "$t"
+    check "memcheck-tcc-$n" env CUDRV_DRIVER_PATH="$tcc" CUDRV_EXPECT_DRIVER_MODEL=tcc bash -c 'each mc "$0"' "$t"
     grep -h "ERROR SUMMARY" "$out/memcheck-$n.log" "$out/memcheck-tcc-$n.log" | sed "s/^/$n: /"
     compute-sanitizer --tool memcheck --report-api-errors no --leak-check full "$t" --test-threads=1 2>&1 | grep "LEAK SUMMARY" | sed "s/^/leak-check $n native: /"
     CUDRV_DRIVER_PATH="$tcc" CUDRV_EXPECT_DRIVER_MODEL=tcc compute-sanitizer --tool memcheck --report-api-errors no --leak-check full "$t" --test-threads=1 2>&1 | grep "LEAK SUMMARY" | sed "s/^/leak-check $n tcc: /"

@@ -334,13 +334,25 @@ fn per_thread_streams_keep_their_identity_across_threads() {
 }
 
 /// Issue 12, item 7, on the GPU: host functions that drop buffers (the keep-alive pattern) while
-/// another thread trims the pool: no deadlock, and everything is given back.
+/// another thread trims the pool: no deadlock, and everything is given back. In segments (where
+/// the device has virtual memory management, unmapped by the trims) and in chunks.
 #[test]
 fn host_functions_drop_buffers_while_another_thread_trims() {
     let (dev, module, home) = setup();
     let spin = module.function("spin_fill_u32").unwrap();
-    let pool: std::sync::Arc<dyn cudrv::memory::MemoryResource> =
-        std::sync::Arc::new(cudrv::memory::StreamOrderedPool::new(&dev).unwrap());
+    for expandable in [true, false] {
+        let config = cudrv::memory::PoolConfig { expandable, ..Default::default() };
+        let pool = cudrv::memory::StreamOrderedPool::with_config(&dev, config).unwrap();
+        host_functions_drop_buffers_while_trimmed(&home, &spin, std::sync::Arc::new(pool));
+    }
+}
+
+/// The body of [`host_functions_drop_buffers_while_another_thread_trims`], on `pool`.
+fn host_functions_drop_buffers_while_trimmed(
+    home: &Stream,
+    spin: &Function,
+    pool: std::sync::Arc<dyn cudrv::memory::MemoryResource>,
+) {
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::scope(|scope| {
         // Owned here, so that a panic below drops it and the trimmer stops.
@@ -354,12 +366,12 @@ fn host_functions_drop_buffers_while_another_thread_trims() {
             }
         });
         for round in 0..50u32 {
-            let mut kept = DeviceBuffer::<u32>::zeroed_in(1 << 16, &home, pool.clone()).unwrap();
+            let mut kept = DeviceBuffer::<u32>::zeroed_in(1 << 16, home, pool.clone()).unwrap();
             // SAFETY: spin_fill_u32 spins 200 µs, then writes kept[0..65536].
-            unsafe { spin.launch(LaunchConfig::for_num_elems(1 << 16), &home, (&mut kept, round, 1u64 << 16, 200u64)) }
+            unsafe { spin.launch(LaunchConfig::for_num_elems(1 << 16), home, (&mut kept, round, 1u64 << 16, 200u64)) }
                 .unwrap();
             home.launch_host_fn(move || drop(kept)).unwrap();
-            drop(DeviceBuffer::<u8>::zeroed_in(3 << 20, &home, pool.clone()).unwrap());
+            drop(DeviceBuffer::<u8>::zeroed_in(3 << 20, home, pool.clone()).unwrap());
         }
         home.synchronize().unwrap();
         done_tx.send(()).unwrap();
