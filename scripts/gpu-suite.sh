@@ -115,7 +115,7 @@ session)
   tail -25 "$out/bench-wraps.log"
   check bench-launch-quick "$g/bin/launch" --quick
   tail -12 "$out/bench-launch-quick.log"
-  OUT="$out/sanitizer" timeout 170 bash "$0" sanitizer | grep -E "ERROR SUMMARY|LEAK SUMMARY|gpu suite"
+  OUT="$out/sanitizer" timeout 230 bash "$0" sanitizer | grep -E "ERROR SUMMARY|LEAK SUMMARY|gpu suite"
   ;;
 esac
 echo "gpu suite ${1:-tests}: $pass passed, $fail failed"
