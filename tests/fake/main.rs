@@ -205,4 +205,5 @@ mod review26;
 mod review27;
 mod review27b;
 mod review28b;
+mod review28c;
 mod review_faults21;
