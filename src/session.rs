@@ -493,6 +493,17 @@ impl GraphResources {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Marks the graph as one that uses memory of cudrv's pool at every launch, before the pool
+    /// reserves a block for it. Another thread's allocation in the same capture may take a block
+    /// of the graph, the capture end and an executable be instantiated before the thread that
+    /// reserved the first block hands its release over ([`GraphResources::own`]): that executable
+    /// must fence its launches too. (Where the allocation then fails, the graph is fenced for
+    /// nothing: its launches are tracked, and its executables follow one another.)
+    pub(crate) fn expect_pool_memory(&self) {
+        self.fenced.store(true, Ordering::Release);
+        self.pool_memory.store(true, Ordering::Release);
+    }
+
     /// Keeps `owned` until the graph's last launch completed, then releases it. `pool_memory`:
     /// it is memory of cudrv's pool that the graph uses at every launch.
     pub(crate) fn own(&self, owned: Box<dyn GraphOwned>, pool_memory: bool) {

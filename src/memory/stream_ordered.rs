@@ -791,6 +791,9 @@ impl StreamOrderedPool {
     /// until that graph is released (see [`crate::graph`] and `pool::graph`).
     #[cold]
     fn allocate_for_graph(&self, bytes: usize, session: &CaptureSession) -> Result<DevicePtr> {
+        // Before the block is reserved: from then on another thread may allocate in the capture,
+        // end it and instantiate the graph before `own` below runs (review 28d).
+        session.res.expect_pool_memory();
         let (ptr, first) =
             pool::graph::allocate_for_graph(&*self.shared, bytes, session.id).map_err(|e| self.map_error(e))?;
         if first {
