@@ -956,7 +956,13 @@ impl Drop for GraphExec {
                             let done = crate::session::fence_parked(stream).and_then(Result::ok).map(Arc::new);
                             match done {
                                 Some(done) => {
-                                    r.lock().prelude.push(done);
+                                    let mut k = r.lock();
+                                    // What has completed needs no wait: without this, a graph
+                                    // instantiated again and again would keep an event for each
+                                    // executable it had.
+                                    k.prelude.retain(|e| !matches!(e.query(), Ok(true)));
+                                    k.prelude.push(done);
+                                    drop(k);
                                     r.exec_alive.store(false, Ordering::Release);
                                 }
                                 None => {

@@ -460,9 +460,13 @@ pub(crate) struct Kept {
 pub(crate) struct Fences(Vec<ParkedStream>);
 
 impl Fences {
-    /// Adds `stream`.
+    /// Adds `stream`, unless it is there already: the release waits for each stream's work as it
+    /// stands then, which covers what it held when it was added. (A graph instantiated again and
+    /// again, each executable launched on the same streams, keeps one fence per stream.)
     pub(crate) fn push(&mut self, stream: ParkedStream) {
-        self.0.push(stream);
+        if !self.0.iter().any(|s| s.key() == stream.key()) {
+            self.0.push(stream);
+        }
     }
 }
 

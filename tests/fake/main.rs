@@ -206,4 +206,5 @@ mod review27;
 mod review27b;
 mod review28b;
 mod review28c;
+mod review28d;
 mod review_faults21;
