@@ -541,9 +541,8 @@ pub(crate) fn orphan_live<H: Host>(h: &H, cache: &mut Cache) {
 /// Retires `cache`, taken off `stream`, whose last user let go of it, and forgets the stream unless
 /// it has a newer cache ([`Arena::retire_cache`]). The cache's free blocks go to the arena with a
 /// last event recorded on the stream, and its live allocations become orphans that any stream may
-/// free. Where the record fails, the arena keeps
-/// the stream and the error is returned; the next trim, or the next stream to retire, forgets it
-/// ([`Arena::retry_forgets`]). (Waiting for the stream on the host instead would not be sound for
+/// free. Where the record fails, the arena keeps the stream and the error is returned; the next
+/// trim, or the next stream to retire, forgets it ([`Arena::retry_forgets`]). (Waiting for the stream on the host instead would not be sound for
 /// a per-thread stream retired off its thread: its handle there is the legacy stream, whose wait
 /// does not cover the owner's work. It would also block under the stream's attachments lock.)
 ///
