@@ -542,9 +542,10 @@ pub(crate) fn orphan_live<H: Host>(h: &H, cache: &mut Cache) {
 /// it has a newer cache ([`Arena::retire_cache`]). The cache's free blocks go to the arena with a
 /// last event recorded on the stream, and its live allocations become orphans that any stream may
 /// free. Where the record fails, the arena keeps the stream and the error is returned; the next
-/// trim, or the next stream to retire, forgets it ([`Arena::retry_forgets`]). (Waiting for the stream on the host instead would not be sound for
-/// a per-thread stream retired off its thread: its handle there is the legacy stream, whose wait
-/// does not cover the owner's work. It would also block under the stream's attachments lock.)
+/// trim, or the next stream to retire, forgets it ([`Arena::retry_forgets`]). (Waiting for the
+/// stream on the host instead would not be sound for a per-thread stream retired off its thread:
+/// its handle there is the legacy stream, whose wait does not cover the owner's work. It would
+/// also block under the stream's attachments lock.)
 ///
 /// The blocks go back under the stream's state as the arena knows it now (a fresh one if it has
 /// none), not the cache's slot: the retirement may run late (a capture defers it), after a

@@ -197,8 +197,7 @@ impl Harness {
             for (k, c) in &caches {
                 let slot = c.lock().unwrap().slot;
                 assert_eq!(a.stream_slots.get(k), Some(&slot), "a cache of {k:?} in another stream's slot");
-                let held = caches.iter().filter(|(other, _)| other == k).count();
-                assert!(a.streams[slot].caches as usize >= held, "a state counts fewer caches than it has");
+                assert!(a.streams[slot].caches >= 1, "the state of {k:?} does not count its cache");
             }
             for (&p, l) in &a.orphans {
                 assert!(live.insert(p, l.blk).is_none(), "an orphan also live in a cache");
