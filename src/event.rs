@@ -219,7 +219,8 @@ impl Event {
         // SAFETY: as above.
         #[cfg(not(cuda_12080))]
         unsafe { drv!(cuEventElapsedTime(&mut ms, start.raw, end.raw)) }?;
-        Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+        // `max` takes NaN to 0; an infinite or huge answer saturates (`from_secs_f64` would panic).
+        Ok(Duration::try_from_secs_f64(f64::from(ms.max(0.0)) / 1e3).unwrap_or(Duration::MAX))
     }
 }
 

@@ -488,8 +488,10 @@ impl Graph {
             // of it may run (the graph and its executable graphs hold the Arc).
             let f = unsafe { &*data.cast::<HostFn>() };
             let _scope = host_fn::HostFnScope::enter();
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+            if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
                 warn_line!("cudrv: a graph host node panicked");
+                // Not dropped here: a payload whose drop panics would unwind into the driver.
+                host_fn::drop_panic_payload(payload);
             }
         }
         let boxed: Arc<HostFn> = Arc::new(Box::new(f));

@@ -147,9 +147,12 @@ fn run_next() {
 fn run_job(job: Job) {
     match job {
         Job::Once(job) => {
-            // A panic in a drop must not end the thread that serves every later one.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
-                .map_err(|_| warn_line!("cudrv: work deferred out of a host function panicked"));
+            // A panic in a drop must not end the thread that serves every later one (nor may its
+            // payload, as it is dropped).
+            if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
+                warn_line!("cudrv: work deferred out of a host function panicked");
+                drop_panic_payload(payload);
+            }
         }
         Job::Until(mut retry) => {
             if !done(&mut retry) {
@@ -182,10 +185,22 @@ fn try_retries() {
 
 /// Tries `retry` once: whether it is done (a panic counts as done, and is reported).
 fn done(retry: &mut Retry) -> bool {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(retry)).unwrap_or_else(|_| {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(retry)).unwrap_or_else(|payload| {
         warn_line!("cudrv: deferred work panicked");
+        drop_panic_payload(payload);
         true
     })
+}
+
+/// Drops the payload of a caught panic, which may panic again as it goes (a payload of
+/// `std::panic::panic_any` whose `Drop` panics): that panic is caught too, and its own payload
+/// forgotten (leaked), so that nothing unwinds out of the caller, a callback of the driver's
+/// (where unwinding into C aborts the process) or cudrv's deferred-work thread (which serves every
+/// later deferred drop).
+pub(crate) fn drop_panic_payload(payload: Box<dyn std::any::Any + Send>) {
+    if let Err(again) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(payload))) {
+        std::mem::forget(again);
+    }
 }
 
 /// Runs `job` on cudrv's deferred-work thread, as soon as possible: for work that must not run

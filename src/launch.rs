@@ -685,7 +685,9 @@ impl Function {
                 ["x", "y", "z"][axis]
             )));
         }
-        let size = u64::from(dims[0]) * u64::from(dims[1]) * u64::from(dims[2]);
+        // Saturating: each dimension divides the grid's, within the device's limits, which a driver may
+        // report beyond any real device's (the product of three could wrap to a small size).
+        let size = u64::from(dims[0]).saturating_mul(u64::from(dims[1])).saturating_mul(u64::from(dims[2]));
         if size > 16 {
             return Err(bad(format!("{size} blocks per cluster; the most any device allows is 16")));
         }

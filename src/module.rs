@@ -95,7 +95,13 @@ const FATBIN_MAGIC: u32 = 0xBA55_ED50;
 /// assert_eq!(JitTarget::compute(8, 6).as_raw(), 86);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct JitTarget(u32);
+pub struct JitTarget {
+    // As given: `major * 10 + minor` could overflow, or (with a minor above 9) name another
+    // target; `check` refuses what is not a compute capability before the driver sees it.
+    major: u32,
+    minor: u32,
+    arch_specific: bool,
+}
 
 /// The bit that marks an architecture-specific target (`CU_TARGET_COMPUTE_90A` is 90 plus this).
 const ARCH_SPECIFIC: u32 = 1 << 16;
@@ -103,13 +109,13 @@ const ARCH_SPECIFIC: u32 = 1 << 16;
 impl JitTarget {
     /// Compute capability `major.minor` (`CU_TARGET_COMPUTE_<major><minor>`).
     pub const fn compute(major: u32, minor: u32) -> JitTarget {
-        JitTarget(major * 10 + minor)
+        JitTarget { major, minor, arch_specific: false }
     }
 
     /// The architecture-specific variant of `major.minor` (`CU_TARGET_COMPUTE_<major><minor>A`),
     /// which allows architecture-specific instructions (`wgmma` on 9.0).
     pub const fn arch_specific(major: u32, minor: u32) -> JitTarget {
-        JitTarget(ARCH_SPECIFIC + major * 10 + minor)
+        JitTarget { major, minor, arch_specific: true }
     }
 
     /// The target of a device's compute capability.
@@ -121,32 +127,35 @@ impl JitTarget {
         Ok(JitTarget::compute(u32::try_from(major).unwrap_or(0), u32::try_from(minor).unwrap_or(0)))
     }
 
-    /// The `CUjit_target` value.
+    /// The `CUjit_target` value. Meaningful for a compute capability (a major of 3 to 99, a minor
+    /// of 0 to 9), the only targets cudrv hands the driver; for others it is only a number.
     pub const fn as_raw(&self) -> u32 {
-        self.0
+        let arch = if self.arch_specific { ARCH_SPECIFIC } else { 0 };
+        arch.wrapping_add(self.major.wrapping_mul(10)).wrapping_add(self.minor)
     }
 
-    /// The compute capability as (major, minor).
+    /// The compute capability as (major, minor), as given.
     pub const fn compute_capability(&self) -> (u32, u32) {
-        let v = self.0 % ARCH_SPECIFIC;
-        (v / 10, v % 10)
+        (self.major, self.minor)
     }
 
     fn check(&self) -> Result<()> {
-        let (major, _) = self.compute_capability();
-        if (3..=99).contains(&major) && self.0 & !(ARCH_SPECIFIC | 0xFFFF) == 0 {
+        if (3..=99).contains(&self.major) && self.minor <= 9 {
             Ok(())
         } else {
-            Err(Error::InvalidArgument(format!("JIT target {self} is not a compute capability")))
+            Err(Error::InvalidArgument(format!(
+                "JIT target {self} is not a compute capability (major {}, minor {}: a major of 3 to 99 and a minor \
+                 of 0 to 9)",
+                self.major, self.minor
+            )))
         }
     }
 }
 
 impl fmt::Display for JitTarget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (major, minor) = self.compute_capability();
-        let suffix = if self.0 & ARCH_SPECIFIC != 0 { "a" } else { "" };
-        write!(f, "compute_{major}{minor}{suffix}")
+        let suffix = if self.arch_specific { "a" } else { "" };
+        write!(f, "compute_{}{}{suffix}", self.major, self.minor)
     }
 }
 
@@ -411,7 +420,8 @@ impl JitCall {
         // SAFETY: the slot is a pointer-sized, pointer-aligned value, at least as large and as
         // aligned as an f32; every bit pattern is a valid f32.
         let ms = unsafe { self.values.as_ptr().add(WALL_TIME_AT).cast::<f32>().read() };
-        (ms.is_finite() && ms > 0.0).then(|| Duration::from_secs_f64(f64::from(ms) / 1e3))
+        // A huge answer is no compile time either (`from_secs_f64` would panic).
+        (ms.is_finite() && ms > 0.0).then(|| Duration::try_from_secs_f64(f64::from(ms) / 1e3).ok()).flatten()
     }
 
     /// `e` as an [`Error::Jit`] when the error log says something.

@@ -763,7 +763,9 @@ impl fmt::Debug for Gate<'_> {
 /// (`spins` counts them), then a yield of the thread.
 #[inline]
 fn pause(spins: &mut u32, spin_first: u32) {
-    *spins += 1;
+    // Wrapping: a gate may stay held for an hour (a host copy waiting for a long kernel), past
+    // 2^32 looks; after the wrap the wait spins a while again, which is harmless.
+    *spins = spins.wrapping_add(1);
     if *spins < spin_first { std::hint::spin_loop() } else { std::thread::yield_now() }
 }
 
@@ -1143,11 +1145,16 @@ impl Stream {
     /// at the price of the legacy stream's synchronisation.
     ///
     /// # Errors
-    /// The driver's error when retaining the context.
+    /// The driver's error when retaining the context. [`Error::Unsupported`] once the calling
+    /// thread has begun to destroy its thread-locals (a call from a thread-local destructor, at
+    /// thread exit): cudrv can no longer find the stream it gave the thread, and another would
+    /// name the same driver stream unaware of the first's captures.
     pub fn per_thread(device: &Device) -> Result<Stream> {
         let ctx = device.primary_context()?;
         let key = Arc::as_ptr(&ctx) as usize;
-        PER_THREAD.with(|cache| {
+        // `try_with`: `with` panics once the thread's thread-locals are being destroyed, and a
+        // panic in a thread-local destructor aborts the process.
+        let found = PER_THREAD.try_with(|cache| {
             let mut cache = cache.borrow_mut();
             cache.retain(|(_, w)| w.strong_count() > 0);
             if let Some(inner) = cache.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
@@ -1156,11 +1163,19 @@ impl Stream {
                 // briefly: while a handle is made, or a handle that went retires the stream.
                 let key = StreamKey(inner);
                 let mut current = key.0.handle.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                return Ok(key.user_under(&mut current));
+                return key.user_under(&mut current);
             }
             let stream = Self::wrap(CU_STREAM_PER_THREAD as CUstream, ctx, false, thread_token());
             cache.push((key, Arc::downgrade(&stream.key().0)));
-            Ok(stream)
+            stream
+        });
+        found.map_err(|_| {
+            device.unsupported(
+                "the per-thread default stream during thread exit",
+                "Stream::per_thread was called after the calling thread's thread-local storage was destroyed \
+                 (from a thread-local destructor): the stream cudrv gave this thread can no longer be found",
+                Some("Stream::new, or a Stream::per_thread value kept from before the thread began to exit"),
+            )
         })
     }
 
@@ -1429,8 +1444,10 @@ impl Stream {
             // exactly once, and the driver calls this exactly once with it.
             let f = unsafe { Box::from_raw(data.cast::<Boxed>()) };
             let _scope = host_fn::HostFnScope::enter();
-            if catch_unwind(AssertUnwindSafe(f)).is_err() {
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(f)) {
                 warn_line!("cudrv: a host function queued with Stream::launch_host_fn panicked");
+                // Not dropped here: a payload whose drop panics would unwind into the driver.
+                host_fn::drop_panic_payload(payload);
             }
         }
         let _gate = self.refuse_in_capture("Stream::launch_host_fn (in a graph, use Graph::add_host_node)")?;

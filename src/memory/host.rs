@@ -302,6 +302,11 @@ fn host_alloc(ctx: &Context, bytes: usize, write_combined: bool) -> Result<*mut 
     let mut ptr = std::ptr::null_mut();
     // SAFETY: valid out-pointer; the context is current. Zero bytes take one.
     unsafe { drv!(cuMemHostAlloc(&mut ptr, bytes.max(1), flags)) }?;
+    if ptr.is_null() {
+        // The host writes through it (`PinnedBuffer` zeroes it): a driver's success with no
+        // memory is its failure.
+        return Err(Error::driver("cuMemHostAlloc", cudrv_sys::CUresult::CUDA_ERROR_UNKNOWN));
+    }
     Ok(ptr)
 }
 

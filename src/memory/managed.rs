@@ -79,6 +79,11 @@ fn alloc_managed(ctx: &Context, bytes: usize) -> Result<DevicePtr> {
     let _relaxed = RelaxedCaptureMode::enter();
     // SAFETY: valid out-pointer; the context is current.
     unsafe { drv!(cuMemAllocManaged(&mut ptr, bytes.max(1), flags)) }?;
+    if ptr == 0 {
+        // The host may read and write through it (`ManagedBuffer::as_slice`): a driver's success
+        // with no memory is its failure.
+        return Err(Error::driver("cuMemAllocManaged", cudrv_sys::CUresult::CUDA_ERROR_UNKNOWN));
+    }
     Ok(ptr)
 }
 

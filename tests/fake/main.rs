@@ -207,4 +207,5 @@ mod review27b;
 mod review28b;
 mod review28c;
 mod review28d;
+mod review29a;
 mod review_faults21;
