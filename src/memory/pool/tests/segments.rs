@@ -2,6 +2,8 @@
 //! what is unmapped, and that failures of the backend lose nothing.
 
 use super::mock::{Call, Mock, MockErr, S};
+use std::collections::BTreeMap;
+
 use super::*;
 use crate::memory::pool::trim_to;
 
@@ -413,4 +415,65 @@ fn the_headroom_unmaps_free_memory_between_live_blocks() {
     }
     h.check();
     h.teardown();
+}
+
+/// The mappings of `h`'s segments: address -> bytes.
+fn mappings(h: &Harness) -> BTreeMap<u64, usize> {
+    h.arena(|a| {
+        a.chunks
+            .iter()
+            .filter_map(|(_, c)| c.segment.as_ref())
+            .flat_map(|s| s.maps.iter().map(|(&at, &(n, _))| (at, n)))
+            .collect()
+    })
+}
+
+#[test]
+fn stranded_free_memory_makes_pressed_growth_map_tight_handles() {
+    // Ten activations of 60 MiB, each followed by a long-lived block of 2 MiB (optimizer state
+    // made lazily between activations), on a device of 2 GiB; the activations are freed, and
+    // the free memory between the long-lived blocks is stranded: the mappings under those
+    // cannot be unmapped. A growth that is pressed (past an eighth of the device) but not tight
+    // then maps handles of 1/256 of the most memory live at once (4 MiB), not 1/32 of it, so
+    // that what it maps can be given back between such blocks later. The control keeps the
+    // activations live and strands nothing: it maps handles of 1/32 of it (22 MiB).
+    for long_lived in [true, false] {
+        let h = Harness::new(PoolConfig::default(), {
+            let mock = Mock::with_vmm(1, 1 << 34);
+            mock.st().capacity = 2 << 30;
+            mock
+        });
+        let (mut acts, mut kept) = (Vec::new(), Vec::new());
+        for _ in 0..10 {
+            acts.push(h.alloc(60 * MIB, 0).unwrap());
+            if long_lived {
+                kept.push(h.alloc(2 * MIB, 0).unwrap());
+            }
+        }
+        if long_lived {
+            for a in acts.drain(..) {
+                h.free(a, 0);
+            }
+        }
+        let before = mappings(&h);
+        let big = h.alloc(100 * MIB, 0).unwrap();
+        let new: Vec<usize> =
+            mappings(&h).into_iter().filter(|(at, _)| !before.contains_key(at)).map(|(_, n)| n).collect();
+        let layout = h.arena(|a| a.describe());
+        assert!(!new.is_empty(), "the request did not grow the segment: {layout}");
+        if long_lived {
+            let stranded =
+                h.arena(|a| a.segment_of.iter().filter(|&&c| c != NIL).map(|&c| a.stranded(c)).sum::<usize>());
+            assert!(stranded > 620 * MIB / super::super::segment::STRANDED_PART, "{layout}");
+            assert!(new.iter().all(|&n| n <= 4 * MIB), "handles {new:?} after stranding: {layout}");
+        } else {
+            // (The last handle of a growth maps what is left of it.)
+            assert_eq!(new.iter().max(), Some(&(22 * MIB)), "handles {new:?} with nothing stranded: {layout}");
+        }
+        for a in acts.into_iter().chain(kept).chain([big]) {
+            h.free(a, 0);
+        }
+        h.check();
+        h.teardown();
+    }
 }
