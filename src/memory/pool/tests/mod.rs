@@ -12,6 +12,7 @@ mod review4;
 mod segments;
 mod traces;
 mod unit;
+mod workloads;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
