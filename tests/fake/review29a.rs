@@ -126,7 +126,13 @@ thread_local! {
 /// longer find the stream it gave that thread, and handing out another would give the thread two
 /// streams of one handle, unaware of each other's captures. It gets `Error::Unsupported`, and the
 /// buffer and stream it kept still read and drop there.
+///
+/// Linux only: the test needs its thread-local's destructor to run after cudrv's, in the reverse
+/// order of registration, as glibc runs them. Rust promises neither the order nor that
+/// destructors run on Windows; under Wine the destructor did not run at all (the CI replica's
+/// Windows lane waited for it in vain). The fix (`try_with`) is the same code there.
 #[test]
+#[cfg_attr(not(target_os = "linux"), ignore = "thread-local destructor order is glibc's")]
 fn per_thread_in_a_thread_local_destructor_is_an_error_not_an_abort() {
     run_with_fake(&[], || {
         let dev = Device::get(0).unwrap();
