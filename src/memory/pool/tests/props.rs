@@ -209,7 +209,7 @@ pub(super) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
 }
 
 /// Numbers in `[0, 1)` from [`xorshift`] seeded with `seed`.
-fn uniform(seed: u64) -> impl FnMut() -> f64 {
+pub(super) fn uniform(seed: u64) -> impl FnMut() -> f64 {
     let mut next = xorshift(seed);
     move || (next() % 1_000_000) as f64 / 1e6
 }
@@ -459,7 +459,7 @@ fn heavy_tailed_traces_fit_in_segments() {
 
 /// Replays `trace` on `pool` cold, then (if that fitted) warm on what it left: the driver
 /// allocations of both, and the pass that ran out of memory, if one did.
-fn replay_cold_then_warm(trace: &Trace, pool: &SimulatedPool) -> (u64, Option<&'static str>) {
+pub(super) fn replay_cold_then_warm(trace: &Trace, pool: &SimulatedPool) -> (u64, Option<&'static str>) {
     let mut allocs = 0;
     for pass in ["cold", "warm"] {
         let r = trace.replay_on(pool);

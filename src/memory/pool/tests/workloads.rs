@@ -13,6 +13,7 @@
 //! test --release --lib workload_family_explain -- --ignored --nocapture`.
 
 use super::MIB;
+use super::props::{replay_cold_then_warm, uniform};
 use crate::memory::{PoolConfig, SimulatedPool, Trace, TraceEvent};
 
 /// A trace being written, in the format of `traces/`: allocations get ids in order (as `props.rs`'s
@@ -60,12 +61,6 @@ impl TraceWriter {
     fn finish(self) -> Trace {
         Trace::parse(&self.text).expect("a valid synthetic trace")
     }
-}
-
-/// Numbers in `[0, 1)` seeded with `seed`.
-fn uniform(seed: u64) -> impl FnMut() -> f64 {
-    let mut next = super::props::xorshift(seed);
-    move || (next() % 1_000_000) as f64 / 1e6
 }
 
 /// Megabytes (10^6 bytes) to bytes.
@@ -1142,20 +1137,6 @@ fn families() -> Vec<Family> {
         ("model swap", 16, |s| model_swap(s * 7919, 3)),
         ("train+eval", 16, |s| train_with_eval(s * 7919, 12)),
     ]
-}
-
-/// Replays `trace` on `pool` cold, then (if that fitted) warm on what it left: the driver
-/// allocations of both, and the pass that ran out of memory, if one did.
-fn replay_cold_then_warm(trace: &Trace, pool: &SimulatedPool) -> (u64, Option<&'static str>) {
-    let mut allocs = 0;
-    for pass in ["cold", "warm"] {
-        let r = trace.replay_on(pool);
-        allocs += r.driver_allocs;
-        if r.out_of_memory_at.is_some() {
-            return (allocs, Some(pass));
-        }
-    }
-    (allocs, None)
 }
 
 /// The budget of the sweep: 1.10x the trace's peak of live memory plus `extra_mib`.
