@@ -9,6 +9,11 @@
 #                                        # check), natively and through the interposer
 #   bash scripts/gpu-suite.sh bench      # the benchmarks (memory, copies, launch)
 #   bash scripts/gpu-suite.sh stress S   # the stress test, S seconds per resource and per device
+#   bash scripts/gpu-suite.sh families D # every trace in folder D (the workload families, written by
+#                                        # the ignored test workload_families_export) replayed by the
+#                                        # driver's pool without a budget and in 1.10x its peak, then
+#                                        # by cudrv's pool in 1.10x through the interposer, in segments
+#                                        # and without virtual memory management (chunks)
 #   bash scripts/gpu-suite.sh session    # a session's verification batch in one device call (about
 #                                        # 7 minutes): tests, the gpu tests without virtual memory
 #                                        # management through the interposer, 16-thread stress there,
@@ -68,6 +73,18 @@ sanitizer)
   ;;
 bench)
   for b in memory copies launch; do check "bench-$b" "$g/bin/$b"; cat "$out/bench-$b.log"; done
+  ;;
+families)
+  # Lines 'dp-unbudgeted|dp-1.10|seg-1.10|chk-1.10 replay: ...' per trace: which fit in 1.10x.
+  for f in "${2:?a folder of traces}"/*.csv; do
+    echo "== $f"
+    timeout 60 "$g/bin/replay" --resource driver-pool "$f" 2>&1 | grep -E '^replay:|ns/event' | sed 's/^/dp-unbudgeted /'
+    timeout 60 "$g/bin/replay" --resource driver-pool --memory 1.10x "$f" 2>&1 | grep '^replay:' | sed 's/^/dp-1.10 /'
+    CUDRV_DRIVER_PATH="$tcc" timeout 60 "$g/bin/replay" --resource pool --memory 1.10x "$f" 2>&1 |
+      grep -E '^replay:|ns/event' | sed 's/^/seg-1.10 /'
+    CUDRV_DRIVER_PATH="$tcc" CUDRV_TCC_NO_VMM=1 timeout 60 "$g/bin/replay" --resource pool --memory 1.10x "$f" 2>&1 |
+      grep -E '^replay:|ns/event' | sed 's/^/chk-1.10 /'
+  done
   ;;
 stress)
   # One stress process per device, all at once, for each resource and through the interposer.

@@ -1356,3 +1356,38 @@ fn workload_families_that_fit_keep_fitting() {
         }
     }
 }
+
+/// Writes seeds of the families as traces in the format of `traces/`, so that a GPU replays them
+/// through the driver's own pool, which the simulator cannot stand in for (`bash
+/// scripts/gpu-suite.sh families DIR`: the driver pool without a budget and in 1.10x, cudrv's pool
+/// in 1.10x through the interposer, in segments and in chunks). `CUDRV_EXPORT=DIR` names the folder;
+/// `CUDRV_EXPORT_RUNS="family:seed,..."` the runs (by default seeds 1 and 2 of every family).
+#[test]
+#[ignore]
+fn workload_families_export() {
+    let Ok(dir) = std::env::var("CUDRV_EXPORT") else { return };
+    let families = families();
+    let runs: Vec<(String, u64)> = match std::env::var("CUDRV_EXPORT_RUNS") {
+        Ok(runs) => runs
+            .split(',')
+            .map(|run| {
+                let (name, seed) = run.rsplit_once(':').expect("family:seed");
+                (name.to_string(), seed.parse().expect("a seed"))
+            })
+            .collect(),
+        Err(_) => families.iter().flat_map(|f| [(f.0.to_string(), 1), (f.0.to_string(), 2)]).collect(),
+    };
+    for (name, seed) in runs {
+        let (_, _, make) = families.iter().find(|f| f.0 == name).expect("a family's whole name");
+        let trace = make(seed);
+        let mut text = format!("# {name}, seed {seed}: peak live {}\nop,id,size,stream\n", trace.peak_live());
+        for ev in trace.events() {
+            text += &match *ev {
+                TraceEvent::Alloc { id, size, stream } => format!("a,{id},{size},{stream}\n"),
+                TraceEvent::Free { id, size, stream } => format!("f,{id},{size},{stream}\n"),
+            };
+        }
+        let file = format!("{dir}/{}_{seed}.csv", name.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
+        std::fs::write(&file, text).expect("writes the trace");
+    }
+}
