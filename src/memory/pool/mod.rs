@@ -116,6 +116,7 @@ use backend::Backend;
 use cache::{Cache, CacheStats, Found};
 use error::PoolError;
 use release::Completion;
+use segment::Across;
 use stats::{Leaked, PoolStats};
 
 /// The alignment and rounding unit of every block, in bytes. Every block offset inside a chunk is
@@ -285,7 +286,15 @@ pub(crate) fn allocate_slow<H: Host>(
     {
         return Ok(adopt(handout));
     }
+    // In segments, a free block of the other segment where growing would only move memory from
+    // one segment to the other, or end in the recovery below (see `Arena::take_across`).
+    if let Some(handout) = h.arena(|a| a.take_across(b, slot, size, Across::SmallWhenFull))? {
+        return Ok(adopt(handout));
+    }
     if let Some(handout) = grow(h, slot, size)? {
+        return Ok(adopt(handout));
+    }
+    if let Some(handout) = h.arena(|a| a.take_across(b, slot, size, Across::BeforeRecovery))? {
         return Ok(adopt(handout));
     }
     // Out of memory: wait for every free (with no lock held) so that all free blocks merge, look

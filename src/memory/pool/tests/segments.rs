@@ -477,3 +477,67 @@ fn stranded_free_memory_makes_pressed_growth_map_tight_handles() {
         h.teardown();
     }
 }
+
+/// A small request that its segment cannot serve, on a device with no room to map a granule for
+/// it, takes a free block of the large segment: no memory moves from one segment to the other
+/// (unmapped there, mapped again beside the small blocks, then moved back by the next large
+/// request), and there is no out-of-memory recovery.
+#[test]
+fn a_small_request_on_a_full_device_takes_a_free_large_block() {
+    let h = segments(1, 24 * MIB);
+    // The small segment: one granule, full.
+    let small: Vec<u64> = (0..4).map(|_| h.alloc(512 << 10, 0).unwrap()).collect();
+    // The large segment takes the rest of the device.
+    let mut large = Vec::new();
+    while let Ok(p) = h.alloc(2 * MIB, 0) {
+        large.push(p);
+    }
+    let (reserved, maps, unmaps) = figures(&h);
+    assert!(reserved > 22 * MIB, "the device is not full: {}", h.arena(|a| a.describe()));
+    let freed = large.remove(large.len() / 2);
+    h.free(freed, 0);
+    let recoveries = h.stats().oom_recoveries;
+    let p = h.alloc(512 << 10, 0).unwrap();
+    let layout = h.arena(|a| a.describe());
+    assert!((freed..freed + 2 * MIB as u64).contains(&p), "not in the large block freed: {layout}");
+    assert_eq!(figures(&h), (reserved, maps, unmaps), "memory moved between the segments: {layout}");
+    assert_eq!(h.stats().oom_recoveries, recoveries);
+    for q in small.into_iter().chain(large).chain([p]) {
+        h.free(q, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
+/// A large request that its segment can neither serve nor grow for (the device is full, and no
+/// free memory lies in whole mappings to unmap) takes a free block of the small segment that holds
+/// it without the out-of-memory recovery, which would end there after waiting for every free,
+/// giving every cache back and trying to unmap and grow again.
+#[test]
+fn a_large_request_that_cannot_grow_takes_a_small_free_block_without_recovery() {
+    let h = segments(1, 24 * MIB);
+    // The small segment: two granules of 256 KiB blocks, then blocks 3-8 freed: 1.5 MiB free
+    // across the granules' boundary, which holds no whole mapping.
+    let mut small: Vec<u64> = (0..16).map(|_| h.alloc(256 << 10, 0).unwrap()).collect();
+    let mut large = Vec::new();
+    while let Ok(p) = h.alloc(2 * MIB, 0) {
+        large.push(p);
+    }
+    let freed: Vec<u64> = small.drain(3..9).collect();
+    let start = *freed.iter().min().unwrap();
+    for &p in &freed {
+        h.free(p, 0);
+    }
+    let (reserved, maps, unmaps) = figures(&h);
+    let recoveries = h.stats().oom_recoveries;
+    let p = h.alloc(1280 << 10, 0).unwrap();
+    let layout = h.arena(|a| a.describe());
+    assert!((start..start + (1536 << 10)).contains(&p), "not in the small segment's free block: {layout}");
+    assert_eq!(figures(&h), (reserved, maps, unmaps), "{layout}");
+    assert_eq!(h.stats().oom_recoveries, recoveries, "an out-of-memory recovery: {layout}");
+    for q in small.into_iter().chain(large).chain([p]) {
+        h.free(q, 0);
+    }
+    h.check();
+    h.teardown();
+}
