@@ -341,7 +341,7 @@ impl<B: Backend> Arena<B> {
     ///   it back: driver calls both ways for each such request, where a free block of the large
     ///   segment holds it at once. Replayed in 1.10 times their peak of live memory, training
     ///   loops of mixture-of-experts models (`tests/workloads.rs`) moved memory so for a router's
-    ///   0.8 MiB tensor at every step: 368 of one replay's 602 growths, 7,000-9,100 ns per event
+    ///   0.8 MiB tensor at every step: 368 of one replay's 602 growths, 5,000-9,100 ns per event
     ///   cold (4,500-8,800 warm) on an H100 through the TCC interposer against the driver pool's
     ///   2,000-3,300 unconstrained; 1,300-2,400 (260-520 warm) with the block taken.
     /// * [`Across::BeforeRecovery`]: any request whose growth found no room. The out-of-memory
