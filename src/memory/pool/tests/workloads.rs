@@ -26,6 +26,11 @@ struct TraceWriter {
 /// A live allocation of a trace being written: its id and bytes.
 type Live = (u64, usize);
 
+/// One event of a trace in the format of `traces/` (`op` is `a` or `f`), as `Trace::parse` reads it.
+fn line(op: char, id: u64, bytes: usize, stream: usize) -> String {
+    format!("{op},{id},{bytes},{stream}\n")
+}
+
 impl TraceWriter {
     fn new() -> Self {
         TraceWriter { text: String::from("op,id,size,stream\n"), next: 0 }
@@ -36,13 +41,13 @@ impl TraceWriter {
         let bytes = bytes.max(1);
         let id = self.next;
         self.next += 1;
-        self.text.push_str(&format!("a,{id},{bytes},{stream}\n"));
+        self.text.push_str(&line('a', id, bytes, stream));
         (id, bytes)
     }
 
     /// Writes the free of `a` on `stream`.
     fn free(&mut self, a: Live, stream: usize) {
-        self.text.push_str(&format!("f,{},{},{stream}\n", a.0, a.1));
+        self.text.push_str(&line('f', a.0, a.1, stream));
     }
 
     /// An allocation freed at once (a workspace, a temporary).
@@ -1391,8 +1396,8 @@ fn workload_families_export() {
         let mut text = format!("# {name}, seed {seed}: peak live {}\nop,id,size,stream\n", trace.peak_live());
         for ev in trace.events() {
             text += &match *ev {
-                TraceEvent::Alloc { id, size, stream } => format!("a,{id},{size},{stream}\n"),
-                TraceEvent::Free { id, size, stream } => format!("f,{id},{size},{stream}\n"),
+                TraceEvent::Alloc { id, size, stream } => line('a', id, size, stream),
+                TraceEvent::Free { id, size, stream } => line('f', id, size, stream),
             };
         }
         let file = format!("{dir}/{}_{seed}.csv", name.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
