@@ -32,9 +32,10 @@
 //!
 //! Where the pool grows in chunks (`--config expandable=false`, or a device without virtual memory
 //! management), a line `least in chunks ...` gives the least memory any placement in chunks that
-//! keeps small, medium and large requests apart needs for the trace
-//! (`Trace::least_memory_in_chunks`): below it (plus what the driver keeps back), the pool fits
-//! only by placing requests in the tails of large chunks, its last resort.
+//! keeps small, medium and large requests apart, with a chunk of its own for each large request,
+//! needs for the trace (`Trace::least_memory_in_chunks`): below it (plus what the driver keeps
+//! back), the pool fits only by placing requests in the tails of large chunks, its last resort,
+//! or large requests of a recurring size in shared (packed) chunks.
 //!
 //! With `--simulate` or `--resource pool`, a line `pool ...` gives the pool's driver frees,
 //! out-of-memory recoveries, reservoirs taken near capacity, event synchronisations and queries, and what it leaves of the
@@ -271,7 +272,7 @@ struct Report {
     /// resource is shared behind `dyn MemoryResource`, whose statistics do not have them).
     pool: Option<PoolStats>,
     /// Where cudrv's pool grows in chunks: the least memory any placement in chunks keeping the
-    /// kinds apart needs ([`Trace::least_memory_in_chunks`]).
+    /// kinds apart, with a chunk per large request, needs ([`Trace::least_memory_in_chunks`]).
     least_in_chunks: Option<usize>,
 }
 
@@ -288,7 +289,7 @@ fn print_report(name: &str, trace: &Trace, r: &Report) {
     if let Some(least) = r.least_in_chunks {
         say!(
             "  least in chunks   {least} bytes ({:.4}x the peak live): no placement keeping the kinds of request \
-             apart needs less, plus what the driver keeps back",
+             apart, with a chunk per large request, needs less, plus what the driver keeps back",
             least as f64 / trace.peak_live().max(1) as f64
         );
     }

@@ -49,8 +49,12 @@ fn least_memory_in_chunks(trace: &Trace, config: &PoolConfig) -> usize {
 /// has a small chunk of its own, but not the 3.44 MiB ones: even so, 16 KB would be left. Packing
 /// the tensors into shared chunks would need to know that eleven more of the size will come:
 /// packed for two or three of a size at a time, the synthetic KV decoders ran out of memory twice
-/// as often (BENCHMARKS.md, fifteenth session). Only address-space remapping (VMM, which TCC
-/// devices lack) packs them, as segments do.
+/// as often (BENCHMARKS.md, fifteenth session). The pool packs large requests of a recurring size
+/// now, but only within its headroom and while the device keeps three quarters of its room:
+/// during decode_kvcache's prefill a chunk for three of its tensors would pass the headroom, so
+/// they still get chunks of their own (with packed chunks allowed past the headroom it fitted
+/// cold but not warm, and the workload families lost fits: thirty-first session). Only
+/// address-space remapping (VMM, which TCC devices lack) packs them all, as segments do.
 fn budget(trace: &Trace, config: &PoolConfig) -> usize {
     let at_110 = trace.peak_live() / 100 * 110;
     if config.expandable {

@@ -32,10 +32,15 @@ pub(crate) enum Kind {
     /// in one chunk, which serves requests of every kind by best fit, split and merged as a heap
     /// is, before the arena grows again. Its blocks are all of this kind.
     Reservoir = 4,
+    /// A *packed* large chunk: grown for two or three large requests of one recurring size at
+    /// once (a model's weights), so that the driver's 2 MiB pages are rounded once for all of
+    /// them. Requests of that size ([`Chunk::unit`]) take its free blocks before any other;
+    /// other requests only as their last resort.
+    Packed = 5,
 }
 
 /// The number of kinds.
-pub(crate) const KINDS: usize = 5;
+pub(crate) const KINDS: usize = 6;
 
 /// The state of a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +86,8 @@ pub(crate) struct Chunk {
     pub(crate) releasing: bool,
     /// `Some` for a segment.
     pub(crate) segment: Option<Segment>,
+    /// For a packed chunk ([`Kind::Packed`]): the rounded size of the requests it was grown for.
+    pub(crate) unit: usize,
 }
 
 /// A segment: one reserved address range per kind, into which device memory is mapped as the
@@ -142,7 +149,7 @@ impl<B: Backend> Arena<B> {
         let State::Free { .. } = block.state else { unreachable!("handing out a block that is not free") };
         let rest = block.size - size;
         let min_split = match block.kind {
-            Kind::Small | Kind::Tail | Kind::Reservoir => super::GRANULE,
+            Kind::Small | Kind::Tail | Kind::Reservoir | Kind::Packed => super::GRANULE,
             Kind::Medium | Kind::Large => self.config.min_large_split,
         };
         if rest >= min_split {

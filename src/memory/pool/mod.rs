@@ -63,6 +63,12 @@
 //!   resort before out of memory (below), and large ones past the headroom (below): those bytes
 //!   are spent on the device anyway, but a block in a tail keeps the whole chunk from going back.
 //!   A tail merges back into its large block when both are free.
+//! * *Packed chunks.* A large request whose size was grown for recently (one of the last eight
+//!   large growths: a model's weights, a layer's tensors) gets a chunk for two or three requests
+//!   of its size, where that at least halves what the last page leaves unused per request
+//!   (three 12.5 MiB weights in 38 MiB, against 14 MiB each), within the headroom, and leaving the
+//!   device three quarters of its room ([`blocks::Kind::Packed`]). Only requests of that size take
+//!   its room, before any other free block.
 //! * Before growing, the streams' caches are given back to the arena, which looks again.
 //! * *Headroom*: the arena grows freely while reserved memory stays within
 //!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (20%) of the most

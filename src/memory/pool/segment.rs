@@ -494,7 +494,7 @@ impl<B: Backend> Arena<B> {
     /// mapped yet.
     fn add_segment(&mut self, kind: Kind, va: u64, reserved: usize) -> u32 {
         let segment = Segment { reserved, kind, maps: Default::default(), mapped: 0, unmapping: 0, refused: false };
-        let chunk = Chunk { ptr: va, size: 0, first: NIL, out: 0, releasing: false, segment: Some(segment) };
+        let chunk = Chunk { ptr: va, size: 0, first: NIL, out: 0, releasing: false, segment: Some(segment), unit: 0 };
         let c = self.chunks.insert(chunk);
         self.segment_of[kind as usize] = c;
         self.stats.chunks += 1;

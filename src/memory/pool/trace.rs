@@ -322,9 +322,11 @@ impl Trace {
     /// the device has no virtual memory management (or with [`PoolConfig::expandable`] off), so
     /// that a small block never pins a large chunk, until its last resort before running out of
     /// memory: then a small or medium request may take the free tail of a large chunk (what the
-    /// request left of its last page), and get below this. A budget below it (plus what the
-    /// driver keeps back of its free memory: 2 MiB on an H200) is met only so, or by mapping
-    /// memory into address ranges (segments, with virtual memory management).
+    /// request left of its last page), and get below this. It gets below it too where large
+    /// requests of a recurring size share packed chunks (two or three to a chunk, rounded to
+    /// pages together). A budget below it (plus what the driver keeps back of its free memory:
+    /// 2 MiB on an H200) is met only so, or by mapping memory into address ranges (segments,
+    /// with virtual memory management).
     ///
     /// ```
     /// use cudrv::memory::{PoolConfig, Trace};

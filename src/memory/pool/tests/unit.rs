@@ -790,6 +790,59 @@ fn a_medium_chunk_cut_down_by_the_headroom_holds_a_few_requests_of_its_size() {
     h.teardown();
 }
 
+/// Large requests of a size that recurs (a model's 12.5 MiB weights) share packed chunks: after
+/// the first, which has a chunk of its own (14 MiB, 1.5 MiB of it unused), each chunk of 38 MiB
+/// holds three, side by side, with 0.5 MiB of its last page unused. A request of another size
+/// does not take a packed chunk's room: it gets a chunk of its own, and the room waits for the
+/// next requests of its size, served with no driver call.
+#[test]
+fn large_requests_of_a_recurring_size_share_packed_chunks() {
+    let h = harness(1);
+    let weight = 12 * MIB + MIB / 2;
+    let weights: Vec<u64> = (0..8).map(|_| h.alloc(weight, 0).unwrap()).collect();
+    let (reserved, chunks, allocs, _) = h.mock.chunk_figures();
+    assert_eq!((reserved, chunks, allocs), ((14 + 3 * 38) * MIB, 4, 4), "14 MiB, then 38 MiB for each three");
+    // The second to the fourth in one chunk, the fifth to the seventh in the next, side by side.
+    for i in [1, 2, 4, 5] {
+        assert_eq!(weights[i + 1] - weights[i], weight as u64, "weight {i} and the next");
+    }
+    // A 9.4 MiB request gets a 10 MiB chunk of its own beside the third chunk's room for two.
+    let other = h.alloc(9 * MIB + 3 * MIB / 8, 0).unwrap();
+    assert_eq!(h.mock.chunk_figures().2, 5);
+    assert!(other < weights[7] || other > weights[7] + 2 * weight as u64, "another size in a packed chunk's room");
+    // The next two weights fill that room.
+    let more: Vec<u64> = (0..2).map(|_| h.alloc(weight, 0).unwrap()).collect();
+    assert_eq!(h.mock.chunk_figures().2, 5, "served with no driver call");
+    assert_eq!(more, [weights[7] + weight as u64, weights[7] + 2 * weight as u64]);
+    h.check();
+    for p in weights.into_iter().chain(more).chain([other]) {
+        h.free(p, 0);
+    }
+    h.check();
+    h.teardown();
+}
+
+/// A packed chunk leaves the device three quarters of its room: with 80 MiB free, a second
+/// 12.5 MiB weight gets a chunk of its own (a packed one would keep 25.5 MiB for the next two),
+/// with 120 MiB free a packed chunk.
+#[test]
+fn a_packed_chunk_leaves_the_device_three_quarters_of_its_room() {
+    for (free_after_first, packed) in [(80 * MIB, false), (120 * MIB, true)] {
+        let h = harness(1);
+        h.mock.st().capacity = 14 * MIB + free_after_first;
+        let weight = 12 * MIB + MIB / 2;
+        let first = h.alloc(weight, 0).unwrap();
+        let second = h.alloc(weight, 0).unwrap();
+        let reserved = h.mock.chunk_figures().0;
+        assert_eq!(reserved, if packed { (14 + 38) * MIB } else { 28 * MIB }, "{free_after_first} bytes free");
+        for p in [first, second] {
+            h.free(p, 0);
+        }
+        h.check();
+        h.teardown();
+    }
+}
+
 /// Out of memory, a request takes a free block of another size class that holds it: here a
 /// large request (above `medium_limit`) the free end of a medium chunk that its live blocks
 /// keep. Before, only tails and (for a large request) large blocks were looked at, and the
