@@ -31,6 +31,8 @@ fn size() -> impl Strategy<Value = usize> {
         3 => 4096..=(2 * MIB),
         2 => (2 * MIB)..=(12 * MIB),
         1 => (12 * MIB)..=(40 * MIB),
+        // Large sizes that recur (a model's weights), which share packed chunks in chunks.
+        2 => proptest::sample::select(vec![12 * MIB + MIB / 2, 9 * MIB + 3 * MIB / 8]),
     ]
 }
 
