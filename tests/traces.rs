@@ -50,7 +50,8 @@ fn least_memory_in_chunks(trace: &Trace, config: &PoolConfig) -> usize {
 /// the tensors into shared chunks would need to know that eleven more of the size will come:
 /// packed for two or three of a size at a time, the synthetic KV decoders ran out of memory twice
 /// as often (BENCHMARKS.md, fifteenth session). The pool packs large requests of a recurring size
-/// now, but only within its headroom and while the device keeps three quarters of its room:
+/// now, but only within its headroom and where what a chunk keeps beyond its request is at most a
+/// quarter of the device's free memory:
 /// during decode_kvcache's prefill a chunk for three of its tensors would pass the headroom, so
 /// they still get chunks of their own (with packed chunks allowed past the headroom it fitted
 /// cold but not warm, and the workload families lost fits: thirty-first session). Only

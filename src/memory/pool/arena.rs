@@ -142,6 +142,12 @@ const RECENT_GROWTHS: usize = 8;
 /// How many free blocks of packed chunks [`Arena::take_packed`] looks at.
 const PACKED_SCAN: usize = 16;
 
+/// Whether a growth of `bytes` would leave the device, with `free` usable bytes, less than a
+/// tenth of what a pool holding `reserved` bytes then holds ([`Arena::runs_short`]).
+fn short(free: usize, reserved: usize, bytes: usize) -> bool {
+    free < bytes.saturating_add(reserved.saturating_add(bytes) / 10)
+}
+
 impl<B: Backend> Arena<B> {
     pub(crate) fn new(config: PoolConfig) -> Self {
         Self {
@@ -588,15 +594,19 @@ impl<B: Backend> Arena<B> {
             }
         }
         // A large request whose size recurs gets a chunk packed for a few requests of its size,
-        // where that is within the headroom and leaves the device three quarters of its room.
-        // (Without the room rule, a synthetic KV decoder's chunk packed for its last layers kept
-        // room that no request then took, and its 76 MiB scratch buffer found no room beside it:
-        // its ten replays in 1.10x its peak plus 0 to 16 MiB ran out of memory, seven of which
-        // fitted without packing.)
+        // where that is within the headroom (growths that skip it, for a graph or after rounds of
+        // release, never pack) and memory does not run short for it, and where what the chunk
+        // keeps beyond the request is at most a quarter of the device's free memory. (Without
+        // that last rule, a synthetic KV decoder's chunk packed for its last layers kept room
+        // that no request then took, and its 76 MiB scratch buffer found no room beside it: its
+        // ten replays in 1.10x its peak plus 0 to 16 MiB ran out of memory, seven of which fitted
+        // without packing.)
         let mut chunk_kind = kind;
-        if kind == Kind::Large && !tight && self.recurs(size) {
+        if kind == Kind::Large && headroom && !tight && self.recent_large.contains(&size) {
             let packed = self.packed_large_chunk(size);
-            let room = free.is_none_or(|free| (packed - size).saturating_mul(4) <= free);
+            let room = free.is_none_or(|free| {
+                (packed - size).saturating_mul(4) <= free && !short(free, self.stats.reserved, packed)
+            });
             if packed > exact && room && self.stats.reserved.saturating_add(packed) <= limit {
                 (chunk, chunk_kind) = (packed, Kind::Packed);
             }
@@ -607,6 +617,9 @@ impl<B: Backend> Arena<B> {
                 if kind == Kind::Packed {
                     let c = self.blocks[blk].chunk;
                     self.chunks[c].unit = size;
+                }
+                if matches!(kind, Kind::Large | Kind::Packed) && !tight {
+                    self.note_large_growth(size);
                 }
                 return Ok(Grow::Block(self.handout(blk, size)));
             }
@@ -652,13 +665,13 @@ impl<B: Backend> Arena<B> {
         exact
     }
 
-    /// Whether a large request of `size` rounded bytes about to be grown for recurs: one of the
-    /// last [`RECENT_GROWTHS`] large growths was of its size. Records the growth.
-    fn recurs(&mut self, size: usize) -> bool {
-        let seen = self.recent_large.contains(&size);
+    /// Records a large growth of `size` rounded bytes (one the driver granted, while memory was
+    /// not tight) among the last [`RECENT_GROWTHS`]: a later request of its size recurs. (Were a
+    /// refused growth recorded, the out-of-memory recovery's retry of the same request would find
+    /// its own size there and pack.)
+    fn note_large_growth(&mut self, size: usize) {
         self.recent_large[self.recent_next] = size;
         self.recent_next = (self.recent_next + 1) % RECENT_GROWTHS;
-        seen
     }
 
     /// The chunk for a large request of `size` rounded bytes whose size recurs (a model's
@@ -668,10 +681,13 @@ impl<B: Backend> Arena<B> {
     /// at least a sixteenth of the request unused: a 12.5 MiB weight takes a 14 MiB chunk of its
     /// own and leaves 1.5 MiB, three take 38 MiB together and leave 0.17 MiB each.
     ///
-    /// A packed chunk's room serves only requests of its size ([`Arena::take_packed`]), before
-    /// any other free block; what a packed chunk keeps of the device while its room waits for
-    /// them is at most two requests, taken only within the headroom and where the device keeps
-    /// three quarters of its room ([`Arena::grow`]). Without packing, stacked beam search over a
+    /// Requests of its size take a packed chunk's room first (what was freed on their own
+    /// stream, [`Arena::take_packed`]); other requests only as their last resort. While its room
+    /// waits for them, a packed chunk keeps two requests' worth and less than a page beyond its
+    /// block, and it is grown only within the headroom, where memory does not run short for it,
+    /// and where that is at most a quarter of the device's free memory ([`Arena::grow`]). Its
+    /// room is not counted with what rounding leaves unused ([`PoolConfig::large_classes_per_octave`]'s
+    /// bound). Without packing, stacked beam search over a
     /// model of 12.5 and 9.4 MiB weights could not fit in 1.10 times its peak of live memory in
     /// chunks (it needed 1.119 times, with every large tensor in a chunk of its own). Up to four
     /// requests to a chunk, the workload families ran out of memory in 1.10x a little more often
@@ -825,8 +841,7 @@ impl<B: Backend> Arena<B> {
     /// Whether memory runs short for a growth of `bytes`: the device would be left with less
     /// than a tenth of what the pool then holds (of `free` usable bytes). Counted.
     pub(crate) fn runs_short(&mut self, free: Option<usize>, bytes: usize) -> bool {
-        let after = self.stats.reserved.saturating_add(bytes);
-        let tight = free.is_some_and(|free| free < bytes.saturating_add(after / 10));
+        let tight = free.is_some_and(|free| short(free, self.stats.reserved, bytes));
         if tight {
             self.stats.tight_growths += 1;
         }

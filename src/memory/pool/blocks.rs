@@ -34,8 +34,8 @@ pub(crate) enum Kind {
     Reservoir = 4,
     /// A *packed* large chunk: grown for two or three large requests of one recurring size at
     /// once (a model's weights), so that the driver's 2 MiB pages are rounded once for all of
-    /// them. Requests of that size ([`Chunk::unit`]) take its free blocks before any other;
-    /// other requests only as their last resort.
+    /// them. Requests of that size ([`Chunk::unit`]) take its free blocks (freed on their own
+    /// stream) before any other; other requests only as their last resort.
     Packed = 5,
 }
 

@@ -57,7 +57,7 @@
 //!   serve a later request of 75% of its size or more, or to go back to the driver whole. Each class has chunks of its own, so
 //!   that while memory is plentiful a small block never pins a large chunk. What the rounding
 //!   leaves unused beside the blocks that are out is bounded: past 0.25% of the device's memory,
-//!   large chunks are exact.
+//!   large chunks are exact (packed chunks' room, below, aside).
 //! * *Tails.* The rest of a large chunk beside its block (at least what the driver's 2 MiB pages
 //!   add) is its tail ([`blocks::Kind::Tail`]). Small and medium requests take tails as the last
 //!   resort before out of memory (below), and large ones past the headroom (below): those bytes
@@ -66,9 +66,11 @@
 //! * *Packed chunks.* A large request whose size was grown for recently (one of the last eight
 //!   large growths: a model's weights, a layer's tensors) gets a chunk for two or three requests
 //!   of its size, where that at least halves what the last page leaves unused per request
-//!   (three 12.5 MiB weights in 38 MiB, against 14 MiB each), within the headroom, and leaving the
-//!   device three quarters of its room ([`blocks::Kind::Packed`]). Only requests of that size take
-//!   its room, before any other free block.
+//!   (three 12.5 MiB weights in 38 MiB, against 14 MiB each), within the headroom, where memory
+//!   does not run short, and where what the chunk keeps beyond the request is at most a quarter of
+//!   the device's free memory ([`blocks::Kind::Packed`]). Requests of that size take its room first
+//!   (what was freed on their own stream); other requests only as their last resort. Growths for
+//!   graphs, and those past the headroom, never pack.
 //! * Before growing, the streams' caches are given back to the arena, which looks again.
 //! * *Headroom*: the arena grows freely while reserved memory stays within
 //!   [`PoolConfig::headroom_percent`](config::PoolConfig::headroom_percent) (20%) of the most

@@ -27,6 +27,24 @@ fn graph_alloc(h: &Harness, bytes: usize, g: u64) -> (u64, bool) {
     (p, first)
 }
 
+/// A graph's growths skip the headroom (a capture may not release memory), and so they never
+/// pack: six 12.5 MiB blocks for a graph take chunks of their own (14 MiB each), not chunks
+/// packed for three whose room the graph's later requests would not look for.
+#[test]
+fn graph_growths_take_no_packed_chunks() {
+    let h = Harness::new(PoolConfig { expandable: false, ..PoolConfig::default() }, Mock::new(1));
+    let weight = 12 * MIB + MIB / 2;
+    let blocks: Vec<u64> = (0..6).map(|_| graph_alloc(&h, weight, 3).0).collect();
+    let st = h.stats();
+    assert_eq!((st.reserved, st.chunks), (6 * 14 * MIB, 6), "a chunk of its own for each");
+    h.check();
+    release_graph(&h, 3);
+    for p in blocks {
+        deallocate(&h, p, weight, &S(0)).unwrap();
+    }
+    h.teardown();
+}
+
 #[test]
 fn graph_blocks_never_come_from_a_streams_unfinished_frees() {
     let h = harness(1);

@@ -244,6 +244,12 @@ impl Harness {
                 // A packed chunk, and only one, names the size of the requests it was grown for.
                 let packed = chunk.segment.is_none() && a.blocks[chunk.first].kind == Kind::Packed;
                 assert_eq!(chunk.unit != 0, packed, "a packed chunk without its size, or a size elsewhere");
+                if packed {
+                    assert!(
+                        chunk.unit > a.config.medium_limit && chunk.unit * 2 <= chunk.size,
+                        "a packed chunk's size"
+                    );
+                }
                 let (mut cur, mut prev, mut addr, mut out) = (chunk.first, NIL, chunk.ptr, 0);
                 while cur != NIL {
                     let bl = &a.blocks[cur];

@@ -822,11 +822,33 @@ fn large_requests_of_a_recurring_size_share_packed_chunks() {
     h.teardown();
 }
 
-/// A packed chunk leaves the device three quarters of its room: with 80 MiB free, a second
-/// 12.5 MiB weight gets a chunk of its own (a packed one would keep 25.5 MiB for the next two),
-/// with 120 MiB free a packed chunk.
+/// A growth that the driver refused does not count as the size recurring: the out-of-memory
+/// recovery's retry of the same request (after a free chunk went back) gets a chunk of its own,
+/// not one packed for three.
 #[test]
-fn a_packed_chunk_leaves_the_device_three_quarters_of_its_room() {
+fn a_refused_growth_does_not_make_its_size_recur() {
+    let h = harness(1);
+    // The driver keeps 30 MiB back (the pool plans with 2): with a free 100 MiB chunk cached,
+    // 40 MiB are reported free and a 14 MiB chunk is refused.
+    h.mock.st().capacity = 140 * MIB;
+    h.mock.st().spare = 30 * MIB;
+    let cached = h.alloc(100 * MIB, 0).unwrap();
+    h.free(cached, 0);
+    let weight = 12 * MIB + MIB / 2;
+    let p = h.alloc(weight, 0).unwrap();
+    let st = h.stats();
+    assert_eq!(st.oom_recoveries, 1, "{st:?}");
+    assert_eq!((st.reserved, st.chunks), (14 * MIB, 1), "a chunk of its own after the retry");
+    h.free(p, 0);
+    h.check();
+    h.teardown();
+}
+
+/// What a packed chunk keeps beyond its request is at most a quarter of the device's free
+/// memory: with 80 MiB free, a second 12.5 MiB weight gets a chunk of its own (a packed one would
+/// keep 25.5 MiB for the next two), with 120 MiB free a packed chunk.
+#[test]
+fn a_packed_chunk_keeps_at_most_a_quarter_of_the_devices_free_memory() {
     for (free_after_first, packed) in [(80 * MIB, false), (120 * MIB, true)] {
         let h = harness(1);
         h.mock.st().capacity = 14 * MIB + free_after_first;
