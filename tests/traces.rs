@@ -51,11 +51,11 @@ fn least_memory_in_chunks(trace: &Trace, config: &PoolConfig) -> usize {
 /// packed for two or three of a size at a time, the synthetic KV decoders ran out of memory twice
 /// as often (BENCHMARKS.md, fifteenth session). The pool packs large requests of a recurring size
 /// now, but only within its headroom and where what a chunk keeps beyond its request is at most a
-/// quarter of the device's free memory:
-/// during decode_kvcache's prefill a chunk for three of its tensors would pass the headroom, so
-/// they still get chunks of their own (with packed chunks allowed past the headroom it fitted
-/// cold but not warm, and the workload families lost fits: thirty-first session). Only
-/// address-space remapping (VMM, which TCC devices lack) packs them all, as segments do.
+/// quarter of the device's free memory: during decode_kvcache's prefill a chunk for three of its
+/// tensors would pass the headroom, so they still get chunks of their own (with packed chunks
+/// allowed past the headroom it fitted cold but not warm, and the workload families lost fits:
+/// thirty-first session). Only address-space remapping (VMM, which TCC devices lack) packs them
+/// all, as segments do.
 fn budget(trace: &Trace, config: &PoolConfig) -> usize {
     let at_110 = trace.peak_live() / 100 * 110;
     if config.expandable {

@@ -254,10 +254,10 @@ impl<B: Backend> Arena<B> {
     /// that size take its room, so that it holds as many of them as it was grown for: with any
     /// large request allowed in, stacked beam search placed its 12.5 MiB weights in the room of
     /// chunks grown for its 9.4 MiB ones, and left as much of the last pages unused as chunks of
-    /// their own did. Of the free blocks that hold the request, the [`PACKED_SCAN`]
-    /// smallest are looked at (those of chunks packed for other sizes may come first; few packed
-    /// chunks have room at once). Blocks freed on other streams are not: they serve this stream
-    /// as its last resort.
+    /// their own did. Of the free blocks that hold the request, the [`PACKED_SCAN`] smallest are
+    /// looked at (those of chunks packed for other sizes may come first; few packed chunks have
+    /// room at once). Blocks freed on other streams are not: they serve this stream as its last
+    /// resort.
     fn take_packed(&mut self, s: u32, size: usize) -> Option<u32> {
         let list = &self.streams[s].free[Kind::Packed as usize];
         let blk = list
@@ -612,13 +612,13 @@ impl<B: Backend> Arena<B> {
             }
         }
         for bytes in [chunk, exact] {
-            let kind = if bytes == chunk { chunk_kind } else { kind };
-            if let Some(blk) = self.new_chunk(b, s, kind, bytes, before)? {
-                if kind == Kind::Packed {
+            let grown = if bytes == chunk { chunk_kind } else { kind };
+            if let Some(blk) = self.new_chunk(b, s, grown, bytes, before)? {
+                if grown == Kind::Packed {
                     let c = self.blocks[blk].chunk;
                     self.chunks[c].unit = size;
                 }
-                if matches!(kind, Kind::Large | Kind::Packed) && !tight {
+                if kind == Kind::Large && !tight {
                     self.note_large_growth(size);
                 }
                 return Ok(Grow::Block(self.handout(blk, size)));
@@ -686,12 +686,12 @@ impl<B: Backend> Arena<B> {
     /// waits for them, a packed chunk keeps two requests' worth and less than a page beyond its
     /// block, and it is grown only within the headroom, where memory does not run short for it,
     /// and where that is at most a quarter of the device's free memory ([`Arena::grow`]). Its
-    /// room is not counted with what rounding leaves unused ([`PoolConfig::large_classes_per_octave`]'s
-    /// bound). Without packing, stacked beam search over a
-    /// model of 12.5 and 9.4 MiB weights could not fit in 1.10 times its peak of live memory in
-    /// chunks (it needed 1.119 times, with every large tensor in a chunk of its own). Up to four
-    /// requests to a chunk, the workload families ran out of memory in 1.10x a little more often
-    /// (628 of 2,400 replays, against 618; 755 without packing).
+    /// room is not counted with what rounding leaves unused
+    /// ([`PoolConfig::large_classes_per_octave`]'s bound). Without packing, stacked beam search
+    /// over a model of 12.5 and 9.4 MiB weights could not fit in 1.10 times its peak of live
+    /// memory in chunks (it needed 1.119 times, with every large tensor in a chunk of its own).
+    /// Up to four requests to a chunk, the workload families ran out of memory in 1.10x a little
+    /// more often (628 of 2,400 replays, against 618; 755 without packing).
     pub(crate) fn packed_large_chunk(&self, size: usize) -> usize {
         let granule = self.config.large_granule;
         let pages = |n: usize| n.checked_mul(size).and_then(|b| round_up(b, granule));

@@ -1336,10 +1336,9 @@ fn assert_fits(what: &str, trace: &Trace, config: &PoolConfig, extra_mib: &[isiz
 /// out of memory in 1.10x before), and Adam on transformer shapes, MoE training, MoE inference
 /// (since the segments' free blocks serve the other segment's requests on a full device: seed 1
 /// ran out of memory in 1.10x before) and training fed from a loader's stream fit in segments,
-/// each in 1.10x its peak of
-/// live memory plus 0 to 16 MiB, cold then warm on one pool, reserving at most 1.25x without a
-/// budget. Six seeds of each, at 0, 4 and 16 MiB more, so that the test stays fast; the families
-/// that ran out of memory are in the figures only.
+/// each in 1.10x its peak of live memory plus 0 to 16 MiB, cold then warm on one pool, reserving
+/// at most 1.25x without a budget. Six seeds of each, at 0, 4 and 16 MiB more, so that the test
+/// stays fast; the families that ran out of memory are in the figures only.
 #[test]
 #[cfg_attr(miri, ignore)]
 fn workload_families_that_fit_keep_fitting() {
