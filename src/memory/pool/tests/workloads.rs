@@ -1251,18 +1251,23 @@ fn free_blocks(described: &str) -> (f64, f64, usize) {
 /// Where a run of the sweep runs out of memory: replays `CUDRV_FAMILY`'s seed `CUDRV_SEED` in 1.10x
 /// its peak plus `CUDRV_EXTRA_MIB`, cold then warm, in `CUDRV_SWEEP`'s mode (segments by default),
 /// and prints the pool at the failing request: its figures, its chunks or segments, the largest
-/// free block and the free bytes.
+/// free block and the free bytes. With `CUDRV_EXTRA_MIB=none`, without a budget: the pool where
+/// its reserved memory was highest ([`explain_peak_reserved`]).
 #[test]
 #[ignore]
 fn workload_family_explain() {
     let want = std::env::var("CUDRV_FAMILY").unwrap_or_else(|_| "moe training".into());
     let seed: u64 = std::env::var("CUDRV_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    let extra: isize = std::env::var("CUDRV_EXTRA_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let extra = std::env::var("CUDRV_EXTRA_MIB").ok();
     let expandable = std::env::var("CUDRV_SWEEP").as_deref() != Ok("chunks");
     let (name, _, make) = families().into_iter().find(|f| f.0 == want).expect("a family's whole name");
     let trace = make(seed);
-    let budget = budget(&trace, extra);
     let config = PoolConfig { expandable, ..PoolConfig::default() };
+    if extra.as_deref() == Some("none") {
+        return explain_peak_reserved(name, seed, &trace, config);
+    }
+    let extra: isize = extra.and_then(|v| v.parse().ok()).unwrap_or(0);
+    let budget = budget(&trace, extra);
     eprintln!(
         "{name} {seed}+{extra}M, expandable {expandable}: peak live {:.1} MiB, budget {:.1} MiB, {} events",
         trace.peak_live() as f64 / MIB as f64,
@@ -1314,6 +1319,43 @@ fn workload_family_explain() {
         }
         eprintln!("{pass}: fitted; {:?}", pool.stats());
     }
+}
+
+/// `workload_family_explain` without a budget (`CUDRV_EXTRA_MIB=none`): replays the trace cold and
+/// prints the pool where its reserved memory was highest: the figures, the live bytes and the
+/// chunks or segments.
+fn explain_peak_reserved(name: &str, seed: u64, trace: &Trace, config: PoolConfig) {
+    let pool = SimulatedPool::new(config, None);
+    let mut table = trace.replay_table();
+    let mut top = (0usize, 0usize, String::new());
+    for (i, ev) in trace.events().iter().enumerate() {
+        match *ev {
+            TraceEvent::Alloc { size, stream, .. } => table.allocated(i, pool.allocate(size, stream).unwrap()),
+            TraceEvent::Free { size, stream, .. } => pool.deallocate(table.freed(i).unwrap(), size, stream).unwrap(),
+        }
+        let st = pool.stats();
+        if st.reserved > top.0 {
+            let described = pool.describe();
+            let (largest, free, blocks) = free_blocks(&described);
+            top = (
+                st.reserved,
+                i,
+                format!(
+                    "live {:.1} MiB; {st:?}; {blocks} free blocks of {free:.1} MiB, the largest {largest:.2} MiB\n{described}",
+                    table.live_bytes() as f64 / MIB as f64,
+                ),
+            );
+        }
+    }
+    eprintln!(
+        "{name} {seed}: peak live {:.1} MiB, peak reserved {:.1} MiB ({:.3}x) at event {} of {}: {}",
+        trace.peak_live() as f64 / MIB as f64,
+        top.0 as f64 / MIB as f64,
+        top.0 as f64 / trace.peak_live() as f64,
+        top.1,
+        trace.events().len(),
+        top.2
+    );
 }
 
 /// Replays `trace` with `config`: at most 1.25x its peak of live memory reserved without a budget,
