@@ -1252,7 +1252,8 @@ fn free_blocks(described: &str) -> (f64, f64, usize) {
 /// its peak plus `CUDRV_EXTRA_MIB`, cold then warm, in `CUDRV_SWEEP`'s mode (segments by default),
 /// and prints the pool at the failing request: its figures, its chunks or segments, the largest
 /// free block and the free bytes. With `CUDRV_EXTRA_MIB=none`, without a budget: the pool where
-/// its reserved memory was highest ([`explain_peak_reserved`]).
+/// its reserved memory was highest ([`explain_peak_reserved`]). `CUDRV_TRACE=FILE` replays a trace
+/// file (such as `traces/decode_kvcache.csv`) instead of a family's run.
 #[test]
 #[ignore]
 fn workload_family_explain() {
@@ -1260,8 +1261,13 @@ fn workload_family_explain() {
     let seed: u64 = std::env::var("CUDRV_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let extra = std::env::var("CUDRV_EXTRA_MIB").ok();
     let expandable = std::env::var("CUDRV_SWEEP").as_deref() != Ok("chunks");
-    let (name, _, make) = families().into_iter().find(|f| f.0 == want).expect("a family's whole name");
-    let trace = make(seed);
+    let (name, trace) = match std::env::var("CUDRV_TRACE") {
+        Ok(path) => ("trace", Trace::parse(&std::fs::read_to_string(path).unwrap()).unwrap()),
+        Err(_) => {
+            let (name, _, make) = families().into_iter().find(|f| f.0 == want).expect("a family's whole name");
+            (name, make(seed))
+        }
+    };
     let config = PoolConfig { expandable, ..PoolConfig::default() };
     if extra.as_deref() == Some("none") {
         return explain_peak_reserved(name, seed, &trace, config);
