@@ -682,5 +682,6 @@ pub(crate) fn reset_peaks<H: Host>(h: &H) {
         s.peak_in_use = in_use;
         s.peak_live = s.out_bytes;
         s.peak_out = s.out_bytes;
+        a.peak_reset();
     });
 }
