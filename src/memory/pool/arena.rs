@@ -911,9 +911,10 @@ impl<B: Backend> Arena<B> {
     /// (simulated, without a budget: 710 `cuMemAlloc` calls cold and 516 warm on 24 GB, 210 and
     /// 63 on 79 GB, 210 and 9 where the size is unknown; now 408 and 257, 205 and 10). The room
     /// above the peak is trusted only once the peak has settled: before it, a workload that will
-    /// fill the device looks roomy (bounded so from the start, the traces and families in 1.10x
-    /// their peak lost 70 fits). Under such a budget, a sixteenth of what it leaves above the
-    /// peak is less than 1% of the device, so fits there are as before.
+    /// fill the device looks roomy (bounded so from the start, 23 more of the sweeps' replays in
+    /// 1.10x their peak ran out of memory, four of the traces' among them). Under such a budget,
+    /// a sixteenth of what it leaves above the peak is less than 1% of the device, so fits there
+    /// are as before.
     fn may_pin_past_headroom(&self, free: Option<usize>) -> usize {
         let within_device = self.unused_within(free, 100);
         match free {
