@@ -291,9 +291,8 @@ impl<B: Backend> Arena<B> {
     /// left, pinned 113 MiB that way and ran out of memory under 1.10x its peak of live memory;
     /// the first replay, which had no such chunks to take, fitted.
     fn room_to_pin(&mut self, b: &B) -> usize {
-        let Some(free) = self.device_free(b) else { return usize::MAX };
-        let capacity = self.stats.reserved.saturating_add(self.usable(free));
-        (capacity.saturating_sub(self.stats.peak_live) / 2).saturating_sub(self.unused())
+        let free = self.device_free(b).map(|f| self.usable(f));
+        self.unused_within_room(free, 2)
     }
 
     /// The last resort before out of memory for a request of `size` rounded bytes on stream `s`,
@@ -917,13 +916,7 @@ impl<B: Backend> Arena<B> {
     /// are as before.
     fn may_pin_past_headroom(&self, free: Option<usize>) -> usize {
         let within_device = self.unused_within(free, 100);
-        match free {
-            Some(free) if self.peak_settled() => {
-                let room = self.stats.reserved.saturating_add(free).saturating_sub(self.stats.peak_live);
-                within_device.max((room / 16).saturating_sub(self.unused()))
-            }
-            _ => within_device,
-        }
+        if self.peak_settled() { within_device.max(self.unused_within_room(free, 16)) } else { within_device }
     }
 
     /// The most memory live at once was reset to what is live now ([`super::reset_peaks`]): it
@@ -955,6 +948,15 @@ impl<B: Backend> Arena<B> {
     fn unused_within(&self, free: Option<usize>, divisor: usize) -> usize {
         let Some(free) = free else { return usize::MAX };
         (self.stats.reserved.saturating_add(free) / divisor).saturating_sub(self.unused())
+    }
+
+    /// How many more bytes blocks may leave unused for all of it to stay within `1 / divisor` of
+    /// the room the device's memory (the pool's, and `free` beyond it) leaves above the most
+    /// memory live at once. Unbounded when the backend does not know its free memory.
+    fn unused_within_room(&self, free: Option<usize>, divisor: usize) -> usize {
+        let Some(free) = free else { return usize::MAX };
+        let room = self.stats.reserved.saturating_add(free).saturating_sub(self.stats.peak_live);
+        (room / divisor).saturating_sub(self.unused())
     }
 
     /// Bytes that blocks leave unused: what out blocks hold beyond their requests, and the free
