@@ -685,6 +685,51 @@ fn past_the_headroom_a_large_request_takes_a_free_block_then_a_tail_within_the_h
 }
 
 #[test]
+fn past_the_headroom_a_medium_request_takes_a_free_large_block_once_the_peak_has_settled() {
+    // 24 and 72 MiB live (peak 96 MiB, headroom 115.2 MiB), then the 24 MiB freed, and a 16 MiB
+    // block (67% of the free one, below the 75% fit) grows the pool to 112 MiB. A 6 MiB request
+    // (medium) finds no free medium block, and its chunk would pass the headroom. Before the
+    // peak settles, the pool gives the free 24 MiB chunk back and grows 6 MiB. Once the arena has
+    // handed out 1000 blocks with the peak where it is, it takes the free 24 MiB block instead, and
+    // the block's rest (18 MiB) becomes its chunk's tail: no driver call.
+    for settled in [false, true] {
+        let config = PoolConfig { headroom_percent: Some(20), ..plain() };
+        let h = Harness::new(config, Mock::new(1));
+        let a = h.alloc(24 * MIB, 0).unwrap();
+        let b = h.alloc(72 * MIB, 0).unwrap();
+        h.free(a, 0);
+        if settled {
+            // Two sizes in turn, so that each misses the stream's cache and the arena hands the
+            // free block out.
+            for i in 0..1000 {
+                let x = h.alloc((20 + 2 * (i % 2)) * MIB, 0).unwrap();
+                assert_eq!(x, a, "the free block that holds it");
+                h.free(x, 0);
+            }
+        }
+        let d = h.alloc(16 * MIB, 0).unwrap();
+        assert_eq!(h.stats().reserved, 112 * MIB);
+        let m = h.alloc(6 * MIB, 0).unwrap();
+        h.check();
+        let st = h.stats();
+        if settled {
+            assert_eq!(m, a, "{st:?} {}", h.arena(|a| a.describe()));
+            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (3, 0, 112 * MIB));
+            assert_eq!(h.arena(|a| (a.stats.loose_fits, a.stats.free_tails)), (1, 18 * MIB));
+        } else {
+            assert_ne!(m, a);
+            assert_eq!((st.driver_allocs, st.driver_frees, st.reserved), (4, 1, 94 * MIB));
+            assert_eq!(h.arena(|a| a.stats.loose_fits), 0);
+        }
+        for p in [m, d, b] {
+            h.free(p, 0);
+        }
+        h.check();
+        h.teardown();
+    }
+}
+
+#[test]
 fn a_large_chunk_whose_size_class_passes_the_headroom_takes_what_the_headroom_leaves() {
     // A headroom of 5%. 100 MiB take a chunk of their size class (104 MiB). A 66 MiB request
     // lifts the peak of live memory to 166 MiB (headroom: 174.3 MiB); its class (72 MiB) would
