@@ -263,7 +263,45 @@ impl<B: Backend> Arena<B> {
                 blk = self.take_kind(b, s, kind, size, largest.min(loose))?;
             }
         }
+        if blk.is_none() && kind == Kind::Medium {
+            blk = self.tail_past_headroom(b, s, size)?;
+        }
         Ok(blk.map(|blk| self.handout(blk, size)))
+    }
+
+    /// For a medium request of `size` rounded bytes that no free medium block holds: the
+    /// best-fitting free tail of a large chunk (memory that the chunk's live large block keeps
+    /// from the driver anyway), taken off its list, where growing would pass the headroom, memory
+    /// does not run short, and the most memory live at once has settled ([`Arena::peak_settled`]).
+    /// Elsewhere a tail is the last resort ([`Arena::take_last_resort`]): a block in it keeps its
+    /// chunk from going back to the driver once the large block is freed, which near capacity, or
+    /// while the workload still rises, may be what a later request needs. Past a settled peak's
+    /// headroom the pool would instead give a free chunk back and grow a medium one: a warm pass
+    /// of mixed_images (simulated without a budget) traded medium chunks of 2-8 MiB with the
+    /// driver so, 19 `cuMemAlloc` calls on an H200's 139 GiB and 57 on 24 GiB; with this, 1 and
+    /// 37, every budgeted fit of the sweeps as before. Looked at before the streams' caches are
+    /// given back, so that the next request of the size still finds its block cached. (Letting
+    /// such a request also take a whole free large block, in [`Arena::reuse_past_headroom`], cut
+    /// decode_kvcache's warm calls from 47 to 20 but raised its reserved memory from 1.19x its
+    /// peak of live memory to 1.23x, and cost a third of its warm cache hits.)
+    fn tail_past_headroom(&mut self, b: &B, s: u32, size: usize) -> Result<Option<u32>, B::Error> {
+        if self.segments.is_some() || !self.peak_settled() {
+            return Ok(None);
+        }
+        let Some((_, exact)) = self.chunk_sizes(Kind::Medium, size) else { return Ok(None) };
+        let (_, soft) = self.growth_limits(self.stats.peak_live, true, false, None);
+        if self.stats.reserved.saturating_add(exact) <= soft {
+            return Ok(None);
+        }
+        let free = self.device_free(b).map(|f| self.usable(f));
+        if free.is_some_and(|free| short(free, self.stats.reserved, exact)) {
+            return Ok(None);
+        }
+        let blk = self.take_kind(b, s, Kind::Tail, size, usize::MAX)?;
+        if blk.is_some() {
+            self.stats.loose_fits += 1;
+        }
+        Ok(blk)
     }
 
     /// The best-fitting free block, freed on stream `s`, of a packed chunk grown for requests of
@@ -596,9 +634,7 @@ impl<B: Backend> Arena<B> {
             }
         }
         if self.stats.reserved.saturating_add(exact) > limit {
-            // (A medium request only once the peak has settled: see `reuse_past_headroom`.)
-            let may_reuse = kind == Kind::Large || (kind == Kind::Medium && self.peak_settled());
-            if may_reuse
+            if kind == Kind::Large
                 && !tight
                 && let Some(handout) = self.reuse_past_headroom(b, s, size, free)?
             {
@@ -793,15 +829,8 @@ impl<B: Backend> Arena<B> {
     /// Past the headroom, where growing would mean giving memory back and allocating anew, a
     /// large request takes cached memory it passes over otherwise: first the best-fitting free
     /// tail that holds it (memory that its chunk's live block pins anyway), then the
-    /// best-fitting free large block, whose rest becomes its chunk's tail. Once the most memory
-    /// live at once has settled ([`Arena::peak_settled`]), a medium request does too: at its
-    /// headroom a warm pass of mixed_images (simulated without a budget) traded medium chunks of
-    /// 2-8 MiB with the driver for want of a free medium block, 19 `cuMemAlloc` calls on an
-    /// H200's 139 GiB and 57 on 24 GiB; now 1 and 35 (decode_kvcache's 47 on every size: 20),
-    /// with every budgeted fit of the sweeps as before. Before the peak settles it does not: a medium
-    /// block in a large chunk keeps the chunk from the driver, and decode_kvcache, whose medium
-    /// requests then took the large chunks its model's loading left, reserved 1.28x its peak of
-    /// live memory (1.23x as it is, 1.19x with no medium request taking one). What blocks leave
+    /// best-fitting free large block, whose rest becomes its chunk's tail. (A medium request
+    /// takes only a tail there: [`Arena::tail_past_headroom`].) What blocks leave
     /// unused beside them (their slack and the free tails; not a large block freed in a chunk that
     /// a block in its tail keeps, which later requests still reuse) stays within the headroom's
     /// share of the most memory live at once ([`PoolConfig::headroom_percent`], 20% where none is
