@@ -47,9 +47,9 @@ pub(crate) struct ArenaStats {
     pub(crate) tight_growths: u64,
     /// Reservoirs taken near capacity ([`Arena::grow_reservoir`]).
     pub(crate) reservoirs: u64,
-    /// Large requests served past the headroom by a free tail, or by a free block they fill to
-    /// less than `large_fit_percent`, instead of releasing memory to grow
-    /// ([`Arena::reuse_past_headroom`]).
+    /// Requests served past the headroom by a free tail, or (large ones) by a free block they fill
+    /// to less than `large_fit_percent`, instead of releasing memory to grow
+    /// ([`Arena::reuse_past_headroom`], [`Arena::tail_past_headroom`]).
     pub(crate) loose_fits: u64,
     /// Allocations and cache hits of streams that were forgotten (their caches are gone).
     pub(crate) retired_allocations: u64,
