@@ -684,7 +684,11 @@ fn past_the_headroom_a_large_request_takes_a_free_block_then_a_tail_within_the_h
     }
 }
 
+// The 1000 handouts that settle the peak take minutes under Miri; the bookkeeping the test reaches
+// (a tail handed out past the headroom, split and merged back) runs there in
+// `past_the_headroom_a_large_request_takes_a_free_block_then_a_tail_within_the_headrooms_share`.
 #[test]
+#[cfg_attr(miri, ignore)]
 fn past_a_settled_peaks_headroom_a_medium_request_takes_a_free_tail() {
     // 24 and 72 MiB live (peak 96 MiB; a headroom of 5%: 100.8 MiB), then the 24 MiB freed and
     // an 18 MiB request given its block (75%): the block's last 6 MiB become its chunk's free
