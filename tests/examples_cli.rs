@@ -9,7 +9,9 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use cudrv_test_support::{fake_driver_path, legacy_fake_driver_path, testing_oldest_driver, write_temp};
+use cudrv_test_support::{
+    fake_driver_path, legacy_fake_driver_path, output_retrying_start, start_retrying, testing_oldest_driver, write_temp,
+};
 
 /// The path of example `name`, built by `cargo test` (or staged by `gpu-bundle`).
 fn example(name: &str) -> PathBuf {
@@ -53,7 +55,7 @@ fn run_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.output().unwrap_or_else(|e| panic!("cannot run the {name} example: {e}"))
+    output_retrying_start(&mut cmd).unwrap_or_else(|e| panic!("cannot run the {name} example: {e}"))
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -290,13 +292,12 @@ fn replay_ends_quietly_when_its_output_is_closed() {
     // with a broken pipe (the Rust runtime ignores SIGPIPE). The replay stops with status 0 and
     // no panic, instead of `println!`'s "failed printing to stdout".
     let traces = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/resnet50_train.csv");
-    let mut child = Command::new(example("replay"))
-        .args(["--simulate", traces, traces, traces])
+    let mut cmd = Command::new(example("replay"));
+    cmd.args(["--simulate", traces, traces, traces])
         .env("CUDRV_DRIVER_PATH", "/no/such/driver/libcuda.so")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the replay example runs");
+        .stderr(Stdio::piped());
+    let mut child = start_retrying(&mut cmd, Command::spawn).expect("the replay example runs");
     let mut first = String::new();
     BufReader::new(child.stdout.take().expect("piped")).read_line(&mut first).expect("a first line");
     assert!(first.contains("simulated driver allocs") || first.starts_with("resnet50_train.csv: "), "{first}");
@@ -316,14 +317,13 @@ fn a_warning_on_a_closed_stderr_does_not_stop_the_program() {
     // (status 101), as it would in a drop or a driver callback; cudrv's warnings now ignore the
     // broken pipe, and the program goes on.
     let fake = fake_driver_path();
-    let mut child = Command::new(example("vector_add"))
-        .arg("1000")
+    let mut cmd = Command::new(example("vector_add"));
+    cmd.arg("1000")
         .env("CUDRV_DRIVER_PATH", &fake)
         .env("CUDRV_FAKE_FAIL", "cuMemAllocFromPoolAsync:1+:801")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the vector_add example runs");
+        .stderr(Stdio::piped());
+    let mut child = start_retrying(&mut cmd, Command::spawn).expect("the vector_add example runs");
     drop(child.stderr.take()); // the reader goes before the warning is written
     let mut stdout = String::new();
     child.stdout.take().expect("piped").read_to_string(&mut stdout).expect("stdout");

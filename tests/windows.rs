@@ -17,8 +17,8 @@ use cudrv::memory::{DeviceBuffer, ResourceKind};
 use cudrv::sys::Driver;
 use cudrv::{Device, DriverModel, Error, Stream};
 use cudrv_test_support::{
-    assert_no_leaks, fake_driver_path, fake_driver_version, in_fake_child, legacy_fake_driver_path, run_with_fake,
-    run_with_fake_modes, testing_oldest_driver,
+    assert_no_leaks, fake_driver_path, fake_driver_version, in_fake_child, legacy_fake_driver_path,
+    output_retrying_start, run_with_fake, run_with_fake_modes, testing_oldest_driver,
 };
 
 /// Driver version that the full fake reports by default, and the one of the legacy (CUDA 11.1) fake.
@@ -160,12 +160,9 @@ fn planted_nvcuda_dll_is_not_loaded() {
         if stub.exists() {
             std::fs::copy(&stub, dir.join("bcryptprimitives.dll")).unwrap();
         }
-        let out = Command::new(&copy)
-            .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
-            .current_dir(&dir)
-            .env(PLANTED_ENV, "1")
-            .output()
-            .unwrap();
+        let mut cmd = Command::new(&copy);
+        cmd.args([NAME, "--exact", "--nocapture", "--test-threads=1"]).current_dir(&dir).env(PLANTED_ENV, "1");
+        let out = output_retrying_start(&mut cmd).unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         let _ = std::fs::remove_dir_all(&dir);

@@ -27,8 +27,8 @@ use cudrv::module::{JitCacheMode, JitConfig, JitFallback, JitTarget, LinkInput, 
 use cudrv::sys::CUresult;
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{
-    fake_library, fake_report, full_fake_driver, legacy_fake_driver_path, random_u64s, run_with_fake,
-    run_with_fake_modes, time_seed, write_temp,
+    fake_library, fake_report, full_fake_driver, legacy_fake_driver_path, output_retrying_start, random_u64s,
+    run_with_fake, run_with_fake_modes, time_seed, write_temp,
 };
 
 const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
@@ -944,14 +944,13 @@ pub(crate) fn peer_data(role: &str) -> Option<String> {
 /// output if it fails. Returns its standard output.
 pub(crate) fn run_peer(role: &str, data: &str) -> String {
     let name = std::thread::current().name().expect("a test thread").to_string();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([name.as_str(), "--exact", "--nocapture", "--test-threads=1", "--include-ignored"])
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name.as_str(), "--exact", "--nocapture", "--test-threads=1", "--include-ignored"])
         .env(PEER_ROLE, role)
         .env(PEER_DATA, data)
         .env_remove("CUDRV_FAKE_CHILD")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+        .stdin(Stdio::null());
+    let out = output_retrying_start(&mut cmd).unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let done = format!("peer done: {role}");
     assert!(

@@ -11,7 +11,7 @@ use cudrv::launch::LaunchConfig;
 use cudrv::memory::{DeviceBuffer, DeviceBuffer2D, ManagedBuffer, MemoryResource, StreamOrderedPool};
 use cudrv::module::Module;
 use cudrv::{Device, Error, Stream};
-use cudrv_test_support::{fake_report, run_with_fake, run_with_fake_modes};
+use cudrv_test_support::{fake_report, output_retrying_start, run_with_fake, run_with_fake_modes};
 
 use crate::ipc_refused_on_oldest;
 
@@ -372,13 +372,12 @@ fn r3b_ipc_copy_to_host_is_captured_and_the_graph_writes_unborrowed_host_memory(
         let buf = DeviceBuffer::from_slice(&[0xBEEFu32; 64], &s).unwrap();
         let h = buf.ipc_handle().unwrap();
         let name = std::thread::current().name().unwrap().to_string();
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"])
             .env(ROLE, "importer")
             .env("CUDRV_TEST_PEER_DATA", h.to_string())
-            .env_remove("CUDRV_FAKE_CHILD")
-            .output()
-            .unwrap();
+            .env_remove("CUDRV_FAKE_CHILD");
+        let out = output_retrying_start(&mut cmd).unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         let line = stderr.lines().find(|l| l.contains("assertion") || l.contains("panicked")).unwrap_or("");

@@ -349,17 +349,8 @@ fn run_in_child(env: &[(&str, &str)], fake: bool, body: impl FnOnce()) -> Option
     for (k, v) in &shown {
         cmd.env(k, v);
     }
-    // Starting a process can fail for a moment (Wine has answered `ERROR_INTERNAL_ERROR`, 1359,
-    // under load): a failure to start is retried; what the child does is never retried.
-    let mut started = cmd.output();
-    for _ in 0..3 {
-        if started.is_ok() {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(200));
-        started = cmd.output();
-    }
-    let out = started.unwrap_or_else(|e| panic!("run_with_fake: could not start {}: {e}", exe.display()));
+    let out = output_retrying_start(&mut cmd)
+        .unwrap_or_else(|e| panic!("run_with_fake: could not start {}: {e}", exe.display()));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     let ran = stdout.contains(&format!("cudrv-fake-child: body done: {marker}"));
@@ -374,6 +365,30 @@ fn run_in_child(env: &[(&str, &str)], fake: bool, body: impl FnOnce()) -> Option
         );
     }
     Some(ChildOutput { stdout: stdout.into_owned(), stderr: stderr.into_owned() })
+}
+
+/// How many times a process that fails to start is started again (see [`start_retrying`]).
+const START_RETRIES: usize = 4;
+
+/// Starts a process with `start` (`Command::output` or `Command::spawn`), again after a pause when
+/// it fails to start: Wine has answered `ERROR_INTERNAL_ERROR` (1359) to `CreateProcess` now and
+/// then under load. Only the start is retried; what the process does, once it runs, is never
+/// retried. Returns the last error when every attempt failed.
+pub fn start_retrying<T>(cmd: &mut Command, start: impl Fn(&mut Command) -> std::io::Result<T>) -> std::io::Result<T> {
+    let mut started = start(cmd);
+    for attempt in 1..=START_RETRIES {
+        if started.is_ok() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200 * attempt as u64));
+        started = start(cmd);
+    }
+    started
+}
+
+/// `cmd.output()`, with a failure to start retried (see [`start_retrying`]).
+pub fn output_retrying_start(cmd: &mut Command) -> std::io::Result<std::process::Output> {
+    start_retrying(cmd, Command::output)
 }
 
 /// Runs `body` once per mode, each in its own child process with `CUDRV_FAKE_MODE=<mode>` and
