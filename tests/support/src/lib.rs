@@ -646,3 +646,49 @@ pub fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
 pub fn time_seed() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::io;
+    use std::process::Command;
+
+    use super::{START_RETRIES, start_retrying};
+
+    #[test]
+    fn a_start_that_fails_for_a_moment_is_retried_until_it_succeeds() {
+        let calls = Cell::new(0);
+        let got = start_retrying(&mut Command::new("unused"), |_| {
+            calls.set(calls.get() + 1);
+            if calls.get() < 3 { Err(io::Error::other("ERROR_INTERNAL_ERROR")) } else { Ok(calls.get()) }
+        });
+        assert_eq!(got.unwrap(), 3);
+        assert_eq!(calls.get(), 3);
+    }
+
+    #[test]
+    fn a_start_that_keeps_failing_returns_the_last_error_after_the_retries() {
+        let calls = Cell::new(0);
+        let got: io::Result<()> = start_retrying(&mut Command::new("unused"), |_| {
+            calls.set(calls.get() + 1);
+            Err(io::Error::other(format!("attempt {}", calls.get())))
+        });
+        assert_eq!(calls.get(), START_RETRIES + 1);
+        assert_eq!(got.unwrap_err().to_string(), format!("attempt {}", START_RETRIES + 1));
+    }
+
+    #[test]
+    fn a_process_that_ran_and_failed_is_not_started_again() {
+        // What the process does is its result: only a failure to start is retried.
+        let calls = Cell::new(0);
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.arg("--no-such-flag-for-the-test-harness");
+        let out = start_retrying(&mut cmd, |cmd| {
+            calls.set(calls.get() + 1);
+            cmd.output()
+        })
+        .unwrap();
+        assert!(!out.status.success());
+        assert_eq!(calls.get(), 1);
+    }
+}
