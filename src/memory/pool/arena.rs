@@ -285,19 +285,25 @@ impl<B: Backend> Arena<B> {
     /// decode_kvcache's warm calls from 47 to 20 but raised its reserved memory from 1.19x its
     /// peak of live memory to 1.23x, and cost a third of its warm cache hits.)
     fn tail_past_headroom(&mut self, b: &B, s: u32, size: usize) -> Result<Option<u32>, B::Error> {
-        if self.segments.is_some() || !self.peak_settled() {
+        // The peak counts this request as growth would ([`Arena::note_live`]): one that raises
+        // it past the settled margin grows, and the growth notes the new peak.
+        let live = self.stats.out_bytes.saturating_add(size);
+        let within_margin = live <= self.settling_peak.saturating_add(self.settling_peak / PEAK_SETTLE_MARGIN);
+        if self.segments.is_some() || !self.peak_settled() || !within_margin {
             return Ok(None);
         }
-        let Some((_, exact)) = self.chunk_sizes(Kind::Medium, size) else { return Ok(None) };
-        let (_, soft) = self.growth_limits(self.stats.peak_live, true, false, None);
+        let Some((chunk, exact)) = self.chunk_sizes(Kind::Medium, size) else { return Ok(None) };
+        let (_, soft) = self.growth_limits(self.stats.peak_live.max(live), true, false, None);
         if self.stats.reserved.saturating_add(exact) <= soft {
             return Ok(None);
         }
+        // Near capacity as growth tells it (for the chunk it would first try): the tail stays
+        // the last resort there.
         let free = self.device_free(b).map(|f| self.usable(f));
-        if free.is_some_and(|free| short(free, self.stats.reserved, exact)) {
+        if free.is_some_and(|free| short(free, self.stats.reserved, chunk)) {
             return Ok(None);
         }
-        let blk = self.take_kind(b, s, Kind::Tail, size, usize::MAX)?;
+        let blk = self.take_kind_within(b, s, Kind::Tail, size, usize::MAX)?;
         if blk.is_some() {
             self.stats.loose_fits += 1;
         }
@@ -390,6 +396,30 @@ impl<B: Backend> Arena<B> {
             self.stats.cross_stream_reuses += 1;
         }
         Ok(blk)
+    }
+
+    /// As [`Arena::take_kind`], but only a block of `kind` and at most `largest` bytes: a block
+    /// borrowed from another stream may merge there with free neighbours into a block of another
+    /// kind or past the bound (a tail into its free large block), which `take_kind` hands out
+    /// whole. A rule that takes memory only of some kind and size (past the headroom) leaves
+    /// such a block listed, now on stream `s`, and takes nothing.
+    fn take_kind_within(
+        &mut self,
+        b: &B,
+        s: u32,
+        kind: Kind,
+        size: usize,
+        largest: usize,
+    ) -> Result<Option<u32>, B::Error> {
+        let Some(blk) = self.take_kind(b, s, kind, size, largest)? else { return Ok(None) };
+        if self.blocks[blk].kind == kind && self.blocks[blk].size <= largest {
+            return Ok(Some(blk));
+        }
+        // Only a borrowed block merges so (`take_free` keeps to the kind and the bound): moved,
+        // but not reused.
+        self.list(blk);
+        self.stats.cross_stream_reuses -= 1;
+        Ok(None)
     }
 
     pub(crate) fn handout(&mut self, blk: u32, size: usize) -> Handout {
@@ -848,7 +878,7 @@ impl<B: Backend> Arena<B> {
         let allowance = (self.stats.peak_live / 100).saturating_mul(share).saturating_sub(self.unused());
         let largest = size.saturating_add(allowance.min(self.may_pin_past_headroom(free)));
         for (kind, largest) in [(Kind::Tail, usize::MAX), (Kind::Large, largest)] {
-            if let Some(blk) = self.take_kind(b, s, kind, size, largest)? {
+            if let Some(blk) = self.take_kind_within(b, s, kind, size, largest)? {
                 self.stats.loose_fits += 1;
                 return Ok(Some(self.handout(blk, size)));
             }

@@ -734,6 +734,41 @@ fn past_a_settled_peaks_headroom_a_medium_request_takes_a_free_tail() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore)] // 1000 handouts to settle the peak: minutes under Miri
+fn a_tail_that_merges_into_its_free_large_block_when_borrowed_is_not_taken_past_the_headroom() {
+    // As above, with the peak settled, but the 18 MiB block is freed on stream 1 while its 6 MiB
+    // tail is free on stream 0 (apart, on two streams). A 6 MiB request on stream 1 borrows the
+    // tail: moved to stream 1 it merges with the free 18 MiB block into the whole free 24 MiB
+    // chunk. That is a free large block, which a medium request does not take past the headroom
+    // (it would keep the whole chunk from the driver for 6 MiB): the request grows its own chunk,
+    // and the free large chunk goes back to the driver to make room for it.
+    let config = PoolConfig { headroom_percent: Some(5), ..plain() };
+    let h = Harness::new(config, Mock::new(2));
+    h.mock.st().query_lag = None; // the GPU is busy: a block moves between streams after a wait
+    let a = h.alloc(24 * MIB, 0).unwrap();
+    let b = h.alloc(72 * MIB, 0).unwrap();
+    h.free(a, 0);
+    for i in 0..1000 {
+        let x = h.alloc((20 + 2 * (i % 2)) * MIB, 0).unwrap();
+        h.free(x, 0);
+    }
+    let c = h.alloc(18 * MIB, 0).unwrap();
+    assert_eq!(c, a);
+    h.free(c, 1); // cached on stream 1
+    let small = h.alloc(4096, 1).unwrap(); // a miss gives stream 1's cache back: the 18 MiB block is free there
+    let m = h.alloc(6 * MIB, 1).unwrap();
+    h.check();
+    assert!(!(a..a + 24 * MIB as u64).contains(&m), "a medium block in the free large chunk at {a:#x}: {m:#x}");
+    assert_eq!(h.arena(|a| a.stats.loose_fits), 0);
+    assert_eq!(h.arena(|a| a.stats.free_tails), 0);
+    for p in [m, small, b] {
+        h.free(p, 1);
+    }
+    h.check();
+    h.teardown();
+}
+
+#[test]
 fn a_large_chunk_whose_size_class_passes_the_headroom_takes_what_the_headroom_leaves() {
     // A headroom of 5%. 100 MiB take a chunk of their size class (104 MiB). A 66 MiB request
     // lifts the peak of live memory to 166 MiB (headroom: 174.3 MiB); its class (72 MiB) would
