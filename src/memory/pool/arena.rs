@@ -239,9 +239,12 @@ impl<B: Backend> Arena<B> {
     }
 
     /// A free block of at least `size` bytes for stream `s`, out of the arena: the best fit among
-    /// the blocks freed on `s` (no backend call), else the best fit among the other streams' (a
-    /// GPU-side wait on their event, or none if the host saw their frees complete). `None` if no
-    /// free block is large enough.
+    /// the blocks freed on `s`, else the best fit among the other streams' (a GPU-side wait on
+    /// their event, or none if the host saw their frees complete). `None` if no free block is
+    /// large enough. A large request that only a block beyond its size class holds, and a medium
+    /// request past a settled peak's headroom, look at the device's free memory first
+    /// ([`Arena::device_free`]: a driver call where the last report is no longer fresh); other
+    /// takes make no backend call but the wait.
     pub(crate) fn take(&mut self, b: &B, s: u32, size: usize) -> Result<Option<Handout>, B::Error> {
         let kind = self.kind_for(size);
         let largest = self.largest_fit(kind, size, self.config.large_fit_percent);
@@ -574,10 +577,11 @@ impl<B: Backend> Arena<B> {
     /// with `may_release` false nothing is taken out at all (during a stream capture, where
     /// `cuMemFree` is not allowed).
     ///
-    /// The request counts towards the most live at once ([`ArenaStats::peak_live`]) only if it is
-    /// handed out: one the driver refuses (or that first waits for a release) leaves the peak as
-    /// it was, or a single refused request too large for the device would lift the headroom bound
-    /// for good.
+    /// The request counts towards the most live at once ([`ArenaStats::peak_live`]), and towards
+    /// the largest growth asked for (which decides whether reservoirs are taken), only if it is
+    /// handed out: one the driver refuses (or that first waits for a release) leaves both as they
+    /// were, or a single refused request too large for the device would lift the headroom bound,
+    /// and turn reservoirs off, for good.
     pub(crate) fn grow(
         &mut self,
         b: &B,
@@ -586,7 +590,8 @@ impl<B: Backend> Arena<B> {
         headroom: bool,
         may_release: bool,
     ) -> Result<Grow, super::PoolError<B::Error>> {
-        let (peak, at_peak, settling) = (self.stats.peak_live, self.handouts_at_peak, self.settling_peak);
+        let (peak, at_peak, settling, largest) =
+            (self.stats.peak_live, self.handouts_at_peak, self.settling_peak, self.largest_growth);
         let grown = if self.segments.is_some() {
             let kind = self.kind_for(size);
             self.grow_segment(b, s, kind, size, headroom, may_release)
@@ -594,7 +599,8 @@ impl<B: Backend> Arena<B> {
             self.grow_chunk(b, s, size, headroom, may_release)
         };
         if !matches!(grown, Ok(Grow::Block(_))) {
-            (self.stats.peak_live, self.handouts_at_peak, self.settling_peak) = (peak, at_peak, settling);
+            (self.stats.peak_live, self.handouts_at_peak, self.settling_peak, self.largest_growth) =
+                (peak, at_peak, settling, largest);
         }
         grown
     }
@@ -996,12 +1002,6 @@ impl<B: Backend> Arena<B> {
     fn may_pin_past_headroom(&self, free: Option<usize>) -> usize {
         let within_device = self.unused_within(free, 100);
         if self.peak_settled() { within_device.max(self.unused_within_room(free, 16)) } else { within_device }
-    }
-
-    /// The most memory live at once was reset to what is live now ([`super::reset_peaks`]): it
-    /// settles anew.
-    pub(crate) fn peak_reset(&mut self) {
-        self.restart_settling();
     }
 
     /// Counts the blocks handed out with the most memory live at once where it is now.

@@ -55,15 +55,17 @@ pub struct PoolConfig {
     /// percent of it; otherwise the request gets a chunk of its own, and the free block stays
     /// whole (to serve a request of its size, or to go back to the driver whole). Splitting a
     /// large block for a much smaller request would leave most of its chunk pinned by that block.
-    /// (What the request leaves becomes the chunk's tail, which small and medium requests take
-    /// only when nothing else is left.) Past the headroom, where the alternative is to give
-    /// memory back and allocate anew, a request takes a free tail that holds it, or else any
-    /// free block that holds it, while what blocks leave unused stays within the headroom's share
-    /// of the most memory live at once and within 1% of the device's memory. Where the device
-    /// leaves little room above the most memory live at once, a request takes a free block larger
-    /// than the chunk it would get (its size class) only while what blocks leave unused stays
-    /// within half that room; past it, it gets a chunk of its own (the free block is given back
-    /// when the device needs the room). Default 75.
+    /// (What the request leaves becomes the chunk's tail, which small requests take only when
+    /// nothing else is left, and medium ones also once the most memory live at once has settled
+    /// and a chunk of their own would pass the headroom.) Past the headroom, in chunks, where the
+    /// alternative is to give memory back and allocate anew, a large request takes a free tail
+    /// that holds it, or else a free large block that holds it, while what blocks leave unused
+    /// stays within the headroom's share of the most memory live at once and within 1% of the
+    /// device's memory (once that peak has settled, or a sixteenth of the room the device leaves
+    /// above it, if more). Where the device leaves little room above the most memory live at
+    /// once, a request takes a free block larger than the chunk it would get (its size class)
+    /// only while what blocks leave unused stays within half that room; past it, it gets a chunk
+    /// of its own (the free block is given back when the device needs the room). Default 75.
     pub large_fit_percent: u32,
     /// A free block of a medium or large chunk is split only when what is left over would be at
     /// least this many bytes; otherwise the whole block is handed out. Default 512 bytes (always

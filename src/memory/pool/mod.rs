@@ -670,7 +670,11 @@ pub(crate) fn stats<H: Host>(h: &H) -> PoolStats {
     })
 }
 
-/// Resets the high-water marks to the current values.
+/// Resets the high-water marks that [`stats()`] reports to the current values. The most memory
+/// live at once that the arena's placement follows ([`ArenaStats::peak_live`](arena::ArenaStats),
+/// its headroom and whether it has settled) is not one of them: a user resetting the figures
+/// between epochs would otherwise change what the pool keeps cached, as the driver's own pools do
+/// not.
 pub(crate) fn reset_peaks<H: Host>(h: &H) {
     for key in h.arena(|a| a.stream_keys()) {
         h.existing_cache(&key, |c| c.stats.peak_live_bytes = c.stats.live_bytes);
@@ -680,8 +684,6 @@ pub(crate) fn reset_peaks<H: Host>(h: &H) {
         let s = &mut a.stats;
         s.peak_reserved = s.reserved;
         s.peak_in_use = in_use;
-        s.peak_live = s.out_bytes;
         s.peak_out = s.out_bytes;
-        a.peak_reset();
     });
 }

@@ -1009,3 +1009,81 @@ fn near_capacity_a_loose_reuse_pins_no_more_than_the_device_leaves_room_for() {
     h.check();
     h.teardown();
 }
+
+/// One step of a workload: 100 MiB of weights live, four 40 MiB activations freed, a small request
+/// whose miss gives the stream's cache back, optionally `reset_peaks`, then a 42 MiB request and
+/// the four 40 MiB ones again. Returns the driver's (allocations, frees) in that second pass and
+/// the reported figures just after the reset point.
+fn step_after_a_reset(reset: bool) -> ((u64, u64), PoolStats) {
+    let config = PoolConfig { expandable: false, headroom_percent: Some(20), large_classes_per_octave: 0, ..plain() };
+    let h = Harness::new(config, Mock::new(1));
+    let w = h.alloc(100 * MIB, 0).unwrap();
+    let acts: Vec<u64> = (0..4).map(|_| h.alloc(40 * MIB, 0).unwrap()).collect();
+    for p in acts {
+        h.free(p, 0);
+    }
+    let s = h.alloc(4096, 0).unwrap();
+    if reset {
+        crate::memory::pool::reset_peaks(&h);
+    }
+    let before = h.stats();
+    let x = h.alloc(42 * MIB, 0).unwrap();
+    let acts: Vec<u64> = (0..4).map(|_| h.alloc(40 * MIB, 0).unwrap()).collect();
+    let after = h.stats();
+    h.check();
+    for p in acts.into_iter().chain([x, s, w]) {
+        h.free(p, 0);
+    }
+    h.teardown();
+    ((after.driver_allocs - before.driver_allocs, after.driver_frees - before.driver_frees), before)
+}
+
+#[test]
+fn reset_peaks_resets_the_reported_marks_and_leaves_what_the_pool_keeps() {
+    // The reported high-water marks go to the current values; the pool's placement, which follows
+    // the most memory live at once, does not change: the second pass reuses the four cached 40 MiB
+    // blocks and grows once for the 42 MiB request, as without the reset. (When the reset also
+    // reset that peak to what was live, the 42 MiB growth passed the headroom over 100 MiB: the
+    // pool gave the four blocks back and allocated them again, 5 allocations and 4 frees.)
+    let (without, kept) = step_after_a_reset(false);
+    let (with, reset) = step_after_a_reset(true);
+    assert_eq!(without, (1, 0));
+    assert_eq!(with, without, "a reset of the figures changed the driver calls");
+    assert_eq!(kept.peak_in_use, 260 * MIB);
+    assert_eq!((reset.peak_in_use, reset.peak_reserved), (reset.in_use, reset.reserved));
+    assert_eq!(reset.in_use, 100 * MIB + 4096);
+}
+
+#[test]
+fn a_request_the_device_refuses_does_not_turn_reservoirs_off() {
+    // Reservoirs are not taken once a request has been an eighth of what the pool can reach
+    // (such workloads rely on the driver to put memory back together). A request refused for
+    // being larger than the device is not one the workload made: after it, the same workload
+    // takes its reservoirs as before, with as many driver calls.
+    let run = |refused_first: bool| {
+        let h = Harness::new(PoolConfig { expandable: false, reservoir: true, ..PoolConfig::default() }, Mock::new(1));
+        h.mock.st().capacity = 1 << 30;
+        if refused_first {
+            assert!(matches!(h.alloc(2 << 30, 0), Err(PoolError::OutOfMemory { .. })));
+        }
+        let weights: Vec<u64> = (0..28).map(|_| h.alloc(25 * MIB, 0).unwrap()).collect();
+        let mut percent = 30;
+        for step in 0..60 {
+            percent = 30 + (percent * 37 + step * 11) % 71;
+            let acts: Vec<u64> = (0..8).map(|i| h.alloc((10 + 5 * i) * MIB / 100 * percent, 0).unwrap()).collect();
+            for p in acts.into_iter().rev() {
+                h.free(p, 0);
+            }
+        }
+        h.check();
+        let st = h.stats();
+        for p in weights {
+            h.free(p, 0);
+        }
+        h.teardown();
+        (st.reservoirs, st.driver_allocs)
+    };
+    let plain_run = run(false);
+    assert!(plain_run.0 > 0, "the workload takes reservoirs: {plain_run:?}");
+    assert_eq!(run(true), plain_run);
+}
