@@ -353,6 +353,12 @@ fn grow<H: Host>(h: &H, slot: u32, size: usize) -> Result<Option<Handout>, PoolE
                     // round grows past the headroom instead.
                     h.report(e);
                     round = round.max(3);
+                } else if round == 4 {
+                    // The last round (past the headroom, within the release threshold) made room:
+                    // it grows now. Ending here read as the driver's refusal, and the request went
+                    // through the out-of-memory recovery (host waits on every stream). Each such
+                    // release gives chunks back for good, so the round ends.
+                    continue;
                 }
             }
             Grow::OutOfMemory => return Ok(None),
@@ -579,6 +585,8 @@ pub(crate) fn retire<H: Host>(h: &H, stream: &StreamOf<H>, mut cache: Cache) -> 
         }
         a.stats.retired_allocations += stats.allocations;
         a.stats.retired_hits += stats.hits;
+        // The most in use at once stays a high-water mark when the stream whose cache saw it goes.
+        a.note_in_use(stats.peak_live_bytes);
         a.retry_forgets(h.backend());
         a.retire_cache(h.backend(), stream)
     })

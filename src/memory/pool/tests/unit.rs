@@ -1087,3 +1087,34 @@ fn a_request_the_device_refuses_does_not_turn_reservoirs_off() {
     assert!(plain_run.0 > 0, "the workload takes reservoirs: {plain_run:?}");
     assert_eq!(run(true), plain_run);
 }
+
+#[test]
+fn a_release_in_the_last_round_of_growth_is_followed_by_growth_not_a_recovery() {
+    // The driver refuses to free: the rounds of growth within the headroom give up, and the last
+    // round (past the headroom) takes the free 30 MiB chunk out again to stay within the release
+    // threshold. Its free now works: the round grows, with no out-of-memory recovery (which waits
+    // on the host for every stream) and no error.
+    let h = Harness::new(PoolConfig { release_threshold: 40 * MIB, ..plain() }, Mock::new(1));
+    let p = h.alloc(30 * MIB, 0).unwrap();
+    h.free(p, 0);
+    h.mock.st().fail = Some(Call::Free);
+    let q = h.alloc(12 * MIB, 0).unwrap();
+    let st = h.stats();
+    assert_eq!(st.oom_recoveries, 0, "{st:?}");
+    assert_eq!((st.reserved, st.driver_frees), (12 * MIB, 1), "{st:?}");
+    h.free(q, 0);
+    h.check();
+    h.teardown();
+}
+
+#[test]
+fn the_most_in_use_stays_when_the_stream_that_saw_it_retires() {
+    let h = Harness::new(plain(), Mock::new(2));
+    let p = h.alloc(100 * MIB, 0).unwrap();
+    h.free(p, 0);
+    assert_eq!(h.stats().peak_in_use, 100 * MIB);
+    h.retire(0);
+    assert_eq!(h.stats().peak_in_use, 100 * MIB);
+    h.check();
+    h.teardown();
+}
