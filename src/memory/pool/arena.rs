@@ -291,8 +291,7 @@ impl<B: Backend> Arena<B> {
         // The peak counts this request as growth would ([`Arena::note_live`]): one that raises
         // it past the settled margin grows, and the growth notes the new peak.
         let live = self.stats.out_bytes.saturating_add(size);
-        let within_margin = live <= self.settling_peak.saturating_add(self.settling_peak / PEAK_SETTLE_MARGIN);
-        if self.segments.is_some() || !self.peak_settled() || !within_margin {
+        if self.segments.is_some() || !self.stays_settled_with(live) {
             return Ok(None);
         }
         let Some((chunk, exact)) = self.chunk_sizes(Kind::Medium, size) else { return Ok(None) };
@@ -899,8 +898,7 @@ impl<B: Backend> Arena<B> {
         let live = self.stats.out_bytes.saturating_add(size);
         if live > self.stats.peak_live {
             self.stats.peak_live = live;
-            let within_margin = live <= self.settling_peak.saturating_add(self.settling_peak / PEAK_SETTLE_MARGIN);
-            if !(self.peak_settled() && within_margin) {
+            if !self.stays_settled_with(live) {
                 self.restart_settling();
             }
         }
@@ -1027,6 +1025,12 @@ impl<B: Backend> Arena<B> {
     fn peak_settled(&self) -> bool {
         let since = self.handouts - self.handouts_at_peak;
         since >= PEAK_SETTLES_AFTER.max(self.handouts / 4)
+    }
+
+    /// Whether the peak is settled and stays so with `live` bytes live: within
+    /// [`PEAK_SETTLE_MARGIN`] of the peak it settled at ([`Arena::peak_settled`]).
+    fn stays_settled_with(&self, live: usize) -> bool {
+        self.peak_settled() && live <= self.settling_peak.saturating_add(self.settling_peak / PEAK_SETTLE_MARGIN)
     }
 
     /// How many more bytes the blocks that are out may leave unused in their chunks (size-class

@@ -325,6 +325,20 @@ impl Harness {
     }
 }
 
+/// Hands out `n` blocks on stream 0 and frees each (20 and 22 MiB in turn, so that each misses the
+/// stream's cache and the arena hands a free block out) without a new peak, where the free memory
+/// holds them: what settles the peak ([`Arena::peak_settled`](super::arena::Arena)) after 1,000.
+/// Returns the addresses handed out.
+fn hand_out_at_the_peak(h: &Harness, n: usize) -> Vec<u64> {
+    (0..n)
+        .map(|i| {
+            let p = h.alloc((20 + 2 * (i % 2)) * MIB, 0).unwrap();
+            h.free(p, 0);
+            p
+        })
+        .collect()
+}
+
 /// The default configuration without headroom and size classes, so that unit tests can predict
 /// chunk sizes.
 fn plain() -> PoolConfig {

@@ -90,16 +90,13 @@ const PEAK_SIZES: [usize; 4] = [30 * MIB + 300 * 1024, 21 * MIB + 5000, 40 * MIB
 
 /// Brings the pool to a settled peak ([`Arena::peak_settled`]): the large blocks of
 /// [`PEAK_SIZES`] live at once, then freed, then more than a thousand blocks handed out by the
-/// arena without a new peak (two sizes in turn, so that each misses the stream's cache).
+/// arena without a new peak ([`hand_out_at_the_peak`]).
 fn settle_peak(h: &Harness) {
     let peak: Vec<u64> = PEAK_SIZES.iter().map(|&n| h.alloc(n, 0).unwrap()).collect();
     for p in peak {
         h.free(p, 0);
     }
-    for i in 0..1100 {
-        let p = h.alloc((20 + 2 * (i % 2)) * MIB, 0).unwrap();
-        h.free(p, 0);
-    }
+    hand_out_at_the_peak(h, 1100);
     h.check();
 }
 

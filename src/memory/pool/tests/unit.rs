@@ -703,13 +703,8 @@ fn past_a_settled_peaks_headroom_a_medium_request_takes_a_free_tail() {
         let b = h.alloc(72 * MIB, 0).unwrap();
         h.free(a, 0);
         if settled {
-            // Two sizes in turn, so that each misses the stream's cache and the arena hands the
-            // free block out.
-            for i in 0..1000 {
-                let x = h.alloc((20 + 2 * (i % 2)) * MIB, 0).unwrap();
-                assert_eq!(x, a, "the free block that holds it");
-                h.free(x, 0);
-            }
+            let handed = hand_out_at_the_peak(&h, 1000);
+            assert!(handed.iter().all(|&x| x == a), "the free block that holds them");
         }
         let c = h.alloc(18 * MIB, 0).unwrap();
         assert_eq!(c, a);
@@ -748,10 +743,7 @@ fn a_tail_that_merges_into_its_free_large_block_when_borrowed_is_not_taken_past_
     let a = h.alloc(24 * MIB, 0).unwrap();
     let b = h.alloc(72 * MIB, 0).unwrap();
     h.free(a, 0);
-    for i in 0..1000 {
-        let x = h.alloc((20 + 2 * (i % 2)) * MIB, 0).unwrap();
-        h.free(x, 0);
-    }
+    hand_out_at_the_peak(&h, 1000);
     let c = h.alloc(18 * MIB, 0).unwrap();
     assert_eq!(c, a);
     h.free(c, 1); // cached on stream 1
