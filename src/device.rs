@@ -2,7 +2,7 @@
 
 use std::ffi::{CStr, c_char};
 use std::fmt;
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudrv_sys::{CUdevice, CUdevice_attribute as A};
 
@@ -341,6 +341,11 @@ impl Device {
     /// Lets this device's context access memory of `peer` directly (`cuCtxEnablePeerAccess`).
     /// Idempotent: enabling it again, or for the device itself, is `Ok`.
     ///
+    /// Peer access belongs to the device's primary context and ends when that context is
+    /// destroyed, which happens when the last cudrv object holding it goes. So that access
+    /// enabled here lasts, cudrv keeps both devices' primary contexts from here on, for the life
+    /// of the process.
+    ///
     /// # Errors
     /// [`Error::Unsupported`] when [`Device::can_access_peer`] says no; the driver's error.
     pub fn enable_peer_access(&self, peer: &Device) -> Result<()> {
@@ -356,12 +361,16 @@ impl Device {
         }
         let own = self.primary_context()?;
         let other = peer.primary_context()?;
-        let _b = own.bind()?;
-        // SAFETY: `other` is a retained primary context; flags must be 0.
-        match unsafe { drv!(cuCtxEnablePeerAccess(other.as_raw(), 0)) } {
-            Err(e) if e.code() == Some(cudrv_sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) => Ok(()),
-            other => other,
+        {
+            let _b = own.bind()?;
+            // SAFETY: `other` is a retained primary context; flags must be 0.
+            match unsafe { drv!(cuCtxEnablePeerAccess(other.as_raw(), 0)) } {
+                Err(e) if e.code() == Some(cudrv_sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) => {}
+                other => other?,
+            }
         }
+        keep_for_peer_access([own, other]);
+        Ok(())
     }
 
     /// An [`Error::Unsupported`] for this device.
@@ -372,6 +381,18 @@ impl Device {
         alternative: Option<&'static str>,
     ) -> Error {
         Error::Unsupported { feature, device: self.ordinal, reason: reason.into(), alternative }
+    }
+}
+
+/// Keeps primary contexts for the life of the process: peer access enabled in one lasts only
+/// while it exists ([`Device::enable_peer_access`]). One per device at most.
+fn keep_for_peer_access(contexts: [Arc<crate::Context>; 2]) {
+    static KEPT: Mutex<Vec<Arc<crate::Context>>> = Mutex::new(Vec::new());
+    let mut kept = KEPT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    for ctx in contexts {
+        if !kept.iter().any(|k| Arc::ptr_eq(k, &ctx)) {
+            kept.push(ctx);
+        }
     }
 }
 

@@ -208,4 +208,5 @@ mod review28b;
 mod review28c;
 mod review28d;
 mod review29a;
+mod review30;
 mod review_faults21;
