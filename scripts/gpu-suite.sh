@@ -112,7 +112,7 @@ session)
   # What a session that changed the library checks on the device before it says so. Each phase's
   # log is in $out; the summary lines go to standard output.
   (cd "$here/scripts" && timeout 60 python3 module-unload-wait.py) >"$out/probe-module-unload.log" 2>&1
-  tail -3 "$out/probe-module-unload.log"
+  tail -4 "$out/probe-module-unload.log"
   (cd "$here/scripts" && timeout 60 python3 capture-probe.py) >"$out/probe-capture.log" 2>&1
   tail -20 "$out/probe-capture.log"
   OUT="$out/tests" bash "$0" tests | tail -12

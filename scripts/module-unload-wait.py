@@ -77,3 +77,24 @@ launch_spin(first_fn, 2_000_000_000)
 launch_spin(queued_fn, 2_000_000_000)
 print(f"queued behind another module's kernel: {unload_then_sync(queued)}")
 ck(cu.cuModuleUnload(first), "cuModuleUnload")
+
+# The same for a library (`cuLibraryLoadData`, CUDA 12.0; cudrv's `Library`): does
+# `cuLibraryUnload` wait for a running kernel of one of its functions?
+if hasattr(cu, "cuLibraryLoadData"):
+    for cycles in (2_000_000_000,):
+        lib, kernel, fn = C.c_void_p(), C.c_void_p(), C.c_void_p()
+        ck(cu.cuLibraryLoadData(C.byref(lib), C.c_char_p(PTX), None, None, 0, None, None, 0), "cuLibraryLoadData")
+        ck(cu.cuLibraryGetKernel(C.byref(kernel), lib, b"spin"), "cuLibraryGetKernel")
+        ck(cu.cuKernelGetFunction(C.byref(fn), kernel), "cuKernelGetFunction")
+        launch_spin(fn, cycles)
+        t1 = time.perf_counter()
+        rc_unload = cu.cuLibraryUnload(lib)
+        t2 = time.perf_counter()
+        rc_sync = cu.cuStreamSynchronize(stream)
+        t3 = time.perf_counter()
+        print(
+            f"library, cycles={cycles}: cuLibraryUnload rc={rc_unload} took {1e3 * (t2 - t1):.1f} ms, "
+            f"then cuStreamSynchronize rc={rc_sync} took {1e3 * (t3 - t2):.1f} ms"
+        )
+else:
+    print("library: this driver has no cuLibraryLoadData")

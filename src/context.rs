@@ -326,6 +326,54 @@ impl Context {
         waiter: cudrv_sys::CUstream,
         stream: cudrv_sys::CUstream,
     ) -> Result<()> {
+        self.with_spare_event(|event| {
+            // SAFETY: the event is of this context and not in use; both streams are valid (the
+            // caller holds them); the context is current.
+            unsafe { drv!(cuEventRecord(event, stream)) }?;
+            // The waiter's handle may be the legacy or the per-thread default stream, which name
+            // the *current* context's: the waiter's own context is current for the wait.
+            let _w = if std::ptr::eq(waiter_ctx, self) { None } else { Some(waiter_ctx.bind()?) };
+            // SAFETY: as above (an event may be waited on from another context's stream); the
+            // wait captures this record.
+            unsafe { drv!(cuStreamWaitEvent(waiter, event, 0)) }
+        })
+    }
+
+    /// Waits on the host for all work queued on `stream` (of this context, taking part in no
+    /// capture) so far, through a reused event recorded on it, and runs `recorded` between the
+    /// record and the wait. Unlike `cuStreamSynchronize` of the handle, the record is ordered
+    /// after everything the driver orders later work on `stream` after (see
+    /// `Stream::synchronize`), and the wait needs nothing of the stream: the caller may let go
+    /// of the stream's gate in `recorded`. Not for a host function (the bind refuses).
+    pub(crate) fn wait_for_stream(&self, stream: cudrv_sys::CUstream, recorded: impl FnOnce()) -> Result<()> {
+        self.with_spare_event(|event| {
+            // SAFETY: the event is of this context and not in use; the stream is valid (the
+            // caller holds it); the context is current.
+            let rc = unsafe { drv!(cuEventRecord(event, stream)) };
+            recorded();
+            rc?;
+            // SAFETY: as above.
+            unsafe { drv!(cuEventSynchronize(event)) }
+        })
+    }
+
+    /// Whether all work queued on `stream` so far is done, as `Context::wait_for_stream` would
+    /// see it, without waiting.
+    pub(crate) fn stream_done(&self, stream: cudrv_sys::CUstream) -> Result<bool> {
+        self.with_spare_event(|event| {
+            // SAFETY: as in `wait_for_stream`.
+            unsafe { drv!(cuEventRecord(event, stream)) }?;
+            // SAFETY: as above.
+            match unsafe { crate::result::driver()?.cuEventQuery(event) } {
+                Ok(cudrv_sys::CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
+                other => crate::error::check("cuEventQuery", other).map(|()| true),
+            }
+        })
+    }
+
+    /// Runs `f` with this context current and one of its reused events, which `f` leaves free
+    /// for reuse when it returns (the driver's waits on it have taken their record).
+    fn with_spare_event<R>(&self, f: impl FnOnce(cudrv_sys::CUevent) -> Result<R>) -> Result<R> {
         let event = match self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop() {
             Some(e) => e,
             None => {
@@ -337,19 +385,9 @@ impl Context {
                 SpareEvent(raw)
             }
         };
-        let ordered = self.bind().and_then(|_b| {
-            // SAFETY: the event is of this context and not in use; both streams are valid (the
-            // caller holds them); the context is current.
-            unsafe { drv!(cuEventRecord(event.0, stream)) }?;
-            // The waiter's handle may be the legacy or the per-thread default stream, which name
-            // the *current* context's: the waiter's own context is current for the wait.
-            let _w = if std::ptr::eq(waiter_ctx, self) { None } else { Some(waiter_ctx.bind()?) };
-            // SAFETY: as above (an event may be waited on from another context's stream); the
-            // wait captures this record.
-            unsafe { drv!(cuStreamWaitEvent(waiter, event.0, 0)) }
-        });
+        let done = self.bind().and_then(|_b| f(event.0));
         self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(event);
-        ordered
+        done
     }
 
     /// Destroys the events cudrv keeps to order one stream after another (it makes them again

@@ -108,9 +108,14 @@ impl Handle {
             retiring.fetch_add(1, Ordering::SeqCst);
             true
         };
-        if !self.key.mark_ungated(Some(patience), mark, || {
-            retiring.fetch_sub(1, Ordering::SeqCst);
-        }) {
+        if !self.key.mark_ungated(
+            Some(patience),
+            || true,
+            mark,
+            || {
+                retiring.fetch_sub(1, Ordering::SeqCst);
+            },
+        ) {
             return false;
         }
         // The gate is empty: every pin counted or let go under a gate is seen (its gate's exit
@@ -442,6 +447,10 @@ impl StreamKey {
         let capture = &self.0.capture;
         self.mark_ungated(
             patience,
+            // Not waiting for the gate to be told no: two threads each holding the gate of a
+            // stream the other marks would wait for each other (two streams of two captures
+            // made to wait on each other, `Stream::wait_stream`).
+            || capture.load(Ordering::Acquire) == from,
             // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
             || capture.compare_exchange(from, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire).is_ok(),
             || capture.store(from, Ordering::SeqCst),
@@ -455,12 +464,15 @@ impl StreamKey {
     /// gates are held the mark is taken back (`unmark`) so that they finish, and set again once
     /// they have; after `patience` of that (`None`: for ever) this gives up and returns false
     /// (with no patience, after one try, and at once, with no barrier, if a gate is seen held).
+    /// While it waits for the gate, it gives up (false) once `can_mark` says that the mark could
+    /// not be set.
     ///
     /// The caller must not hold a [`Gate`] of the stream when it waits for ever (it would wait
     /// for itself).
     fn mark_ungated(
         &self,
         patience: Option<Duration>,
+        can_mark: impl Fn() -> bool,
         mut mark: impl FnMut() -> bool,
         mut unmark: impl FnMut(),
     ) -> bool {
@@ -485,7 +497,7 @@ impl StreamKey {
             // `enter`), so the gate empties once the work under way is queued.
             let mut spins = 0u32;
             while self.gated() {
-                if spins.is_multiple_of(1024) && out_of_patience(&mut since) {
+                if spins.is_multiple_of(1024) && (!can_mark() || out_of_patience(&mut since)) {
                     return false;
                 }
                 pause(&mut spins, 4096);
@@ -1142,7 +1154,8 @@ impl Stream {
     /// (including a drop there, which frees buffers on it) cudrv queues the work on the legacy
     /// default stream instead, which the driver orders after all earlier work on every thread's
     /// per-thread stream and before all later work on them. So ordering and memory safety hold,
-    /// at the price of the legacy stream's synchronisation.
+    /// at the price of the legacy stream's synchronisation. Host waits for the stream
+    /// ([`Stream::synchronize`], and those of buffers and copies) wait for both, on any thread.
     ///
     /// # Errors
     /// The driver's error when retaining the context. [`Error::Unsupported`] once the calling
@@ -1264,18 +1277,50 @@ impl Stream {
     /// # Errors
     /// The driver's error (an asynchronous error of earlier work shows up here), else
     /// [`Error::Deferred`]; [`Error::Capturing`] while the stream captures a graph.
+    ///
+    /// The wait is for an event recorded on the stream, and holds nothing of the stream: another
+    /// thread may begin a capture on it meanwhile. A per-thread stream's work includes what other
+    /// threads queued on the legacy stream in its stead ([`Stream::per_thread`]), which
+    /// `cuStreamSynchronize` of `CU_STREAM_PER_THREAD` does not wait for (nor does that of the
+    /// legacy stream wait for the owner's later work); the record is ordered after both (the
+    /// driver orders the one blocking stream after the other).
     pub fn synchronize(&self) -> Result<()> {
         // The driver would refuse it too, and invalidate the capture.
-        let _gate = self.refuse_in_capture("Stream::synchronize")?;
+        let gate = self.refuse_in_capture("Stream::synchronize")?;
         {
             let _b = self.inner().ctx.bind()?;
             // The stream takes no part in a capture (refused above): the wait may not invalidate
             // another thread's capture in the global mode (a "potentially unsafe" call there).
             let _relaxed = capture::RelaxedCaptureMode::enter();
-            // SAFETY: the stream is valid while `self` lives; its context is current.
-            unsafe { drv!(cuStreamSynchronize(self.as_raw())) }?;
+            // The gate goes once the record is queued: a capture beginning on the stream then
+            // does not wait for the work (which a host function may make wait for it).
+            self.inner().ctx.wait_for_stream(self.as_raw(), || drop(gate))?;
         }
         self.inner().ctx.take_deferred()
+    }
+
+    /// Waits on the host for all work queued on the stream so far, its context current, as
+    /// [`Stream::synchronize`] does (an event), where the stream is a per-thread one; else with
+    /// `cuStreamSynchronize`.
+    fn host_wait(&self) -> Result<()> {
+        if self.inner().per_thread_owner != 0 {
+            return self.inner().ctx.wait_for_stream(self.as_raw(), || {});
+        }
+        // SAFETY: the stream is valid while `self` lives; its context is current (the caller's).
+        unsafe { drv!(cuStreamSynchronize(self.as_raw())) }
+    }
+
+    /// Whether all work queued on the stream so far is done, as [`Stream::host_wait`] sees it,
+    /// its context current.
+    fn host_done(&self) -> Result<bool> {
+        if self.inner().per_thread_owner != 0 {
+            return self.inner().ctx.stream_done(self.as_raw());
+        }
+        // SAFETY: the stream is valid while `self` lives; its context is current (the caller's).
+        match unsafe { driver()?.cuStreamQuery(self.as_raw()) } {
+            Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
+            other => check("cuStreamQuery", other).map(|()| true),
+        }
     }
 
     /// Waits until all work queued on the stream is done, for memory that the work touches. If
@@ -1291,8 +1336,7 @@ impl Stream {
         let synced = self.inner().ctx.bind().and_then(|_b| {
             // As `synchronize`'s.
             let _relaxed = capture::RelaxedCaptureMode::enter();
-            // SAFETY: the stream is valid while `self` lives; its context is current.
-            unsafe { drv!(cuStreamSynchronize(self.as_raw())) }
+            self.host_wait()
         });
         let Err(e) = synced else { return Ok(()) };
         if matches!(e, Error::InHostFunction { .. }) || e.ends_all_work() {
@@ -1302,10 +1346,15 @@ impl Stream {
         // Until the work is seen done (or the context dead), the memory is not the caller's: the
         // stream is asked, and where that fails too, an event recorded on it. Errors that end
         // nothing are passing, or say nothing of the work: asked again, with a growing pause.
-        let mut event: Option<crate::Event> = None;
+        let new_event = || crate::Event::new(&self.device()).ok().filter(|ev| ev.record(self).is_ok());
+        // A per-thread stream is asked through an event from the first (see `host_wait`).
+        let per_thread = self.inner().per_thread_owner != 0;
+        let mut event = if per_thread { new_event() } else { None };
         let mut pause = Duration::from_micros(10);
         loop {
-            let asked = {
+            let asked = if let (true, Some(ev)) = (per_thread, &event) {
+                ev.query()
+            } else {
                 let _b = self.inner().ctx.bind();
                 let _relaxed = capture::RelaxedCaptureMode::enter();
                 // SAFETY: the stream is valid while `self` lives.
@@ -1317,7 +1366,7 @@ impl Stream {
             let done = match asked {
                 Err(q) if !q.ends_all_work() => {
                     if event.is_none() {
-                        event = crate::Event::new(&self.device()).ok().filter(|ev| ev.record(self).is_ok());
+                        event = new_event();
                     }
                     event.as_ref().map_or(Err(q), crate::Event::query)
                 }
@@ -1345,12 +1394,7 @@ impl Stream {
         let _b = self.inner().ctx.bind()?;
         // As `synchronize`'s.
         let _relaxed = capture::RelaxedCaptureMode::enter();
-        // SAFETY: the stream is valid while `self` lives; its context is current.
-        let rc = unsafe { driver()?.cuStreamQuery(self.as_raw()) };
-        match rc {
-            Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
-            other => check("cuStreamQuery", other).map(|()| true),
-        }
+        self.host_done()
     }
 
     /// Makes work queued on this stream after this call wait for all work queued on `other` so

@@ -44,6 +44,8 @@ pub(crate) fn within<R>(limit: Duration, what: &str, body: impl FnOnce() -> R) -
 fn trim_all(dev: &Device) {
     cudrv::flush_deferred_drops().unwrap();
     dev.memory_resource().unwrap().trim(0).unwrap();
+    // The events the context keeps for waits (`Stream::synchronize`'s among them).
+    dev.primary_context().unwrap().release_cached_events();
 }
 
 /// Defect 1: `copy_to_pinned_async` used to queue the copy and only then create the event that
