@@ -636,6 +636,7 @@ impl Graph {
             pool_memory,
             last_launch: Mutex::new(None),
             started: AtomicBool::new(false),
+            own: Mutex::new(None),
         })
     }
 }
@@ -724,6 +725,9 @@ pub struct GraphExec {
     last_launch: Mutex<Option<ParkedStream>>,
     /// Whether the first launch happened (it waits for the capture's prelude events).
     started: AtomicBool,
+    /// What [`GraphExec::set_kernel_node_params`] gave the launches to run: the modules of the
+    /// functions it set, released as `res` is. Made at its first call.
+    own: Mutex<Option<Arc<GraphResources>>>,
 }
 
 // SAFETY: a CUgraphExec may be launched and updated from any thread, one at a time: the driver
@@ -890,14 +894,17 @@ impl GraphExec {
         }
     }
 
-    /// Changes the arguments of kernel node `node` (of the graph this was instantiated from) for
-    /// later launches (`cuGraphExecKernelNodeSetParams`).
+    /// Changes the function and arguments of kernel node `node` (of the graph this was
+    /// instantiated from) for later launches (`cuGraphExecKernelNodeSetParams`). The executable
+    /// graph keeps `function`'s module loaded until its last launch has completed, as
+    /// [`Graph::add_kernel_node`] makes the graph keep it.
     ///
     /// # Safety
     /// As [`Graph::add_kernel_node`] for the new arguments.
     ///
     /// # Errors
-    /// The driver's error.
+    /// [`Error::InvalidLaunch`] for a configuration beyond the limits, [`Error::DeviceMismatch`]
+    /// for a function of another context; the driver's error.
     pub unsafe fn set_kernel_node_params(
         &self,
         node: GraphNode,
@@ -906,6 +913,23 @@ impl GraphExec {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         function.validate(&cfg)?;
+        // The driver lets the node change its function within the context only.
+        if !Arc::ptr_eq(function.context(), &self.ctx) {
+            return Err(Error::DeviceMismatch {
+                what: "GraphExec::set_kernel_node_params (the function must belong to the executable graph's context)",
+                expected: self.ctx.device().ordinal_i32(),
+                found: function.device().ordinal_i32(),
+            });
+        }
+        // The node runs `function` at each later launch: its module stays loaded until they have
+        // completed, and they are tracked for that. Kept from before the change (a launch may
+        // follow at once); kept once however often it is set (a loop that changes the arguments
+        // at each launch keeps one reference).
+        {
+            let mut own = self.own.lock().unwrap_or_else(PoisonError::into_inner);
+            own.get_or_insert_with(GraphResources::new).keep_once(function.module.clone());
+            self.fenced.store(true, Ordering::Release);
+        }
         let p = kernel_node_params(function, &cfg, params);
         let _b = self.ctx.bind()?;
         // SAFETY: a valid executable graph and kernel node; complete parameters valid during the
@@ -933,6 +957,7 @@ impl Drop for GraphExec {
         let (raw, ctx) = (SendHandle(self.raw), self.ctx.clone());
         let res = std::mem::take(self.res.get_mut().unwrap_or_else(PoisonError::into_inner));
         let last = self.last_launch.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        let own = self.own.get_mut().unwrap_or_else(PoisonError::into_inner).take();
         let pool_memory = self.pool_memory;
         let destroy = move || {
             if let Ok(d) = driver() {
@@ -942,6 +967,11 @@ impl Drop for GraphExec {
                     report_drop_error(Some(&ctx), e);
                 }
             }
+            // Its own resources are released after its last launch (they are nobody else's).
+            if let (Some(own), Some(stream)) = (&own, &last) {
+                own.lock().fences.push(stream.clone());
+            }
+            drop(own);
             for r in res {
                 if let Some(stream) = &last {
                     // What the launches use is released after the last one completed.

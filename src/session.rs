@@ -524,6 +524,15 @@ impl GraphResources {
         self.lock().keep.push(value);
     }
 
+    /// [`GraphResources::keep`], unless `value` is kept already.
+    pub(crate) fn keep_once(&self, value: Arc<dyn Send + Sync>) {
+        self.fenced.store(true, Ordering::Release);
+        let mut k = self.lock();
+        if !k.keep.iter().any(|kept| std::ptr::addr_eq(Arc::as_ptr(kept), Arc::as_ptr(&value))) {
+            k.keep.push(value);
+        }
+    }
+
     /// Notes that a buffer allocated before the capture is used by it: the graph's first launch
     /// waits for `allocated` (recorded on the buffer's stream), and the buffer's free, if it comes
     /// first, waits for the graph (the buffer holds this and hands its free over).

@@ -13,6 +13,7 @@ mod launch;
 mod memory;
 mod review2;
 mod review_fixes_a;
+mod review_graph;
 mod slowed;
 mod soundness;
 mod stream_life;
