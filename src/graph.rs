@@ -175,15 +175,22 @@ impl Stream {
 
     /// Ends the capture begun on this stream and returns the graph.
     ///
+    /// Work that other threads queue meanwhile on the capture's streams, the origin or a stream
+    /// that joined, is wholly part of the capture or wholly after it: the end waits for what is
+    /// under way, and what comes later waits for the end.
+    ///
     /// # Errors
     /// [`Error::Capturing`] while a buffer allocated during the capture is alive: its free
-    /// belongs in the graph, so drop it first; the capture goes on. The driver's error:
-    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` when a prohibited operation invalidated the
-    /// capture, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` when a stream that joined it was not joined
-    /// back, `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD` for a thread-local or global capture ended
-    /// on another thread, `CUDA_ERROR_ILLEGAL_STATE` when the stream is not capturing. The driver
-    /// ends the capture on most errors (then the stream is usable again and the graph is
-    /// discarded).
+    /// belongs in the graph, so drop it first; the capture goes on. [`Error::Capturing`] too when
+    /// called from code that cudrv runs while it queues work (a custom `MemoryResource`'s
+    /// `allocate` or `deallocate`, a [`KernelArg::kernel_value`](crate::KernelArg::kernel_value))
+    /// while work on a stream of the capture stays under way (it may be the caller's own); the
+    /// capture goes on. The driver's error: `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` when a
+    /// prohibited operation invalidated the capture, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` when a
+    /// stream that joined it was not joined back, `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD` for a
+    /// thread-local or global capture ended on another thread, `CUDA_ERROR_ILLEGAL_STATE` when
+    /// the stream is not capturing. The driver ends the capture on most errors (then the stream is
+    /// usable again and the graph is discarded).
     pub fn end_capture(&self) -> Result<Graph> {
         let session = self.capture();
         if let Some(s) = &session {
@@ -191,41 +198,47 @@ impl Stream {
             // reached, now on the origin: after all of the capture's joined work, in the graph.
             s.queue_frees_at_end(self);
         }
-        // Other threads' cudrv work on the stream waits from the look at the capture's buffers to
-        // its end: a buffer allocated in between would be the graph's, and outlive the capture.
-        let key = self.key();
-        let marked = session.as_ref().map(|s| s.id).filter(|&id| key.mark_capture_changing(id));
-        let unmark = || {
-            if let Some(id) = marked {
-                key.set_capture_id(id);
-            }
+        // Other threads' cudrv work on the capture's streams waits from the look at the capture's
+        // buffers to its end: a buffer allocated in between would be the graph's, and outlive the
+        // capture. On every stream of it, not only this one: a launch on a joined stream looks at
+        // the stream's capture (its arguments' uses), then queues the kernel and keeps its module
+        // for the graph, under that stream's gate only; were the capture to end in between, the
+        // kernel would be captured with its module not kept, or the uses noted as the graph's
+        // while the kernel runs outside it.
+        let ending = match &session {
+            None => None,
+            Some(s) => Some(s.mark_ending(None).ok_or(Error::Capturing {
+                what: "Stream::end_capture from code that cudrv runs while it queues work (a custom \
+                       MemoryResource's allocate or deallocate, a kernel argument's kernel_value), while work \
+                       on a stream of the capture is under way",
+            })?),
         };
         if let Some(s) = &session
             && s.live_buffers.load(Ordering::Acquire) > 0
         {
-            unmark();
+            // The capture goes on: its streams are unmarked.
+            drop(ending);
             return Err(Error::Capturing {
                 what: "Stream::end_capture while buffers allocated during the capture are alive (drop them \
                        first: their free belongs in the graph)",
             });
         }
-        let (ended, raw) = key.end_capture_raw();
+        let (ended, raw) = self.key().end_capture_raw();
         if ended.is_err() && self.capture_status().is_ok_and(|s| s != CaptureStatus::None) {
             // Not ended (called on another stream than the origin, or on the wrong thread): the
             // capture goes on.
-            unmark();
+            drop(ending);
             return Err(ended.expect_err("checked above"));
-        }
-        // Over at the driver: work on the stream may go on (`finish` unmarks the other streams).
-        if marked.is_some() {
-            key.set_capture_id(0);
         }
         let Some(session) = session else {
             // A capture cudrv did not start (raw driver calls): nothing of it is tracked.
             ended?;
             return Ok(Graph { raw, id: next_graph_id(), ctx: self.context().clone(), res: GraphResources::new() });
         };
-        session.finish();
+        // Over at the driver: work on its streams may go on, and the session ends.
+        if let Some(ending) = ending {
+            ending.finish();
+        }
         // On error, what the capture reserved is released with the session (nothing ran).
         ended?;
         Ok(Graph { raw, id: next_graph_id(), ctx: self.context().clone(), res: session.res.clone() })

@@ -362,9 +362,9 @@ pub unsafe trait KernelArg {
     type Value: Copy;
 
     /// The value to pass, for a launch on `stream`. Called once per launch, before it, with the
-    /// stream's gate held: no capture begins on `stream` until the launch is queued, so the
-    /// implementation must not wait for another thread to begin one there (it would wait for
-    /// ever).
+    /// stream's gate held: no capture begins or ends on `stream` until the launch is queued, so
+    /// the implementation must not wait for another thread to begin one there, or to end one that
+    /// `stream` takes part in (it would wait for ever).
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`] for memory of another device; any error the implementation

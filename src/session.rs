@@ -7,6 +7,7 @@ use std::fmt;
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use cudrv_sys::{CUgraph, CUgraphNode};
 
@@ -16,7 +17,7 @@ use crate::error::{Result, check};
 use crate::event::Event;
 use crate::host_fn;
 use crate::result::{driver, drv};
-use crate::stream::{JoinHooks, ParkedStream, Stream, StreamKey};
+use crate::stream::{JoinHooks, ParkedStream, Stream, StreamKey, mark_capture_ending};
 
 /// Whether a stream is capturing (`CUstreamCaptureStatus`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -164,6 +165,11 @@ const JOIN_HOOKS: JoinHooks = JoinHooks {
 /// end (about a millisecond apart; see `CaptureSession::abandon`).
 const ABANDON_TRIES: u32 = 1000;
 
+/// How long cudrv's thread waits, at each try, for work under way on an abandoned capture's
+/// streams (see `CaptureSession::abandon`): not for ever, for the holder of a gate may wait for
+/// cudrv's thread ([`crate::flush_deferred_drops`] from a custom resource's `allocate`).
+const ABANDON_PATIENCE: Duration = Duration::from_millis(1);
+
 /// Whether `e` is the driver's refusal to end a capture begun on another thread (global and
 /// thread-local modes), which no later try on this thread changes.
 fn is_wrong_thread(e: &crate::Error) -> bool {
@@ -213,6 +219,10 @@ pub(crate) struct CaptureSession {
     pub(crate) live_buffers: AtomicUsize,
     /// The streams that take part (the origin first).
     streams: Mutex<Vec<StreamKey>>,
+    /// Whether a thread ending the capture holds its streams marked ([`CaptureSession::mark_ending`]):
+    /// a stream that joins meanwhile waits to know whether it ended (see `track`). Written under
+    /// the lock of `streams`.
+    ending: AtomicBool,
     /// Frees that must wait for the end of the capture (of buffers that the capture does not
     /// use, dropped while their stream was capturing).
     /// `None` once the capture has ended (they ran then; later ones run at once).
@@ -249,6 +259,7 @@ impl CaptureSession {
             id,
             live_buffers: AtomicUsize::new(0),
             streams: Mutex::new(vec![origin.key().clone()]),
+            ending: AtomicBool::new(false),
             after_end: Mutex::new(Some(Vec::new())),
             at_end: Mutex::new(Vec::new()),
             res,
@@ -276,11 +287,53 @@ impl CaptureSession {
 
     /// [`CaptureSession::join`] without the prelude: marks `stream` if the capture is still
     /// tracked.
+    ///
+    /// While another thread ends the capture, its streams marked ([`CaptureSession::mark_ending`]),
+    /// this waits until the end is done (then the capture is not tracked, and the stream is left
+    /// alone) or refused (then the stream is marked): marked at once, the stream's work would race
+    /// the end, as work on the streams that thread marked cannot. The caller holds the stream
+    /// marked as joining, so that its work waits meanwhile (or, in `Stream::wait_stream_in_gate`,
+    /// its gate). That thread waits for nothing of this one's until it clears `ending`: not for
+    /// this stream, which is not one of those it marked, and for no gate of those, which none can
+    /// hold while they are marked (see [`mark_capture_ending`]).
     fn track(&self, stream: &StreamKey) {
-        let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
-        if capture::join(self.id, Arc::as_ptr(stream.context()) as usize) {
-            streams.push(stream.clone());
-            stream.set_capture_id(self.id);
+        loop {
+            let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+            if !self.ending.load(Ordering::Relaxed) {
+                if capture::join(self.id, Arc::as_ptr(stream.context()) as usize) {
+                    streams.push(stream.clone());
+                    stream.set_capture_id(self.id);
+                }
+                return;
+            }
+            drop(streams);
+            std::thread::yield_now();
+        }
+    }
+
+    /// Marks every stream that takes part in the capture as changing, for its end (see
+    /// [`mark_capture_ending`]), and holds off streams that join meanwhile until the end is done
+    /// or refused (see `track`): streams that joined while the others were marked are marked too.
+    /// Then no cudrv work on any of the capture's streams is between its look at the stream's
+    /// capture and the queueing of its work until the [`Ending`] is finished or dropped. `None`
+    /// once `patience` has run out, with nothing marked.
+    pub(crate) fn mark_ending(self: &Arc<Self>, patience: Option<Duration>) -> Option<Ending> {
+        loop {
+            let keys = self.streams.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            let marked = mark_capture_ending(&keys, self.id, patience)?;
+            let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+            if *streams == keys {
+                let flagged = !marked.is_empty();
+                if flagged {
+                    self.ending.store(true, Ordering::Relaxed);
+                }
+                return Some(Ending { session: self.clone(), marked, flagged });
+            }
+            drop(streams);
+            // A stream joined while they were marked: mark it with them.
+            for key in &marked {
+                key.set_capture_id(self.id);
+            }
         }
     }
 
@@ -288,7 +341,14 @@ impl CaptureSession {
     /// waited for the end run.
     pub(crate) fn finish(&self) {
         capture::unregister(self.id);
-        for key in std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner)) {
+        let streams = {
+            let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+            // Joins that waited for the end (`track`) find it over, before any free below runs
+            // (one may enter the gate of a stream that such a join holds marked).
+            self.ending.store(false, Ordering::Relaxed);
+            std::mem::take(&mut *streams)
+        };
+        for key in streams {
             if key.capture_id() == self.id {
                 key.set_capture_id(0);
             }
@@ -344,7 +404,7 @@ impl CaptureSession {
     /// a while, as long as the stream has no user and no buffer allocated during the capture
     /// lives (a capture in the relaxed mode may be ended on any thread; in the others the retry
     /// meets the thread's refusal, and stops). Not for a per-thread stream.
-    fn abandon(&self, origin: &StreamKey) {
+    fn abandon(self: &Arc<Self>, origin: &StreamKey) {
         {
             // Under the streams' lock, as in `buffer_gone`: either this sees the last buffer gone,
             // or that sees the origin's user gone, or both (then the second finds the session
@@ -354,8 +414,12 @@ impl CaptureSession {
                 return;
             }
         }
+        // Work under way on the capture's streams is waited for as `end_capture` waits for it,
+        // but for a while only on cudrv's thread (and where this thread holds a gate): then
+        // cudrv's thread tries again.
+        let patience = host_fn::on_helper_thread().then_some(ABANDON_PATIENCE);
         // Not a per-thread stream: on cudrv's thread its handle would mean the legacy stream.
-        if self.try_end(origin).is_some_and(|e| !is_wrong_thread(&e)) && origin.carries_context() {
+        if self.try_end(origin, patience).is_some_and(|e| !is_wrong_thread(&e)) && origin.carries_context() {
             let (id, origin) = (self.id, origin.clone());
             let mut tries = 0u32;
             host_fn::defer_until(move || {
@@ -365,7 +429,8 @@ impl CaptureSession {
                     // A user again (its going abandons the capture again), or memory of the graph.
                     return true;
                 }
-                session.try_end(&origin).is_none_or(|e| is_wrong_thread(&e)) || tries >= ABANDON_TRIES
+                session.try_end(&origin, Some(ABANDON_PATIENCE)).is_none_or(|e| is_wrong_thread(&e))
+                    || tries >= ABANDON_TRIES
             });
         }
     }
@@ -374,7 +439,7 @@ impl CaptureSession {
     /// where it belongs). If it was the last one and the origin's last user went meanwhile, the
     /// capture is abandoned now: `abandon` left it on while the buffer lived (its memory was the
     /// graph's), and nothing else would end it.
-    pub(crate) fn buffer_gone(&self) {
+    pub(crate) fn buffer_gone(self: &Arc<Self>) {
         if self.live_buffers.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
@@ -391,12 +456,18 @@ impl CaptureSession {
     }
 
     /// Ends the capture of `origin` and discards its graph, finishing the session where the
-    /// capture is over: the driver's refusal where it goes on.
-    fn try_end(&self, origin: &StreamKey) -> Option<crate::Error> {
+    /// capture is over: the driver's refusal where it goes on, or `Error::Capturing` where work
+    /// on its streams stayed under way for `patience` (see [`CaptureSession::mark_ending`]).
+    fn try_end(self: &Arc<Self>, origin: &StreamKey, patience: Option<Duration>) -> Option<crate::Error> {
+        let Some(ending) = self.mark_ending(patience) else {
+            return Some(crate::Error::Capturing {
+                what: "ending an abandoned capture while work is queued on its streams",
+            });
+        };
         let (ended, graph) = origin.end_capture_raw();
         discard_graph(graph);
         if ended.is_ok() || origin.capture_status().is_ok_and(|s| s == CaptureStatus::None) {
-            self.finish();
+            ending.finish();
             return None;
         }
         ended.err()
@@ -412,6 +483,40 @@ impl CaptureSession {
                 drop(waiting);
                 free();
             }
+        }
+    }
+}
+
+/// The streams of a capture marked for its end ([`CaptureSession::mark_ending`]). Dropped, the
+/// capture goes on: they take part in it again, and streams that waited to join it are tracked.
+pub(crate) struct Ending {
+    session: Arc<CaptureSession>,
+    marked: Vec<StreamKey>,
+    /// Whether this set the session's `ending`.
+    flagged: bool,
+}
+
+impl Ending {
+    /// The capture is over at the driver: its streams take part in none from now on (their work
+    /// may go on), and the session finishes.
+    pub(crate) fn finish(mut self) {
+        for key in std::mem::take(&mut self.marked) {
+            key.set_capture_id(0);
+        }
+        // `finish` clears `ending`.
+        self.flagged = false;
+        self.session.finish();
+    }
+}
+
+impl Drop for Ending {
+    fn drop(&mut self) {
+        for key in &self.marked {
+            key.set_capture_id(self.session.id);
+        }
+        if self.flagged {
+            let _streams = self.session.streams.lock().unwrap_or_else(PoisonError::into_inner);
+            self.session.ending.store(false, Ordering::Relaxed);
         }
     }
 }
@@ -712,7 +817,7 @@ fn release_after_launches((mut kept, done): (Kept, Arc<Completion>)) -> Option<(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
     use std::sync::{Arc, Mutex};
 
     use super::{CaptureSession, GraphResources};
@@ -733,6 +838,7 @@ mod tests {
             id,
             live_buffers: AtomicUsize::new(0),
             streams: Mutex::new(vec![origin.key().clone()]),
+            ending: AtomicBool::new(false),
             after_end: Mutex::new(Some(Vec::new())),
             at_end: Mutex::new(Vec::new()),
             res: GraphResources::new(),

@@ -567,7 +567,8 @@ impl StreamKey {
     }
 
     /// Enters the stream's gate: until the [`Gate`] is dropped, no capture begins on the stream,
-    /// so that what the caller sees of the stream's capture (with [`StreamKey::capture_id`])
+    /// nor ends while the stream takes part in it (see [`mark_capture_ending`]), so that what the
+    /// caller sees of the stream's capture (with [`StreamKey::capture_id`])
     /// stays true while it queues work there, and no wait of another thread makes it join a
     /// capture (see [`StreamKey::joining`]; cudrv's own waits under a gate do not wait for it).
     /// Held from the look to the queueing (and for
@@ -724,6 +725,118 @@ impl StreamKey {
     }
 }
 
+/// Marks every stream of capture `id` that ends (`keys`: those that take part in it, the origin
+/// first) as changing, as [`StreamKey::mark_capture_changing`] marks one, all at once: returns the
+/// streams marked, once each of `keys` that still takes part in the capture is marked and no gate
+/// of any of them is held. Not only the origin: a launch on a joined stream holds that stream's
+/// gate alone, from its look at the stream's capture (its arguments' uses) to the queueing of the
+/// kernel and the keep of its module (see `Function::enqueue`); so the end comes wholly before
+/// such work or wholly after it, never in between. Until the streams' ids are set again
+/// ([`StreamKey::set_capture_id`]), other threads' cudrv work on them waits.
+///
+/// Deadlock-free: no mark is held while this waits, for a gate to empty or for another thread's
+/// mark to go. The marks are set only when every gate was seen empty, and all taken back as soon
+/// as one is seen held after the barrier (a thread may hold a gate of one of the streams while it
+/// enters another's, which the mark would hold back). Holding them, the caller waits for no gate
+/// and no other thread until it sets the ids again. The marks are taken in the order of `keys`,
+/// the same for every thread that ends the same capture (it is the session's list): two such
+/// threads (`end_capture` on the origin and on a joined stream, or an abandoned origin's cudrv
+/// thread) meet at the first stream, where the second sees the first's mark before holding any,
+/// and waits for it to go, holding none (streams of two captures are never shared: marking two
+/// captures at once never conflicts). A thread that holds a gate (user code run under one) waits
+/// at most [`HELD_GATES_PATIENCE`]: the gate may be its own, or held by a thread that waits for
+/// one this thread holds.
+///
+/// `None` once `patience` (`None`: for ever) has run out since a gate or a mark was first seen in
+/// the way; then nothing is marked.
+pub(crate) fn mark_capture_ending(keys: &[StreamKey], id: u64, patience: Option<Duration>) -> Option<Vec<StreamKey>> {
+    /// Counts this thread among those waiting to mark each stream, until it is done (new gates of
+    /// the streams hold back meanwhile, see [`StreamKey::hold_back_for_marking`]).
+    struct Marking<'a>(&'a [StreamKey]);
+    impl Drop for Marking<'_> {
+        fn drop(&mut self) {
+            for key in self.0 {
+                key.0.marking.fetch_sub(1, Ordering::Release);
+            }
+        }
+    }
+    let patience = match GATES_HELD.with(Cell::get) {
+        0 => patience,
+        _ => Some(patience.map_or(HELD_GATES_PATIENCE, |p| p.min(HELD_GATES_PATIENCE))),
+    };
+    let out_of_patience = |since: &mut Option<Instant>| {
+        let since = *since.get_or_insert_with(Instant::now);
+        patience.is_some_and(|p| since.elapsed() >= p)
+    };
+    // A stream that ended its part meanwhile (set to 0 by whoever ended the capture, maybe since
+    // in another capture) is left alone.
+    let takes_part = |key: &&StreamKey| key.0.capture.load(Ordering::Acquire) == id;
+    // As `mark_capture_changing_within`'s.
+    let unmark = |marked: &[StreamKey]| {
+        for key in marked {
+            key.0.capture.store(id, Ordering::SeqCst);
+        }
+    };
+    for key in keys {
+        key.0.marking.fetch_add(1, Ordering::SeqCst);
+    }
+    let _marking = Marking(keys);
+    let mut since = None;
+    loop {
+        // Holding no mark: wait until the gates seen held have emptied (as `mark_ungated`).
+        for key in keys.iter().filter(takes_part) {
+            let mut spins = 0u32;
+            while key.gated() {
+                if spins.is_multiple_of(1024) && out_of_patience(&mut since) {
+                    return None;
+                }
+                pause(&mut spins, 4096);
+            }
+        }
+        let mut marked: Vec<StreamKey> = Vec::with_capacity(keys.len());
+        let mut in_the_way = None;
+        for key in keys {
+            if marked.contains(key) {
+                continue;
+            }
+            // SeqCst here and in `enter`: either the work sees the mark, or the mark sees the work.
+            match key.0.capture.compare_exchange(id, CAPTURE_STARTING, Ordering::SeqCst, Ordering::Acquire) {
+                Ok(_) => marked.push(key.clone()),
+                // Another thread ending the capture marks it: wait, holding none, for its mark to go.
+                Err(CAPTURE_STARTING) => {
+                    in_the_way = Some(key);
+                    break;
+                }
+                Err(_) => {}
+            }
+        }
+        if let Some(key) = in_the_way {
+            unmark(&marked);
+            let mut spins = 0u32;
+            while key.0.capture.load(Ordering::Acquire) == CAPTURE_STARTING {
+                if spins.is_multiple_of(1024) && out_of_patience(&mut since) {
+                    return None;
+                }
+                pause(&mut spins, 64);
+            }
+            continue;
+        }
+        if marked.is_empty() {
+            return Some(marked);
+        }
+        // The owners count their gates with a publish: this makes them seen.
+        barrier::heavy();
+        if !marked.iter().any(StreamKey::gated) {
+            return Some(marked);
+        }
+        // Work is under way on one of them: take every mark back and let it finish.
+        unmark(&marked);
+        if out_of_patience(&mut since) {
+            return None;
+        }
+    }
+}
+
 /// A stream's gate, entered with [`StreamKey::enter`]: while it is held, the stream's capture
 /// does not change.
 #[must_use = "the gate holds off captures only while it lives"]
@@ -784,6 +897,11 @@ fn pause(spins: &mut u32, spin_first: u32) {
 /// How long a new gate holds back for a thread waiting to mark the stream
 /// ([`StreamKey::hold_back_for_marking`]).
 const MARK_HOLD_BACK: Duration = Duration::from_millis(1);
+
+/// How long a thread that holds a gate itself (user code run under one: a custom resource's
+/// `allocate` or `deallocate`, a kernel argument's `kernel_value`) waits for the gates of a
+/// capture's streams to empty, to end the capture ([`mark_capture_ending`]).
+const HELD_GATES_PATIENCE: Duration = Duration::from_millis(10);
 
 /// The capture id of a stream on which a capture is being begun (the driver's ids count up from
 /// 1 and never reach it).

@@ -41,9 +41,12 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// is (cudrv calls its own [`StreamOrderedPool`] directly, for example).
 ///
 /// When a [`DeviceBuffer`] calls a resource's `allocate` or `deallocate`, it holds the stream's
-/// capture gate, so that no capture begins on the stream between its look at the stream and the
-/// resource's work there: an implementation must not begin a capture on that stream (it would
-/// wait for ever). Queueing work on it, and waiting for it, are fine.
+/// capture gate, so that no capture begins or ends on the stream between its look at the stream
+/// and the resource's work there: an implementation must not begin a capture on that stream (it
+/// would wait for ever), nor wait for another thread to begin one there or to end one that the
+/// stream takes part in (that thread waits for the gate). Ending such a capture itself is
+/// refused ([`Error::Capturing`](crate::Error::Capturing)). Queueing work on it, and waiting for
+/// it, are fine.
 ///
 /// # Safety
 /// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least

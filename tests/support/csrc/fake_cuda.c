@@ -30,6 +30,10 @@
  *                                      (an integer, as for MEMORY).
  *  CUDRV_FAKE_UNMAP_US=<us>            cuMemUnmap sleeps this long (holding no lock) before it
  *                                      unmaps, as a real unmap of much memory takes a while.
+ *  CUDRV_FAKE_LAUNCH_US=<us>           cuLaunchKernel, cuLaunchCooperativeKernel and cuLaunchKernelEx
+ *                                      sleep this long (holding no lock) after they queued (or
+ *                                      captured) a launch, before they return: the window between a
+ *                                      launch and what its caller does next, widened for tests.
  *  CUDRV_FAKE_DRIVER_VERSION=<v>       cuDriverGetVersion (default 13000; 11010 for the legacy build):
  *                                      a decimal integer 1000 * major + 10 * minor, 1000 to 999999.
  *                                      cuGetProcAddress serves no function introduced after it.
@@ -872,6 +876,7 @@ static struct {
     fk_device dev[FK_MAX_DEVICES];
     uint64_t delay_us;
     uint64_t unmap_us;
+    uint64_t launch_us;
     int driver_version;
     int report_on_exit;
     fk_fault faults[32];
@@ -981,7 +986,8 @@ static int known_function_name(const char *name);
 /* Every CUDRV_FAKE_* variable that may be set. */
 static const char *const KNOWN_VARS[] = {
     "CUDRV_FAKE_MODE", "CUDRV_FAKE_DEVICES", "CUDRV_FAKE_VMM", "CUDRV_FAKE_MEMORY", "CUDRV_FAKE_DELAY_US",
-    "CUDRV_FAKE_UNMAP_US", "CUDRV_FAKE_DRIVER_VERSION", "CUDRV_FAKE_FAIL", "CUDRV_FAKE_REPORT_ON_EXIT",
+    "CUDRV_FAKE_UNMAP_US", "CUDRV_FAKE_LAUNCH_US", "CUDRV_FAKE_DRIVER_VERSION", "CUDRV_FAKE_FAIL",
+    "CUDRV_FAKE_REPORT_ON_EXIT",
     /* not read here: cudrv-test-support sets the first in its child processes, and its build
        script reads the second */
     "CUDRV_FAKE_CHILD", "CUDRV_FAKE_CFLAGS",
@@ -1095,7 +1101,8 @@ static void check_var_name(const char *entry) {
     fprintf(stderr,
             "cudrv fake driver: unknown variable %.*s=\"%s\": the fake driver reads CUDRV_FAKE_MODE, "
             "CUDRV_FAKE_DEVICES, CUDRV_FAKE_VMM, CUDRV_FAKE_MEMORY, CUDRV_FAKE_DELAY_US, "
-            "CUDRV_FAKE_UNMAP_US, CUDRV_FAKE_DRIVER_VERSION, CUDRV_FAKE_FAIL and CUDRV_FAKE_REPORT_ON_EXIT "
+            "CUDRV_FAKE_UNMAP_US, CUDRV_FAKE_LAUNCH_US, CUDRV_FAKE_DRIVER_VERSION, CUDRV_FAKE_FAIL and "
+            "CUDRV_FAKE_REPORT_ON_EXIT "
             "(cuInit returns CUDA_ERROR_INVALID_VALUE)\n",
             (int)len, entry, entry[len] ? entry + len + 1 : "");
     G.config_error = 1;
@@ -1151,6 +1158,10 @@ static void read_env_locked(void) {
     if ((s = env_value("CUDRV_FAKE_UNMAP_US"))) {
         if (parse_u64(s, &v)) G.unmap_us = v;
         else config_error("CUDRV_FAKE_UNMAP_US", s, "a number of microseconds (decimal, 0x-hex or 0-octal integer)");
+    }
+    if ((s = env_value("CUDRV_FAKE_LAUNCH_US"))) {
+        if (parse_u64(s, &v)) G.launch_us = v;
+        else config_error("CUDRV_FAKE_LAUNCH_US", s, "a number of microseconds (decimal, 0x-hex or 0-octal integer)");
     }
     if ((s = env_value("CUDRV_FAKE_DRIVER_VERSION"))) {
         char *end;
@@ -4210,6 +4221,7 @@ static CUresult launch(const char *api, CUfunction f, unsigned gx, unsigned gy, 
     record_launch_locked(api, gx, gy, gz, bx, by, bz, smem, cooperative, cluster);
 out:
     fk_unlock(&G.lock);
+    if (r == CUDA_SUCCESS) fk_sleep_us(G.launch_us);
     return r;
 }
 
