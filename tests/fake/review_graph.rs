@@ -82,6 +82,8 @@ fn set_kernel_node_params_keeps_the_new_functions_module() {
         cudrv::flush_deferred_drops().unwrap();
         assert_eq!(fake_report().live_modules, 0, "kept past the executable graph's last launch");
         drop((out, s));
+        // The event that `synchronize` waited for is the context's to keep.
+        Device::get(0).unwrap().primary_context().unwrap().release_cached_events();
         assert_no_leaks();
     });
 }
@@ -112,6 +114,8 @@ fn set_kernel_node_params_refuses_a_function_of_another_context() {
         s.synchronize().unwrap();
         cudrv::flush_deferred_drops().unwrap();
         drop((out, s));
+        // As above.
+        Device::get(0).unwrap().primary_context().unwrap().release_cached_events();
         assert_no_leaks();
     });
 }
