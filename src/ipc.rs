@@ -63,7 +63,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::size_of;
+use std::mem::{MaybeUninit, size_of};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -75,7 +75,8 @@ use crate::device::Device;
 use crate::error::check;
 use crate::error::{Error, Result};
 use crate::memory::{
-    DeviceBuffer, DevicePtr, DeviceRepr, DriverPool, MemoryResource, MemoryStats, ResourceKind, StreamUses, check_len,
+    DeviceBuffer, DevicePtr, DeviceRepr, DriverPool, MemoryResource, MemoryStats, ResourceKind, StreamUses, as_uninit,
+    check_len, vec_written,
 };
 use crate::result::{driver, drv};
 use crate::stream::Stream;
@@ -855,6 +856,12 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// # Errors
     /// As [`IpcBuffer::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        self.copy_to_host_uninit(as_uninit(dst))
+    }
+
+    /// [`IpcBuffer::copy_to_host`] into memory that may not be initialised yet; it is, once this
+    /// returns `Ok`.
+    fn copy_to_host_uninit(&self, dst: &mut [MaybeUninit<T>]) -> Result<()> {
         check_len("the IpcBuffer", self.len, dst.len())?;
         // Captured, the copy would touch `dst` at every launch, long after this call.
         let _gate = self.stream.refuse_host_access("IpcBuffer::copy_to_host during a capture")?;
@@ -877,13 +884,8 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// # Errors
     /// The driver's error.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        let mut v = Vec::with_capacity(self.len);
-        // SAFETY: MaybeUninit<T> has T's layout; the copy writes every element or fails.
-        let dst = unsafe { std::slice::from_raw_parts_mut(v.spare_capacity_mut().as_mut_ptr().cast::<T>(), self.len) };
-        self.copy_to_host(dst)?;
-        // SAFETY: written by the completed copy.
-        unsafe { v.set_len(self.len) };
-        Ok(v)
+        // SAFETY: the copy writes every element when it returns `Ok`, having waited for it.
+        unsafe { vec_written(self.len, |dst| self.copy_to_host_uninit(dst)) }
     }
 
     /// Copies `src` (a buffer of the same device) into this buffer, queued on this buffer's

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::{ManuallyDrop, align_of, size_of};
+use std::mem::{ManuallyDrop, MaybeUninit, align_of, size_of};
 use std::ops::{Bound as RangeBound, RangeBounds};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -157,6 +157,34 @@ pub(crate) fn aligned_bytes<T>(what: &str, len: usize) -> Result<usize> {
         )));
     }
     byte_len::<T>(len)
+}
+
+/// `dst` as memory for a copy from the device to write: only whole `T`s are written through the
+/// result (device bytes, every pattern of which is a valid `T`: [`DeviceRepr`]), so `dst` stays
+/// initialised.
+#[inline]
+pub(crate) fn as_uninit<T: DeviceRepr>(dst: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: `MaybeUninit<T>` has `T`'s size, alignment and layout, and every `T` is a valid
+    // `MaybeUninit<T>`; what is written through the result is a valid `T` (above).
+    unsafe { &mut *(std::ptr::from_mut(dst) as *mut [MaybeUninit<T>]) }
+}
+
+/// A `Vec` of the `len` elements that `fill` writes, without a reference to them before they are
+/// written.
+///
+/// # Safety
+/// `fill` returns `Ok` only once it has written all `len` elements (with valid `T`s), and writes
+/// nothing after it returns.
+#[inline]
+pub(crate) unsafe fn vec_written<T>(
+    len: usize,
+    fill: impl FnOnce(&mut [MaybeUninit<T>]) -> Result<()>,
+) -> Result<Vec<T>> {
+    let mut v = Vec::with_capacity(len);
+    fill(&mut v.spare_capacity_mut()[..len])?;
+    // SAFETY: all `len` elements were written (the caller's promise).
+    unsafe { v.set_len(len) };
+    Ok(v)
 }
 
 /// Checks that `resource` kept its contract to align `ptr` to [`MAX_ALIGN`] bytes; a resource
@@ -1099,6 +1127,12 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
     /// # Errors
     /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        self.copy_to_host_uninit(as_uninit(dst))
+    }
+
+    /// [`DeviceView::copy_to_host`] into memory that may not be initialised yet; it is, once
+    /// this returns `Ok`.
+    fn copy_to_host_uninit(&self, dst: &mut [MaybeUninit<T>]) -> Result<()> {
         check_len("the DeviceBuffer", self.len, dst.len())?;
         if self.len == 0 {
             return Ok(());
@@ -1121,15 +1155,8 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
     /// # Errors
     /// The driver's error.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        let mut v = Vec::with_capacity(self.len);
-        let spare = v.spare_capacity_mut();
-        // SAFETY: MaybeUninit<T> has T's layout; the copy writes all `len` elements (or fails, and
-        // then the length stays 0).
-        let dst = unsafe { std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<T>(), self.len) };
-        self.copy_to_host(dst)?;
-        // SAFETY: all `len` elements were written by the completed copy.
-        unsafe { v.set_len(self.len) };
-        Ok(v)
+        // SAFETY: the copy writes all `len` elements when it returns `Ok`, having waited for it.
+        unsafe { vec_written(self.len, |dst| self.copy_to_host_uninit(dst)) }
     }
 
     fn copy_from_host_inner(&self, src: &[T]) -> Result<()> {

@@ -15,10 +15,10 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::size_of;
+use std::mem::{MaybeUninit, size_of};
 use std::sync::Arc;
 
-use super::buffer::{DeviceRepr, aligned_bytes, element_bits};
+use super::buffer::{DeviceRepr, aligned_bytes, as_uninit, element_bits, vec_written};
 use super::{DevicePtr, MemoryResource, ResourceKind, StreamUses, check_len, check_stream};
 use crate::capture::RelaxedCaptureMode;
 use crate::context::{Context, bound_drop_call};
@@ -447,6 +447,12 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     /// # Errors
     /// As [`ManagedBuffer::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        self.copy_to_host_uninit(as_uninit(dst))
+    }
+
+    /// [`ManagedBuffer::copy_to_host`] into memory that may not be initialised yet; it is, once
+    /// this returns `Ok`.
+    fn copy_to_host_uninit(&self, dst: &mut [MaybeUninit<T>]) -> Result<()> {
         check_len("the ManagedBuffer", self.len, dst.len())?;
         // Captured, the copy would touch `dst` at every launch, long after this call.
         let _gate = self.stream.refuse_in_capture("ManagedBuffer::copy_to_host during a capture")?;
@@ -471,14 +477,8 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     /// # Errors
     /// The driver's error.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        let mut v = Vec::with_capacity(self.len);
-        // SAFETY: MaybeUninit<T> has T's layout; the copy writes all elements or fails (then the
-        // length stays 0).
-        let dst = unsafe { std::slice::from_raw_parts_mut(v.spare_capacity_mut().as_mut_ptr().cast::<T>(), self.len) };
-        self.copy_to_host(dst)?;
-        // SAFETY: every element was written by the completed copy.
-        unsafe { v.set_len(self.len) };
-        Ok(v)
+        // SAFETY: the copy writes every element when it returns `Ok`, having waited for it.
+        unsafe { vec_written(self.len, |dst| self.copy_to_host_uninit(dst)) }
     }
 
     /// Migrates the pages to `location` ahead of their use, queued on `stream`

@@ -30,6 +30,7 @@ mod sync;
 mod uses;
 
 pub use buffer::{DeviceBuffer, DeviceRepr, DeviceView};
+pub(crate) use buffer::{as_uninit, vec_written};
 pub use choice::{Choice, RESOURCE_VAR, choose};
 pub(crate) use choice::{DeviceResource, device_resource_for_buffers, pools_missing_reason};
 pub use driver_pool::{DriverPool, DriverPoolConfig};

@@ -15,13 +15,13 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::size_of;
+use std::mem::{MaybeUninit, size_of};
 use std::ops::{Bound as RangeBound, RangeBounds};
 use std::sync::Arc;
 
 use cudrv_sys::{CUDA_MEMCPY2D, CUDA_MEMCPY3D, CUmemorytype};
 
-use super::buffer::{DeviceBuffer, DeviceRepr, byte_len, element_bits};
+use super::buffer::{DeviceBuffer, DeviceRepr, as_uninit, byte_len, element_bits, vec_written};
 use super::host::PinnedBuffer;
 use super::{DevicePtr, StreamUses, UseGates, check_len, check_stream, free_after_waiting};
 use crate::capture::RelaxedCaptureMode;
@@ -740,7 +740,7 @@ impl<T: DeviceRepr> DeviceView2D<'_, T> {
     /// [`Error::LengthMismatch`] when `dst.len()` is not `width * height`; the driver's error.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         check_len("the pitched buffer", self.len(), dst.len())?;
-        self.copy_to_host_strided(dst, self.width)
+        self.copy_to_host_strided_uninit(as_uninit(dst), self.width)
     }
 
     /// Copies the view into `dst`, whose rows are `dst_stride` elements apart, and waits.
@@ -749,6 +749,12 @@ impl<T: DeviceRepr> DeviceView2D<'_, T> {
     /// [`Error::InvalidArgument`] when `dst` is too short or the stride less than the width; the
     /// driver's error.
     pub fn copy_to_host_strided(&self, dst: &mut [T], dst_stride: usize) -> Result<()> {
+        self.copy_to_host_strided_uninit(as_uninit(dst), dst_stride)
+    }
+
+    /// [`DeviceView2D::copy_to_host_strided`] into memory that may not be initialised yet; the
+    /// rows are, once this returns `Ok`.
+    fn copy_to_host_strided_uninit(&self, dst: &mut [MaybeUninit<T>], dst_stride: usize) -> Result<()> {
         let pitch =
             check_host::<T>("DeviceView2D::copy_to_host_strided", dst.len(), self.width, self.height, dst_stride)?;
         let _access = self.mem.stream.refuse_host_access("copying a DeviceBuffer2D to the host")?;
@@ -766,15 +772,9 @@ impl<T: DeviceRepr> DeviceView2D<'_, T> {
     /// # Errors
     /// The driver's error.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        let n = self.len();
-        let mut v = Vec::with_capacity(n);
-        // SAFETY: MaybeUninit<T> has T's layout; the copy writes all `n` elements (or fails, and
-        // the length stays 0).
-        let dst = unsafe { std::slice::from_raw_parts_mut(v.spare_capacity_mut().as_mut_ptr().cast::<T>(), n) };
-        self.copy_to_host(dst)?;
-        // SAFETY: all `n` elements were written by the completed copy.
-        unsafe { v.set_len(n) };
-        Ok(v)
+        // SAFETY: rows of `width` elements one after the other: the copy writes all of them when
+        // it returns `Ok`, having waited for it.
+        unsafe { vec_written(self.len(), |dst| self.copy_to_host_strided_uninit(dst, self.width)) }
     }
 }
 
@@ -972,6 +972,12 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// # Errors
     /// As [`DeviceBuffer3D::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        self.copy_to_host_uninit(as_uninit(dst))
+    }
+
+    /// [`DeviceBuffer3D::copy_to_host`] into memory that may not be initialised yet; it is, once
+    /// this returns `Ok`.
+    fn copy_to_host_uninit(&self, dst: &mut [MaybeUninit<T>]) -> Result<()> {
         check_len("the pitched buffer", self.len(), dst.len())?;
         let _access = self.mem.stream.refuse_host_access("copying a DeviceBuffer3D to the host")?;
         let host =
@@ -987,14 +993,8 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// # Errors
     /// The driver's error.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        let n = self.len();
-        let mut v = Vec::with_capacity(n);
-        // SAFETY: as in DeviceView2D::to_vec.
-        let dst = unsafe { std::slice::from_raw_parts_mut(v.spare_capacity_mut().as_mut_ptr().cast::<T>(), n) };
-        self.copy_to_host(dst)?;
-        // SAFETY: all `n` elements were written by the completed copy.
-        unsafe { v.set_len(n) };
-        Ok(v)
+        // SAFETY: the copy writes the whole volume when it returns `Ok`, having waited for it.
+        unsafe { vec_written(self.len(), |dst| self.copy_to_host_uninit(dst)) }
     }
 
     /// Copies the box of `extent` elements at `src_at` = (x, y, z) of `src` (any 3D buffer of the
