@@ -50,15 +50,16 @@ def launch_spin(fn, cycles):
     ck(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, params, None), "cuLaunchKernel")
 
 
-def unload_then_sync(mod):
-    """Unloads `mod` at once, then synchronises the stream: what each returned, and took."""
+def unload_then_sync(handle, unload=cu.cuModuleUnload, name="cuModuleUnload"):
+    """Unloads `handle` (a module, or with `unload` a library) at once, then synchronises the
+    stream: what each returned, and took."""
     t1 = time.perf_counter()
-    rc_unload = cu.cuModuleUnload(mod)
+    rc_unload = unload(handle)
     t2 = time.perf_counter()
     rc_sync = cu.cuStreamSynchronize(stream)
     t3 = time.perf_counter()
     return (
-        f"cuModuleUnload rc={rc_unload} took {1e3 * (t2 - t1):.1f} ms, "
+        f"{name} rc={rc_unload} took {1e3 * (t2 - t1):.1f} ms, "
         f"then cuStreamSynchronize rc={rc_sync} took {1e3 * (t3 - t2):.1f} ms"
     )
 
@@ -81,20 +82,11 @@ ck(cu.cuModuleUnload(first), "cuModuleUnload")
 # The same for a library (`cuLibraryLoadData`, CUDA 12.0; cudrv's `Library`): does
 # `cuLibraryUnload` wait for a running kernel of one of its functions?
 if hasattr(cu, "cuLibraryLoadData"):
-    for cycles in (2_000_000_000,):
-        lib, kernel, fn = C.c_void_p(), C.c_void_p(), C.c_void_p()
-        ck(cu.cuLibraryLoadData(C.byref(lib), C.c_char_p(PTX), None, None, 0, None, None, 0), "cuLibraryLoadData")
-        ck(cu.cuLibraryGetKernel(C.byref(kernel), lib, b"spin"), "cuLibraryGetKernel")
-        ck(cu.cuKernelGetFunction(C.byref(fn), kernel), "cuKernelGetFunction")
-        launch_spin(fn, cycles)
-        t1 = time.perf_counter()
-        rc_unload = cu.cuLibraryUnload(lib)
-        t2 = time.perf_counter()
-        rc_sync = cu.cuStreamSynchronize(stream)
-        t3 = time.perf_counter()
-        print(
-            f"library, cycles={cycles}: cuLibraryUnload rc={rc_unload} took {1e3 * (t2 - t1):.1f} ms, "
-            f"then cuStreamSynchronize rc={rc_sync} took {1e3 * (t3 - t2):.1f} ms"
-        )
+    lib, kernel, fn = C.c_void_p(), C.c_void_p(), C.c_void_p()
+    ck(cu.cuLibraryLoadData(C.byref(lib), C.c_char_p(PTX), None, None, 0, None, None, 0), "cuLibraryLoadData")
+    ck(cu.cuLibraryGetKernel(C.byref(kernel), lib, b"spin"), "cuLibraryGetKernel")
+    ck(cu.cuKernelGetFunction(C.byref(fn), kernel), "cuKernelGetFunction")
+    launch_spin(fn, 2_000_000_000)
+    print(f"library, cycles=2000000000: {unload_then_sync(lib, cu.cuLibraryUnload, 'cuLibraryUnload')}")
 else:
     print("library: this driver has no cuLibraryLoadData")

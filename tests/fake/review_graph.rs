@@ -120,6 +120,19 @@ fn set_kernel_node_params_refuses_a_function_of_another_context() {
     });
 }
 
+/// A capture begun on `s1` (returned first), which `s2` joined; a zeroed buffer of 256 `u32`s of
+/// `s1`'s; and `fill_u32`, whose `Function` alone keeps its module.
+fn capture_with_a_joined_stream() -> (Stream, Stream, DeviceBuffer<u32>, cudrv::Function) {
+    let dev = Device::get(0).unwrap();
+    let (s1, s2) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+    let out = DeviceBuffer::<u32>::zeroed(256, &s1).unwrap();
+    s1.synchronize().unwrap();
+    let fill = Module::from_ptx(&dev, PTX).unwrap().function("fill_u32").unwrap();
+    s1.begin_capture(CaptureMode::Relaxed).unwrap();
+    s2.wait_stream(&s1).unwrap();
+    (s1, s2, out, fill)
+}
+
 /// A `u32` kernel argument whose `kernel_value` (run under the launch's stream's gate, after the
 /// arguments before it recorded their uses) says so on `started`, then sleeps `pause`: work under
 /// way on the stream, between its looks at the stream's capture and the launch.
@@ -146,14 +159,8 @@ unsafe impl KernelArg for Slow {
 #[test]
 fn a_launch_on_a_joined_stream_racing_the_captures_end_keeps_its_module() {
     run_with_fake_modes(&["linux"], &[("CUDRV_FAKE_LAUNCH_US", "300000")], || {
-        let dev = Device::get(0).unwrap();
-        let (s1, s2) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
-        let out = DeviceBuffer::<u32>::zeroed(256, &s1).unwrap();
-        s1.synchronize().unwrap();
         // The launch's `Function` alone keeps the module.
-        let fill = Module::from_ptx(&dev, PTX).unwrap().function("fill_u32").unwrap();
-        s1.begin_capture(CaptureMode::Relaxed).unwrap();
-        s2.wait_stream(&s1).unwrap();
+        let (s1, s2, out, fill) = capture_with_a_joined_stream();
         let (started, launching) = channel();
         let graph = std::thread::scope(|t| {
             t.spawn(|| {
@@ -182,7 +189,7 @@ fn a_launch_on_a_joined_stream_racing_the_captures_end_keeps_its_module() {
         assert_eq!(fake_report().live_modules, 0);
         drop((out, s1, s2));
         // The event that ordered `s1` after `s2` (the join back) is kept for the next such wait.
-        dev.primary_context().unwrap().release_cached_events();
+        Device::get(0).unwrap().primary_context().unwrap().release_cached_events();
         assert_no_leaks();
     });
 }
@@ -196,14 +203,12 @@ fn slow_fill(fill: &cudrv::Function, s2: &Stream, buf: &DeviceBuffer<u32>, start
     unsafe { fill.launch(LaunchConfig::for_num_elems(256), s2, (buf, slow, 256u64)).unwrap() };
 }
 
-/// A launch on a stream that joined the capture, its buffer's use recorded as the capture's (the
-/// graph's), racing the capture's end on another thread before it is queued: it must be captured
-/// (the end waits for it; here, queued after the join back, it leaves the capture unjoined), or
-/// else its use must order the buffer's free after it. `s2` is kept busy for a second, so that
-/// a kernel queued there for real runs after the buffer's drop. It failed before (the capture
-/// ended, the kernel ran outside it, and the buffer was freed under it: an access violation).
-#[test]
-fn a_launch_on_a_joined_stream_that_saw_the_capture_is_captured_or_orders_the_free() {
+/// The race of the two tests below. `s2` is kept busy for a second, so that a kernel queued there
+/// for real runs after the buffer's drop; it joins a capture begun on `s1`; another thread
+/// launches `fill` into `buf` on `s2`, slowly once its uses are recorded; then `during` runs (on
+/// this thread, with `s1` and `s2`), and `after` once the launch has returned. Then `buf` is dropped, and
+/// the fake driver must report no access of freed memory.
+fn race_a_launch_on_a_joined_stream<R>(during: impl Fn(Stream, &Stream) -> R, after: impl Fn(R, &Stream)) {
     run_with_fake_modes(&["linux"], &[], || {
         let dev = Device::get(0).unwrap();
         let (s0, s1, s2) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
@@ -217,17 +222,12 @@ fn a_launch_on_a_joined_stream_that_saw_the_capture_is_captured_or_orders_the_fr
         s1.begin_capture(CaptureMode::Relaxed).unwrap();
         s2.wait_stream(&s1).unwrap();
         let (started, launching) = channel();
-        let ended = std::thread::scope(|t| {
+        let r = std::thread::scope(|t| {
             t.spawn(|| slow_fill(&fill, &s2, &buf, started));
             launching.recv().unwrap();
-            s1.wait_stream(&s2).unwrap();
-            s1.end_capture()
+            during(s1, &s2)
         });
-        // Captured after the join back: the capture was left unjoined (its graph discarded).
-        match ended {
-            Err(e) => assert_eq!(e.code(), Some(cudrv::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED), "{e}"),
-            Ok(graph) => drop(graph),
-        }
+        after(r, &s2);
         drop(buf);
         s2.synchronize().unwrap();
         s0.synchronize().unwrap();
@@ -236,36 +236,35 @@ fn a_launch_on_a_joined_stream_that_saw_the_capture_is_captured_or_orders_the_fr
     });
 }
 
+/// A launch on a stream that joined the capture, its buffer's use recorded as the capture's (the
+/// graph's), racing the capture's end on another thread before it is queued: it must be captured
+/// (the end waits for it; here, queued after the join back, it leaves the capture unjoined), or
+/// else its use must order the buffer's free after it. It failed before (the capture ended, the
+/// kernel ran outside it, and the buffer was freed under it: an access violation).
+#[test]
+fn a_launch_on_a_joined_stream_that_saw_the_capture_is_captured_or_orders_the_free() {
+    race_a_launch_on_a_joined_stream(
+        |s1, s2| {
+            s1.wait_stream(s2).unwrap();
+            s1.end_capture()
+        },
+        |ended, _| match ended {
+            // Captured after the join back: the capture was left unjoined (its graph discarded).
+            Err(e) => assert_eq!(e.code(), Some(cudrv::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED), "{e}"),
+            Ok(graph) => drop(graph),
+        },
+    );
+}
+
 /// As `a_launch_on_a_joined_stream_that_saw_the_capture_is_captured_or_orders_the_free`, with the
 /// capture abandoned (its origin's last user dropped) instead of ended. It failed before.
 #[test]
 fn a_launch_on_a_joined_stream_racing_an_abandoned_capture_orders_the_free() {
-    run_with_fake_modes(&["linux"], &[], || {
-        let dev = Device::get(0).unwrap();
-        let (s0, s1, s2) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
-        let module = Module::from_ptx(&dev, PTX).unwrap();
-        let (fill, spin) = (module.function("fill_u32").unwrap(), module.function("spin_fill_u32").unwrap());
-        let mut busy = DeviceBuffer::<u32>::zeroed(16, &s2).unwrap();
-        // SAFETY: spin_fill_u32(u32*, u32, u64, u64) writes busy[0..16] after a second.
-        unsafe { spin.launch(LaunchConfig::linear(1, 1), &s2, (&mut busy, 1u32, 16u64, 1_000_000u64)).unwrap() };
-        let buf = DeviceBuffer::<u32>::zeroed(256, &s0).unwrap();
-        s0.synchronize().unwrap();
-        s1.begin_capture(CaptureMode::Relaxed).unwrap();
-        s2.wait_stream(&s1).unwrap();
-        let (started, launching) = channel();
-        std::thread::scope(|t| {
-            t.spawn(|| slow_fill(&fill, &s2, &buf, started));
-            launching.recv().unwrap();
-            // Its last user: the capture is abandoned (ended, its graph discarded).
-            drop(s1);
-        });
-        assert_eq!(s2.capture_status().unwrap(), cudrv::graph::CaptureStatus::None);
-        drop(buf);
-        s2.synchronize().unwrap();
-        s0.synchronize().unwrap();
-        assert_eq!(fake_report().violations, Vec::<String>::new());
-        drop((busy, fill, spin, module));
-    });
+    race_a_launch_on_a_joined_stream(
+        // Its last user: the capture is abandoned (ended, its graph discarded).
+        |s1, _| drop(s1),
+        |(), s2| assert_eq!(s2.capture_status().unwrap(), cudrv::graph::CaptureStatus::None),
+    );
 }
 
 /// Ending a capture from code that cudrv runs under the gate of a stream that joined it (a kernel
@@ -289,13 +288,7 @@ fn end_capture_under_a_gate_of_a_joined_stream_is_refused_not_a_deadlock() {
         }
         // The refusal, or what came instead; `None` if it hangs.
         let refused = within_10s(|| {
-            let dev = Device::get(0).unwrap();
-            let (s1, s2) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
-            let out = DeviceBuffer::<u32>::zeroed(256, &s1).unwrap();
-            s1.synchronize().unwrap();
-            let fill = Module::from_ptx(&dev, PTX).unwrap().function("fill_u32").unwrap();
-            s1.begin_capture(CaptureMode::Relaxed).unwrap();
-            s2.wait_stream(&s1).unwrap();
+            let (s1, s2, out, fill) = capture_with_a_joined_stream();
             let (ended, refused) = channel();
             let arg = EndsCapture { origin: s1.clone(), ended };
             // SAFETY: fill_u32(u32*, u32, u64) writes out[0..256]; the graph keeps `out`.
