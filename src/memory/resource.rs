@@ -45,8 +45,7 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// and the resource's work there: an implementation must not begin a capture on that stream (it
 /// would wait for ever), nor wait for another thread to begin one there or to end one that the
 /// stream takes part in (that thread waits for the gate). Ending such a capture itself is
-/// refused ([`Error::Capturing`](crate::Error::Capturing)). Queueing work on it, and waiting for
-/// it, are fine.
+/// refused ([`Error::Capturing`]). Queueing work on it, and waiting for it, are fine.
 ///
 /// # Safety
 /// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least
