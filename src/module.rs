@@ -54,8 +54,9 @@
 //! A launch queued on a stream does not keep its module (a graph does keep the modules of its
 //! kernels): `cuModuleUnload` itself waits until the module's kernels, running or still queued,
 //! are done. The driver's documentation does not say so; `scripts/module-unload-wait.py` measured
-//! it on the H200 with driver 580 (BENCHMARKS.md, runs 52 and 53). So dropping the last
-//! [`Function`] of a module right after a launch blocks until that launch has run.
+//! it on the H200 with driver 580 (BENCHMARKS.md, runs 52 and 53), and `cuLibraryUnload` the same
+//! way for a library's kernels (run 69, on an H100). So dropping the last [`Function`] of a
+//! module or library right after a launch blocks until that launch has run.
 
 use std::ffi::{CStr, CString, c_void};
 use std::fmt;
@@ -1515,7 +1516,8 @@ impl Drop for LibraryInner {
         let unload = move || {
             let Ok(d) = driver() else { return };
             // SAFETY: the library was loaded by cudrv and is unloaded once, here; no Function of it
-            // is left (each holds this value).
+            // is left (each holds this value), and the driver waits for its kernels still queued
+            // or running (see the module documentation; graphs keep their kernels' libraries).
             if let Err(e) = check("cuLibraryUnload", unsafe { d.cuLibraryUnload(raw.get()) }) {
                 report_drop_error(None, e);
             }
