@@ -20,8 +20,6 @@ pub(crate) struct ArenaStats {
     pub(crate) peak_reserved: usize,
     /// Bytes of blocks outside the arena (live, or cached by a stream).
     pub(crate) out_bytes: usize,
-    /// Highest `out_bytes`.
-    pub(crate) peak_out: usize,
     /// The most block bytes live at once, as seen when growing (the streams' caches are given back
     /// first, so that what is out then is live).
     pub(crate) peak_live: usize,

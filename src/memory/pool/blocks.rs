@@ -171,7 +171,6 @@ impl<B: Backend> Arena<B> {
         let (ptr, size, chunk) = (block.ptr, block.size, block.chunk);
         self.chunks[chunk].out += 1;
         self.stats.out_bytes += size;
-        self.stats.peak_out = self.stats.peak_out.max(self.stats.out_bytes);
         (ptr, size)
     }
 

@@ -692,6 +692,5 @@ pub(crate) fn reset_peaks<H: Host>(h: &H) {
         let s = &mut a.stats;
         s.peak_reserved = s.reserved;
         s.peak_in_use = in_use;
-        s.peak_out = s.out_bytes;
     });
 }
