@@ -364,10 +364,7 @@ impl Context {
             // SAFETY: as in `wait_for_stream`.
             unsafe { drv!(cuEventRecord(event, stream)) }?;
             // SAFETY: as above.
-            match unsafe { crate::result::driver()?.cuEventQuery(event) } {
-                Ok(cudrv_sys::CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
-                other => crate::error::check("cuEventQuery", other).map(|()| true),
-            }
+            crate::error::check_done("cuEventQuery", unsafe { crate::result::driver()?.cuEventQuery(event) })
         })
     }
 

@@ -327,6 +327,19 @@ pub(crate) fn check(call: &'static str, rc: std::result::Result<CUresult, cudrv_
     }
 }
 
+/// Turns the result of a query (`cuStreamQuery`, `cuEventQuery`) into whether the work is done:
+/// `CUDA_ERROR_NOT_READY` is no error there, only "not yet".
+#[inline]
+pub(crate) fn check_done(
+    call: &'static str,
+    rc: std::result::Result<CUresult, cudrv_sys::MissingSymbol>,
+) -> Result<bool> {
+    match rc {
+        Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
+        other => check(call, other).map(|()| true),
+    }
+}
+
 /// `cuMemAlloc_v2` → `cuMemAlloc`: the name a person knows.
 pub(crate) fn base_name(call: &'static str) -> &'static str {
     if let Some(pos) = call.rfind("_v") {

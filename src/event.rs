@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use cudrv_sys::{CUevent, CUresult};
+use cudrv_sys::CUevent;
 
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
-use crate::error::check;
 use crate::error::{Error, Result};
+use crate::error::{check, check_done};
 #[cfg(cuda_12080)]
 use crate::result::drv_compat;
 use crate::result::{driver, drv};
@@ -191,10 +191,7 @@ impl Event {
         // Relaxed as for `wait`.
         let _relaxed = crate::capture::RelaxedCaptureMode::enter();
         // SAFETY: the event is valid; the context is current.
-        match unsafe { driver()?.cuEventQuery(self.raw) } {
-            Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
-            other => check("cuEventQuery", other).map(|()| true),
-        }
+        check_done("cuEventQuery", unsafe { driver()?.cuEventQuery(self.raw) })
     }
 
     /// The time between two completed events with timing enabled.

@@ -72,8 +72,8 @@ use cudrv_sys::{CUevent, CUmemAllocationHandleType, CUmemoryPool, CUpointer_attr
 use crate::capture::RelaxedCaptureMode;
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
-use crate::error::check;
 use crate::error::{Error, Result};
+use crate::error::{check, check_done};
 use crate::memory::{
     DeviceBuffer, DevicePtr, DeviceRepr, DriverPool, MemoryResource, MemoryStats, ResourceKind, StreamUses, as_uninit,
     check_len, vec_written,
@@ -318,10 +318,7 @@ impl IpcEvent {
     pub fn query(&self) -> Result<bool> {
         let _b = self.ctx.bind()?;
         // SAFETY: a valid event; the context is current.
-        match unsafe { driver()?.cuEventQuery(self.raw) } {
-            Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
-            other => check("cuEventQuery", other).map(|()| true),
-        }
+        check_done("cuEventQuery", unsafe { driver()?.cuEventQuery(self.raw) })
     }
 
     /// The raw `CUevent` (valid while this value lives).

@@ -11,14 +11,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use cudrv_sys::{CUresult, CUstream};
+use cudrv_sys::CUstream;
 
 use crate::barrier;
 use crate::capture;
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
-use crate::error::check;
 use crate::error::{Error, Result};
+use crate::error::{check, check_done};
 use crate::host_fn;
 use crate::result::{driver, drv};
 
@@ -1435,10 +1435,7 @@ impl Stream {
             return self.inner().ctx.stream_done(self.as_raw());
         }
         // SAFETY: the stream is valid while `self` lives; its context is current (the caller's).
-        match unsafe { driver()?.cuStreamQuery(self.as_raw()) } {
-            Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
-            other => check("cuStreamQuery", other).map(|()| true),
-        }
+        check_done("cuStreamQuery", unsafe { driver()?.cuStreamQuery(self.as_raw()) })
     }
 
     /// Waits until all work queued on the stream is done, for memory that the work touches. If
@@ -1476,10 +1473,7 @@ impl Stream {
                 let _b = self.inner().ctx.bind();
                 let _relaxed = capture::RelaxedCaptureMode::enter();
                 // SAFETY: the stream is valid while `self` lives.
-                match unsafe { d.cuStreamQuery(self.as_raw()) } {
-                    Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
-                    other => crate::error::check("cuStreamQuery", other).map(|()| true),
-                }
+                check_done("cuStreamQuery", unsafe { d.cuStreamQuery(self.as_raw()) })
             };
             let done = match asked {
                 Err(q) if !q.ends_all_work() => {

@@ -19,8 +19,8 @@ use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
 use crate::capture::RelaxedCaptureMode;
 use crate::context::{Context, HoldHook, report_drop_error};
 use crate::device::Device;
-use crate::error::check;
 use crate::error::{Error, Result};
+use crate::error::{check, check_done};
 use crate::host_fn::{self, SendHandle};
 use crate::result::{driver, drv};
 use crate::session::{CaptureSession, GraphOwned};
@@ -616,10 +616,7 @@ impl Backend for CudaBackend {
         let _b = self.ctx.bind()?;
         let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: valid event.
-        match unsafe { driver()?.cuEventQuery(event.raw) } {
-            Ok(CUresult::CUDA_ERROR_NOT_READY) => Ok(false),
-            other => check("cuEventQuery", other).map(|()| true),
-        }
+        check_done("cuEventQuery", unsafe { driver()?.cuEventQuery(event.raw) })
     }
 }
 
