@@ -476,31 +476,13 @@ impl StreamKey {
         mut mark: impl FnMut() -> bool,
         mut unmark: impl FnMut(),
     ) -> bool {
-        /// Counts this thread among those waiting to mark, until it is done.
-        struct Marking<'a>(&'a AtomicUsize);
-        impl Drop for Marking<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Ordering::Release);
-            }
-        }
-        // Whether `patience` has run out since the first time the gate was seen held.
-        let out_of_patience = |since: &mut Option<Instant>| {
-            let since = *since.get_or_insert_with(Instant::now);
-            patience.is_some_and(|p| since.elapsed() >= p)
-        };
-        self.0.marking.fetch_add(1, Ordering::SeqCst);
-        let _marking = Marking(&self.0.marking);
-        let mut since = None;
+        let _marking = Marking::new(std::slice::from_ref(self));
+        let mut patience = Patience::new(patience);
         loop {
             // A gate seen held without the barrier is held: wait for it before the mark (which
-            // costs a barrier). Spin first: new work holds back while this thread waits (see
-            // `enter`), so the gate empties once the work under way is queued.
-            let mut spins = 0u32;
-            while self.gated() {
-                if spins.is_multiple_of(1024) && (!can_mark() || out_of_patience(&mut since)) {
-                    return false;
-                }
-                pause(&mut spins, 4096);
+            // costs a barrier).
+            if !self.wait_ungated(&mut patience, || !can_mark()) {
+                return false;
             }
             if !mark() {
                 return false;
@@ -513,10 +495,25 @@ impl StreamKey {
             // Work is under way: take the mark back (the work may look again meanwhile, and waits
             // only this long), let it finish, and try again.
             unmark();
-            if out_of_patience(&mut since) {
+            if patience.run_out() {
                 return false;
             }
         }
+    }
+
+    /// Waits until no gate of the stream is held: false, at once, when `give_up` says so, or once
+    /// `patience` has run out (both asked every 1,024 spins). Spins first: new work holds back
+    /// while a thread waits to mark the stream (see `enter`), so the gate empties once the work
+    /// under way is queued.
+    fn wait_ungated(&self, patience: &mut Patience, give_up: impl Fn() -> bool) -> bool {
+        let mut spins = 0u32;
+        while self.gated() {
+            if spins.is_multiple_of(1024) && (give_up() || patience.run_out()) {
+                return false;
+            }
+            pause(&mut spins, 4096);
+        }
+        true
     }
 
     /// Whether the handle names a stream of its own (see [`Stream::carries_context`]), the same
@@ -750,24 +747,10 @@ impl StreamKey {
 /// `None` once `patience` (`None`: for ever) has run out since a gate or a mark was first seen in
 /// the way; then nothing is marked.
 pub(crate) fn mark_capture_ending(keys: &[StreamKey], id: u64, patience: Option<Duration>) -> Option<Vec<StreamKey>> {
-    /// Counts this thread among those waiting to mark each stream, until it is done (new gates of
-    /// the streams hold back meanwhile, see [`StreamKey::hold_back_for_marking`]).
-    struct Marking<'a>(&'a [StreamKey]);
-    impl Drop for Marking<'_> {
-        fn drop(&mut self) {
-            for key in self.0 {
-                key.0.marking.fetch_sub(1, Ordering::Release);
-            }
-        }
-    }
-    let patience = match GATES_HELD.with(Cell::get) {
+    let mut patience = Patience::new(match GATES_HELD.with(Cell::get) {
         0 => patience,
         _ => Some(patience.map_or(HELD_GATES_PATIENCE, |p| p.min(HELD_GATES_PATIENCE))),
-    };
-    let out_of_patience = |since: &mut Option<Instant>| {
-        let since = *since.get_or_insert_with(Instant::now);
-        patience.is_some_and(|p| since.elapsed() >= p)
-    };
+    });
     // A stream that ended its part meanwhile (set to 0 by whoever ended the capture, maybe since
     // in another capture) is left alone.
     let takes_part = |key: &&StreamKey| key.0.capture.load(Ordering::Acquire) == id;
@@ -777,20 +760,12 @@ pub(crate) fn mark_capture_ending(keys: &[StreamKey], id: u64, patience: Option<
             key.0.capture.store(id, Ordering::SeqCst);
         }
     };
-    for key in keys {
-        key.0.marking.fetch_add(1, Ordering::SeqCst);
-    }
-    let _marking = Marking(keys);
-    let mut since = None;
+    let _marking = Marking::new(keys);
     loop {
         // Holding no mark: wait until the gates seen held have emptied (as `mark_ungated`).
         for key in keys.iter().filter(takes_part) {
-            let mut spins = 0u32;
-            while key.gated() {
-                if spins.is_multiple_of(1024) && out_of_patience(&mut since) {
-                    return None;
-                }
-                pause(&mut spins, 4096);
+            if !key.wait_ungated(&mut patience, || false) {
+                return None;
             }
         }
         let mut marked: Vec<StreamKey> = Vec::with_capacity(keys.len());
@@ -814,7 +789,7 @@ pub(crate) fn mark_capture_ending(keys: &[StreamKey], id: u64, patience: Option<
             unmark(&marked);
             let mut spins = 0u32;
             while key.0.capture.load(Ordering::Acquire) == CAPTURE_STARTING {
-                if spins.is_multiple_of(1024) && out_of_patience(&mut since) {
+                if spins.is_multiple_of(1024) && patience.run_out() {
                     return None;
                 }
                 pause(&mut spins, 64);
@@ -831,9 +806,49 @@ pub(crate) fn mark_capture_ending(keys: &[StreamKey], id: u64, patience: Option<
         }
         // Work is under way on one of them: take every mark back and let it finish.
         unmark(&marked);
-        if out_of_patience(&mut since) {
+        if patience.run_out() {
             return None;
         }
+    }
+}
+
+/// Counts the calling thread among those waiting to mark `keys` until it is dropped: meanwhile new
+/// gates of theirs hold back ([`StreamKey::hold_back_for_marking`]).
+struct Marking<'a>(&'a [StreamKey]);
+
+impl<'a> Marking<'a> {
+    fn new(keys: &'a [StreamKey]) -> Marking<'a> {
+        for key in keys {
+            key.0.marking.fetch_add(1, Ordering::SeqCst);
+        }
+        Marking(keys)
+    }
+}
+
+impl Drop for Marking<'_> {
+    fn drop(&mut self) {
+        for key in self.0 {
+            key.0.marking.fetch_sub(1, Ordering::Release);
+        }
+    }
+}
+
+/// How long a thread that marks streams waits for what is in its way (`None`: for ever), from
+/// the first time it asks.
+struct Patience {
+    limit: Option<Duration>,
+    since: Option<Instant>,
+}
+
+impl Patience {
+    fn new(limit: Option<Duration>) -> Patience {
+        Patience { limit, since: None }
+    }
+
+    /// Whether the patience has run out (the first call starts it).
+    fn run_out(&mut self) -> bool {
+        let since = *self.since.get_or_insert_with(Instant::now);
+        self.limit.is_some_and(|p| since.elapsed() >= p)
     }
 }
 
