@@ -323,11 +323,10 @@ impl CaptureSession {
             let marked = mark_capture_ending(&keys, self.id, patience)?;
             let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
             if *streams == keys {
-                let flagged = !marked.is_empty();
-                if flagged {
+                if !marked.is_empty() {
                     self.ending.store(true, Ordering::Relaxed);
                 }
-                return Some(Ending { session: self.clone(), marked, flagged });
+                return Some(Ending { session: self.clone(), marked });
             }
             drop(streams);
             // A stream joined while they were marked: mark it with them.
@@ -489,22 +488,20 @@ impl CaptureSession {
 
 /// The streams of a capture marked for its end ([`CaptureSession::mark_ending`]). Dropped, the
 /// capture goes on: they take part in it again, and streams that waited to join it are tracked.
+/// Where it marked any, it set the session's `ending`.
 pub(crate) struct Ending {
     session: Arc<CaptureSession>,
     marked: Vec<StreamKey>,
-    /// Whether this set the session's `ending`.
-    flagged: bool,
 }
 
 impl Ending {
     /// The capture is over at the driver: its streams take part in none from now on (their work
     /// may go on), and the session finishes.
     pub(crate) fn finish(mut self) {
+        // Taken: the session's `finish` clears `ending`, which the drop then leaves alone.
         for key in std::mem::take(&mut self.marked) {
             key.set_capture_id(0);
         }
-        // `finish` clears `ending`.
-        self.flagged = false;
         self.session.finish();
     }
 }
@@ -514,7 +511,7 @@ impl Drop for Ending {
         for key in &self.marked {
             key.set_capture_id(self.session.id);
         }
-        if self.flagged {
+        if !self.marked.is_empty() {
             let _streams = self.session.streams.lock().unwrap_or_else(PoisonError::into_inner);
             self.session.ending.store(false, Ordering::Relaxed);
         }
