@@ -28,6 +28,15 @@ fn filled_elsewhere<B: Send + 'static>(b: B, fill: impl FnOnce(&mut B) + Send + 
     .unwrap()
 }
 
+/// The calling thread's per-thread stream of device 0, and 64 `u32`s of managed memory of it,
+/// zeroed (the memset done).
+fn zeroed_on_this_threads_stream() -> (Stream, ManagedBuffer<u32>) {
+    let p = Stream::per_thread(&Device::get(0).unwrap()).unwrap();
+    let m = ManagedBuffer::<u32>::zeroed(64, &p).unwrap();
+    p.synchronize().unwrap();
+    (p, m)
+}
+
 /// A pitched buffer of the owner's per-thread stream, filled from another thread, dropped on the
 /// owner thread: its free waits for the fill (it waited for `CU_STREAM_PER_THREAD` only, and
 /// `cuMemFree` ran under the fill).
@@ -50,10 +59,7 @@ fn a_pitched_buffer_freed_on_its_per_thread_streams_owner_waits_for_work_queued_
 #[test]
 fn managed_memory_read_on_its_per_thread_streams_owner_sees_work_queued_elsewhere() {
     run_with_fake(SLOW, || {
-        let dev = Device::get(0).unwrap();
-        let p = Stream::per_thread(&dev).unwrap();
-        let m = ManagedBuffer::<u32>::zeroed(64, &p).unwrap();
-        p.synchronize().unwrap();
+        let (_p, m) = zeroed_on_this_threads_stream();
         let m = filled_elsewhere(m, |m| m.fill(7).unwrap());
         assert_eq!(m.as_slice().unwrap(), &[7u32; 64][..], "as_slice returned while the fill was queued");
     });
@@ -64,11 +70,8 @@ fn managed_memory_read_on_its_per_thread_streams_owner_sees_work_queued_elsewher
 #[test]
 fn a_per_thread_streams_synchronize_and_query_count_work_queued_elsewhere() {
     run_with_fake(SLOW, || {
-        let dev = Device::get(0).unwrap();
-        let p = Stream::per_thread(&dev).unwrap();
-        let m = ManagedBuffer::<u32>::zeroed(64, &p).unwrap();
-        p.synchronize().unwrap();
-        let done = Event::new(&dev).unwrap();
+        let (p, m) = zeroed_on_this_threads_stream();
+        let done = Event::new(&p.device()).unwrap();
         let (m, done) = filled_elsewhere((m, done), {
             let p = p.clone();
             move |(m, done)| {
