@@ -370,7 +370,7 @@ impl Context {
 
     /// Runs `f` with this context current and one of its reused events, which `f` leaves free
     /// for reuse when it returns (the driver's waits on it have taken their record).
-    fn with_spare_event<R>(&self, f: impl FnOnce(cudrv_sys::CUevent) -> Result<R>) -> Result<R> {
+    pub(crate) fn with_spare_event<R>(&self, f: impl FnOnce(cudrv_sys::CUevent) -> Result<R>) -> Result<R> {
         let event = match self.spare_events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop() {
             Some(e) => e,
             None => {

@@ -833,7 +833,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len("the IpcBuffer", self.len, src.len())?;
         // Captured, the copy would touch `src` at every launch, long after this call.
-        let _gate = self.stream.refuse_host_access("IpcBuffer::copy_from_host during a capture")?;
+        let gate = self.stream.refuse_host_copy("IpcBuffer::copy_from_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }
@@ -845,7 +845,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
                 drv!(cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), self.byte_len(), self.stream.as_raw()))
             }?;
         }
-        self.stream.wait_for_memory()
+        self.stream.wait_for_access(gate)
     }
 
     /// Copies the buffer into `dst` (on its stream) and waits.
@@ -861,7 +861,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     fn copy_to_host_uninit(&self, dst: &mut [MaybeUninit<T>]) -> Result<()> {
         check_len("the IpcBuffer", self.len, dst.len())?;
         // Captured, the copy would touch `dst` at every launch, long after this call.
-        let _gate = self.stream.refuse_host_access("IpcBuffer::copy_to_host during a capture")?;
+        let gate = self.stream.refuse_host_copy("IpcBuffer::copy_to_host during a capture")?;
         if self.len == 0 {
             return Ok(());
         }
@@ -873,7 +873,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
                 drv!(cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.ptr, self.byte_len(), self.stream.as_raw()))
             }?;
         }
-        self.stream.wait_for_memory()
+        self.stream.wait_for_access(gate)
     }
 
     /// The contents in a `Vec`.

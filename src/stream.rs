@@ -569,7 +569,8 @@ impl StreamKey {
     /// stays true while it queues work there, and no wait of another thread makes it join a
     /// capture (see [`StreamKey::joining`]; cudrv's own waits under a gate do not wait for it).
     /// Held from the look to the queueing (and for
-    /// host copies, to the wait for them). The one user code run under it is a custom
+    /// host copies, to the record of the event their wait is for: see
+    /// [`Stream::wait_for_access`]). The one user code run under it is a custom
     /// [`MemoryResource`](crate::memory::MemoryResource)'s `allocate` or `deallocate` for a
     /// `DeviceBuffer`: beginning a capture on the same stream there would wait for ever.
     ///
@@ -1117,6 +1118,24 @@ struct Inner {
     settle_hook: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
+/// Asks `done` (whether some work is done), with a growing pause, until it says so or fails with
+/// an error that ends all work ([`Error::ends_all_work`]); errors that end nothing are passing, or
+/// say nothing of the work, and it asks again. Returns `failed`, the error of the wait that this
+/// stands in for.
+fn poll_until_done(failed: Error, mut done: impl FnMut() -> Result<bool>) -> Error {
+    let mut pause = Duration::from_micros(10);
+    loop {
+        match done() {
+            Ok(true) => return failed,
+            Err(q) if q.ends_all_work() => return failed,
+            Ok(false) | Err(_) => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 impl Inner {
     fn run_settle_hook(&self) {
@@ -1363,14 +1382,42 @@ impl Stream {
     /// [`Stream::refuse_in_capture`] for host access (a host copy or memset, or a wait for the
     /// stream): refused too where the stream stands for the legacy default stream while a
     /// blocking stream of its context captures (the driver would refuse the work and invalidate
-    /// that capture, and a wait for the stream could not end before the capture does). The gate
-    /// is held until the access is done.
+    /// that capture, and a wait for the stream could not end before the capture does). The caller
+    /// holds the gate until its work is queued, and lets it go in [`Stream::wait_for_access`].
     pub(crate) fn refuse_host_access(&self, what: &'static str) -> Result<Gate<'_>> {
         let gate = self.refuse_in_capture(what)?;
         if self.key().legacy_held_by_capture() {
             return Err(Error::Capturing { what });
         }
         Ok(gate)
+    }
+
+    /// [`Stream::refuse_host_access`] for a host copy: see [`Stream::after_earlier_work`].
+    pub(crate) fn refuse_host_copy(&self, what: &'static str) -> Result<Gate<'_>> {
+        self.after_earlier_work(self.refuse_host_access(what)?, what)
+    }
+
+    /// Before a host copy is queued under `gate` (the caller's, from
+    /// [`Stream::refuse_host_access`]): waits for the stream's earlier work without the gate, then
+    /// takes it again, refused where a capture began on the stream meanwhile. A copy between the
+    /// device and pageable host memory waits in the driver's call for the stream's earlier work
+    /// (`cuMemcpyDtoHAsync` returns once the copy is done, and `cuMemcpyHtoDAsync` may): held
+    /// through that wait, the gate would keep a capture from beginning on the stream until a host
+    /// function queued before the copy returns, which may be waiting for the thread that begins
+    /// the capture. Costs one question to the driver where the stream is idle.
+    pub(crate) fn after_earlier_work<'a>(&'a self, gate: Gate<'a>, what: &'static str) -> Result<Gate<'a>> {
+        let idle = self.inner().ctx.bind().and_then(|_b| {
+            // As `synchronize`'s.
+            let _relaxed = capture::RelaxedCaptureMode::enter();
+            self.host_done()
+        });
+        if !matches!(idle, Ok(false)) {
+            // Idle, or the question failed: the copy's own call and wait report what is wrong.
+            return Ok(gate);
+        }
+        // Whatever this wait says, the copy's own never returns while the copy may run.
+        let _ = self.wait_for_access(gate);
+        self.refuse_host_access(what)
     }
 
     /// The raw `CUstream` that means this stream on the calling thread: the stream's handle,
@@ -1453,16 +1500,72 @@ impl Stream {
         check_done("cuStreamQuery", unsafe { driver()?.cuStreamQuery(self.as_raw()) })
     }
 
-    /// Waits until all work queued on the stream is done, for memory that the work touches. If
-    /// `cuStreamSynchronize` fails, it polls the stream (and, where that query fails too, an event
-    /// recorded on it) until the work is done or an error says that the context runs nothing
-    /// more ([`Error::ends_all_work`]): it never returns while the work may still run. Under a
-    /// driver that fails every query with a passing error, it waits as long as that lasts.
-    /// Reports no kept `Drop` error; returns `cuStreamSynchronize`'s error when it failed.
+    /// Waits until all work queued on the stream is done, for memory that the work touches (see
+    /// [`Stream::wait_for_access`]). Reports no kept `Drop` error.
     pub(crate) fn wait_for_memory(&self) -> Result<()> {
         // A capturing stream cannot be waited for (the driver would refuse, and invalidate the
         // capture): the caller keeps the memory (leaks it), which is sound.
-        let _gate = self.refuse_in_capture("waiting for a capturing stream")?;
+        self.wait_for_access(self.refuse_in_capture("waiting for a capturing stream")?)
+    }
+
+    /// Waits until all work queued on the stream so far is done, for memory that the work
+    /// touches (a host copy's slice, a buffer to free), where `gate` (the caller's, taken before
+    /// it queued the work, with the stream taking part in no capture) orders the work before any
+    /// capture on the stream. It never returns while the work may still run, and reports no kept
+    /// `Drop` error.
+    ///
+    /// The wait is for an event recorded on the stream, and `gate` goes once the record is
+    /// queued: a capture may then begin on the stream while this waits (as with
+    /// [`Stream::synchronize`]), so that a host function queued before it, which waits for the
+    /// thread beginning that capture, cannot hang both. If the wait fails, the event is asked
+    /// until the work is done or an error says that the context runs nothing more
+    /// ([`Error::ends_all_work`]), and the wait's error comes back. Where no event can be
+    /// recorded, the wait is for the stream, under `gate`: `cuStreamSynchronize`, then the stream
+    /// asked (and, where that fails too, an event recorded on it) in the same way. Under a driver
+    /// that fails every question with a passing error, it waits as long as that lasts.
+    pub(crate) fn wait_for_access(&self, gate: Gate<'_>) -> Result<()> {
+        let ctx = &self.inner().ctx;
+        let mut gate = Some(gate);
+        let waited = ctx.with_spare_event(|event| {
+            // As `synchronize`'s.
+            let _relaxed = capture::RelaxedCaptureMode::enter();
+            // SAFETY: the event is of this context and not in use; the stream is valid while
+            // `self` lives; the context is current (`with_spare_event`).
+            unsafe { drv!(cuEventRecord(event, self.as_raw())) }?;
+            // The record is queued after the work (see `synchronize` for a per-thread stream's).
+            drop(gate.take());
+            // SAFETY: as above.
+            let Err(e) = (unsafe { drv!(cuEventSynchronize(event)) }) else { return Ok(()) };
+            if e.ends_all_work() {
+                return Err(e);
+            }
+            let d = driver()?;
+            Err(poll_until_done(e, || {
+                // SAFETY: as above; the event stays this call's until it returns.
+                match check_done("cuEventQuery", unsafe { d.cuEventQuery(event) }) {
+                    // Where the event cannot be asked, the stream can, while it captures nothing
+                    // (under a gate again): its work includes the event's.
+                    Err(q) if !q.ends_all_work() && self.inner().per_thread_owner == 0 => {
+                        self.refuse_in_capture("waiting for a capturing stream").map_or(Err(q), |_g| self.query_raw(d))
+                    }
+                    other => other,
+                }
+            }))
+        });
+        match (waited, gate) {
+            (Ok(()), _) => Ok(()),
+            // The record was queued (its wait failed and was asked until done), or nothing can
+            // wait here (a host function), or the context runs nothing more.
+            (Err(e), None) => Err(e),
+            (Err(e), Some(_)) if matches!(e, Error::InHostFunction { .. }) || e.ends_all_work() => Err(e),
+            // No event could be made or recorded: the stream is waited for under the gate.
+            (Err(_), Some(_gate)) => self.wait_for_stream_gated(),
+        }
+    }
+
+    /// [`Stream::wait_for_access`] without an event: `cuStreamSynchronize` (or, for a per-thread
+    /// stream, its event; see `host_wait`), under the caller's gate.
+    fn wait_for_stream_gated(&self) -> Result<()> {
         let synced = self.inner().ctx.bind().and_then(|_b| {
             // As `synchronize`'s.
             let _relaxed = capture::RelaxedCaptureMode::enter();
@@ -1474,23 +1577,14 @@ impl Stream {
         }
         let Some(d) = crate::result::loaded_driver() else { return Err(e) };
         // Until the work is seen done (or the context dead), the memory is not the caller's: the
-        // stream is asked, and where that fails too, an event recorded on it. Errors that end
-        // nothing are passing, or say nothing of the work: asked again, with a growing pause.
+        // stream is asked, and where that fails too, an event recorded on it.
         let new_event = || crate::Event::new(&self.device()).ok().filter(|ev| ev.record(self).is_ok());
         // A per-thread stream is asked through an event from the first (see `host_wait`).
         let per_thread = self.inner().per_thread_owner != 0;
         let mut event = if per_thread { new_event() } else { None };
-        let mut pause = Duration::from_micros(10);
-        loop {
-            let asked = if let (true, Some(ev)) = (per_thread, &event) {
-                ev.query()
-            } else {
-                let _b = self.inner().ctx.bind();
-                let _relaxed = capture::RelaxedCaptureMode::enter();
-                // SAFETY: the stream is valid while `self` lives.
-                check_done("cuStreamQuery", unsafe { d.cuStreamQuery(self.as_raw()) })
-            };
-            let done = match asked {
+        Err(poll_until_done(e, || {
+            let asked = if let (true, Some(ev)) = (per_thread, &event) { ev.query() } else { self.query_raw(d) };
+            match asked {
                 Err(q) if !q.ends_all_work() => {
                     if event.is_none() {
                         event = new_event();
@@ -1498,16 +1592,19 @@ impl Stream {
                     event.as_ref().map_or(Err(q), crate::Event::query)
                 }
                 other => other,
-            };
-            match done {
-                Ok(true) => return Err(e),
-                Err(q) if q.ends_all_work() => return Err(e),
-                Ok(false) | Err(_) => {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(10));
-                }
             }
-        }
+        }))
+    }
+
+    /// `cuStreamQuery` of the stream's handle (not for a per-thread stream's waits: see
+    /// `host_wait`), its context made current, for a caller that holds a gate of the stream, which
+    /// captures nothing.
+    fn query_raw(&self, d: &cudrv_sys::Driver) -> Result<bool> {
+        let _b = self.inner().ctx.bind();
+        // As `synchronize`'s.
+        let _relaxed = capture::RelaxedCaptureMode::enter();
+        // SAFETY: the stream is valid while `self` lives.
+        check_done("cuStreamQuery", unsafe { d.cuStreamQuery(self.as_raw()) })
     }
 
     /// Whether all work queued on the stream is done, without waiting.

@@ -541,8 +541,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// The driver's error.
     pub fn memset_sync(&mut self, byte: u8) -> Result<()> {
-        let _access = self.host_access("DeviceBuffer::memset_sync")?;
-        memset_sync_range(self.ptr, self.byte_len(), u32::from(byte), 1, &self.stream)
+        let access = self.host_access("DeviceBuffer::memset_sync")?;
+        memset_sync_range(self.ptr, self.byte_len(), u32::from(byte), 1, &self.stream, access)
     }
 
     /// Sets every element to `value` and returns once it is done, for element sizes of 1, 2 or 4
@@ -552,8 +552,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// [`Error::InvalidArgument`] for other sizes; the driver's error.
     pub fn fill_sync(&mut self, value: T) -> Result<()> {
         let bits = element_bits(&value)?;
-        let _access = self.host_access("DeviceBuffer::fill_sync")?;
-        memset_sync_range(self.ptr, self.len, bits, size_of::<T>(), &self.stream)
+        let access = self.host_access("DeviceBuffer::fill_sync")?;
+        memset_sync_range(self.ptr, self.len, bits, size_of::<T>(), &self.stream, access)
     }
 
     /// Copies the elements of `src` (a view of another buffer of the same device) into this buffer
@@ -1137,8 +1137,9 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
         if self.len == 0 {
             return Ok(());
         }
-        let _access = self.buffer.host_access("copying a DeviceBuffer to the host")?;
+        let what = "copying a DeviceBuffer to the host";
         let stream = &self.buffer.stream;
+        let access = stream.after_earlier_work(self.buffer.host_access(what)?, what)?;
         let _b = stream.context().bind()?;
         // SAFETY: the source is live device memory; `dst` is valid for writes of that many bytes
         // and stays borrowed until the stream is synchronised below.
@@ -1147,7 +1148,7 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
         }?;
         // Waits even if an unrelated error is pending, and never returns while the copy may
         // still write `dst` (it may be pinned or registered, and then the copy is asynchronous).
-        stream.wait_for_memory()
+        stream.wait_for_access(access)
     }
 
     /// The view's contents as a `Vec`.
@@ -1164,15 +1165,16 @@ impl<T: DeviceRepr> DeviceView<'_, T> {
         if self.len == 0 {
             return Ok(());
         }
-        let _access = self.buffer.host_access("copying host memory into a DeviceBuffer")?;
+        let what = "copying host memory into a DeviceBuffer";
         let stream = &self.buffer.stream;
+        let access = stream.after_earlier_work(self.buffer.host_access(what)?, what)?;
         let _b = stream.context().bind()?;
         // SAFETY: the destination is live device memory the caller holds mutably (through the
         // buffer); `src` stays borrowed until the stream is synchronised below.
         unsafe {
             drv!(cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), self.len * size_of::<T>(), stream.as_raw()))
         }?;
-        stream.wait_for_memory()
+        stream.wait_for_access(access)
     }
 }
 
@@ -1249,14 +1251,22 @@ pub(crate) fn memset_async_range(ptr: DevicePtr, count: usize, bits: u32, elem: 
 /// queued on `stream` so far, and finished when this returns. Queued on `stream` and waited for,
 /// not the driver's synchronous memset: that runs on the legacy default stream, which refuses
 /// work while any blocking stream of the context captures (another thread's, say) and
-/// invalidates that capture.
-pub(crate) fn memset_sync_range(ptr: DevicePtr, count: usize, bits: u32, elem: usize, stream: &Stream) -> Result<()> {
+/// invalidates that capture. `access` is the caller's gate of `stream`, taken for host access
+/// ([`Stream::refuse_host_access`]); it goes once the wait's event is recorded.
+pub(crate) fn memset_sync_range(
+    ptr: DevicePtr,
+    count: usize,
+    bits: u32,
+    elem: usize,
+    stream: &Stream,
+    access: Gate<'_>,
+) -> Result<()> {
     if count == 0 {
         return Ok(());
     }
     memset_async_range(ptr, count, bits, elem, stream)?;
     // Never returns while the memset may still run.
-    stream.wait_for_memory()
+    stream.wait_for_access(access)
 }
 
 #[cfg(test)]

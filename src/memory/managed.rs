@@ -425,12 +425,14 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len("the ManagedBuffer", self.len, src.len())?;
         // Captured, the copy would touch `src` at every launch, long after this call.
-        let _gate = self.stream.refuse_in_capture("ManagedBuffer::copy_from_host during a capture")?;
+        let what = "ManagedBuffer::copy_from_host during a capture";
+        let gate = self.stream.refuse_in_capture(what)?;
         if self.len == 0 {
             return Ok(());
         }
         self.refuse_legacy_held(&self.used_on.snapshot())?;
         self.used_on.order_after_all(&self.stream, USED_IN_CAPTURE)?;
+        let gate = self.stream.after_earlier_work(gate, what)?;
         {
             let _b = self.stream.context().bind()?;
             // SAFETY: the destination is this buffer, held mutably; `src` stays borrowed until the
@@ -439,7 +441,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
                 drv!(cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), self.byte_len(), self.stream.as_raw()))
             }?;
         }
-        self.stream.wait_for_memory()
+        self.stream.wait_for_access(gate)
     }
 
     /// Copies the buffer into `dst` through the driver (on the buffer's stream) and waits.
@@ -455,12 +457,14 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
     fn copy_to_host_uninit(&self, dst: &mut [MaybeUninit<T>]) -> Result<()> {
         check_len("the ManagedBuffer", self.len, dst.len())?;
         // Captured, the copy would touch `dst` at every launch, long after this call.
-        let _gate = self.stream.refuse_in_capture("ManagedBuffer::copy_to_host during a capture")?;
+        let what = "ManagedBuffer::copy_to_host during a capture";
+        let gate = self.stream.refuse_in_capture(what)?;
         if self.len == 0 {
             return Ok(());
         }
         self.refuse_legacy_held(&self.used_on.snapshot())?;
         self.used_on.order_after_all(&self.stream, USED_IN_CAPTURE)?;
+        let gate = self.stream.after_earlier_work(gate, what)?;
         {
             let _b = self.stream.context().bind()?;
             // SAFETY: `dst` is valid for the whole copy and stays borrowed until the stream is
@@ -469,7 +473,7 @@ impl<T: DeviceRepr> ManagedBuffer<T> {
                 drv!(cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.ptr, self.byte_len(), self.stream.as_raw()))
             }?;
         }
-        self.stream.wait_for_memory()
+        self.stream.wait_for_access(gate)
     }
 
     /// The contents in a `Vec`, copied through the driver.

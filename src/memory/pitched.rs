@@ -140,10 +140,10 @@ impl Pitched {
         if count == 0 || self.rows == 0 {
             return Ok(());
         }
-        let _access = self.stream.refuse_host_access("a synchronous memset of a pitched buffer")?;
+        let access = self.stream.refuse_host_access("a synchronous memset of a pitched buffer")?;
         self.memset_async(0, self.rows, count, bits, elem)?;
         // Never returns while the memset may still run.
-        self.stream.wait_for_memory()
+        self.stream.wait_for_access(access)
     }
 }
 
@@ -496,13 +496,13 @@ impl<T: DeviceRepr> DeviceBuffer2D<T> {
     pub fn copy_from_host_strided(&mut self, src: &[T], src_stride: usize) -> Result<()> {
         let pitch =
             check_host::<T>("DeviceBuffer2D::copy_from_host_strided", src.len(), self.width, self.height, src_stride)?;
-        let _access = self.mem.stream.refuse_host_access("copying host memory into a DeviceBuffer2D")?;
+        let access = self.mem.stream.refuse_host_copy("copying host memory into a DeviceBuffer2D")?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: the device side is this buffer, held mutably; `src` covers the region (checked)
         // and stays borrowed until the stream is synchronised below.
         unsafe { copy_region(dev, host, self.mem.row_bytes, self.height, 1, &self.mem.stream) }?;
-        self.mem.stream.wait_for_memory()
+        self.mem.stream.wait_for_access(access)
     }
 
     /// Copies the buffer into `dst` (`height` rows of `width` elements, one after the other) and
@@ -757,14 +757,14 @@ impl<T: DeviceRepr> DeviceView2D<'_, T> {
     fn copy_to_host_strided_uninit(&self, dst: &mut [MaybeUninit<T>], dst_stride: usize) -> Result<()> {
         let pitch =
             check_host::<T>("DeviceView2D::copy_to_host_strided", dst.len(), self.width, self.height, dst_stride)?;
-        let _access = self.mem.stream.refuse_host_access("copying a DeviceBuffer2D to the host")?;
+        let access = self.mem.stream.refuse_host_copy("copying a DeviceBuffer2D to the host")?;
         let host = Side::Host { ptr: dst.as_mut_ptr().cast_const().cast(), pitch, height: self.height };
         let dev = Side::Device { ptr: self.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: `dst` covers the region (checked) and stays borrowed until the stream is
         // synchronised below; the source is live device memory.
         unsafe { copy_region(host, dev, self.width * size_of::<T>(), self.height, 1, &self.mem.stream) }?;
         // Never returns while the copy may still write `dst`.
-        self.mem.stream.wait_for_memory()
+        self.mem.stream.wait_for_access(access)
     }
 
     /// The view's contents, row after row, in a `Vec`.
@@ -958,13 +958,13 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// [`Error::LengthMismatch`] when the lengths differ; the driver's error.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len("the pitched buffer", self.len(), src.len())?;
-        let _access = self.mem.stream.refuse_host_access("copying host memory into a DeviceBuffer3D")?;
+        let access = self.mem.stream.refuse_host_copy("copying host memory into a DeviceBuffer3D")?;
         let host = Side::Host { ptr: src.as_ptr().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: `src` holds the whole volume (checked) and stays borrowed until the stream is
         // synchronised; the buffer is held mutably.
         unsafe { copy_region(dev, host, self.mem.row_bytes, self.height, self.depth, &self.mem.stream) }?;
-        self.mem.stream.wait_for_memory()
+        self.mem.stream.wait_for_access(access)
     }
 
     /// Copies the buffer into `dst` (x fastest, then y, then z) and waits.
@@ -979,13 +979,13 @@ impl<T: DeviceRepr> DeviceBuffer3D<T> {
     /// this returns `Ok`.
     fn copy_to_host_uninit(&self, dst: &mut [MaybeUninit<T>]) -> Result<()> {
         check_len("the pitched buffer", self.len(), dst.len())?;
-        let _access = self.mem.stream.refuse_host_access("copying a DeviceBuffer3D to the host")?;
+        let access = self.mem.stream.refuse_host_copy("copying a DeviceBuffer3D to the host")?;
         let host =
             Side::Host { ptr: dst.as_mut_ptr().cast_const().cast(), pitch: self.mem.row_bytes, height: self.height };
         let dev = Side::Device { ptr: self.mem.ptr, pitch: self.mem.pitch, height: self.height };
         // SAFETY: `dst` holds the whole volume and stays borrowed until the stream is synchronised.
         unsafe { copy_region(host, dev, self.mem.row_bytes, self.height, self.depth, &self.mem.stream) }?;
-        self.mem.stream.wait_for_memory()
+        self.mem.stream.wait_for_access(access)
     }
 
     /// The buffer's contents in a `Vec` (x fastest, then y, then z).

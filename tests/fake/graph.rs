@@ -200,3 +200,11 @@ fn a_graph_keeps_the_modules_of_its_kernels_loaded() {
         assert_eq!(cudrv_test_support::fake_report().live_modules, 0);
     });
 }
+
+/// A host function on a stream waits for the thread that begins a capture there, while a third
+/// thread runs a synchronous host copy or memset on the stream behind it: the capture begins (it
+/// waited for the copy's gate, and all three hung), the memset completes, the copy is refused.
+#[test]
+fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
+    each_mode("0", graph_cases::a_capture_begins_while_host_copies_wait_behind_a_host_function);
+}

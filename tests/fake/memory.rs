@@ -14,14 +14,10 @@ use cudrv::sys::CUresult;
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{assert_no_leaks, fake_report, run_with_fake, run_with_fake_modes};
 
+use crate::graph_cases::release_everything;
 use crate::{assert_no_leaks_but_streams, assert_no_pools_on_oldest, oldest, pool_kind};
 
 const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
-
-/// Gives the device's cached memory back, so that the fake's leak report sees only real leaks.
-fn trim_all(dev: &Device) {
-    dev.memory_resource().unwrap().trim(0).unwrap();
-}
 
 #[test]
 fn resource_is_chosen_per_mode() {
@@ -103,6 +99,7 @@ fn driver_refusing_pools_at_run_time_switches_to_the_fallback() {
         assert_eq!(second.to_vec().unwrap(), [2; 8]);
         drop((first, second, s)); // one freed to each resource
         pool.trim(0).unwrap();
+        release_everything(&dev);
         assert_no_leaks();
     });
 }
@@ -153,7 +150,7 @@ fn buffers_and_copies_in_every_mode() {
         let huge = unsafe { DeviceBuffer::<u64>::uninit(usize::MAX / 4, &s) };
         assert!(matches!(huge, Err(Error::InvalidArgument(_))));
         drop((buf, z, f, h, copy, small, empty, s));
-        trim_all(&dev);
+        release_everything(&dev);
         assert_no_leaks();
     });
 }
@@ -297,7 +294,7 @@ fn dropping_a_stream_lets_the_pool_forget_it() {
         // Every stream was destroyed: the pool did not keep them alive.
         dev.primary_context().unwrap().synchronize().unwrap();
         assert_eq!(fake_report().live_streams, 0);
-        trim_all(&dev);
+        release_everything(&dev);
         assert_no_leaks();
     });
 }
@@ -358,7 +355,7 @@ fn many_threads_and_streams() {
         }
         assert!(fake_report().violations.is_empty());
         dev.primary_context().unwrap().synchronize().unwrap();
-        trim_all(&dev);
+        release_everything(&dev);
         assert_no_leaks();
     });
 }
@@ -449,6 +446,7 @@ fn sync_resource_waits_before_freeing() {
         drop(b); // cuMemFree after the stream's work: no use-after-free in the fake's report
         assert!(fake_report().violations.is_empty());
         drop(s);
+        release_everything(&dev);
         assert_no_leaks();
     });
 }
@@ -633,6 +631,7 @@ fn a_resource_that_misaligns_gets_its_memory_back_and_the_caller_an_error() {
         assert!(matches!(&err, Error::InvalidArgument(m) if m.contains("custom returned")), "{err}");
         assert_eq!(r.freed.load(std::sync::atomic::Ordering::Relaxed), 2, "each allocation went back");
         drop(stream);
+        release_everything(&dev);
         assert_no_leaks();
     });
 }

@@ -153,14 +153,15 @@ fn managed_memset_racing_captures_is_never_captured() {
 
 /// The synchronous host copies of pitched, managed and IPC buffers queue an asynchronous copy and
 /// rely on `Stream::wait_for_memory` never to return while it may still run ("`src` stays
-/// borrowed until the stream is synchronised below"). When `cuStreamSynchronize` fails,
-/// `wait_for_memory` polls `cuStreamQuery`, but returns at once on the first *error* of the
-/// query, with the copy still queued. Into registered (or pinned) host memory the copy is
+/// borrowed until the stream is synchronised below"). When the wait failed, `wait_for_memory`
+/// polled the stream, but returned at once on the first *error* of the question, with the copy
+/// still queued. The wait is now for an event: it fails here, and so does every question to the
+/// event (the stream is asked instead). Into registered (or pinned) host memory the copy is
 /// asynchronous: it writes the caller's slice after the borrow ended (with `to_vec`, into a
 /// freed `Vec`).
 #[test]
 fn pitched_copy_to_host_never_returns_while_the_copy_runs() {
-    let fail = "cuStreamSynchronize:1+:999,cuStreamQuery:1+:999";
+    let fail = "cuEventSynchronize:1+:999,cuEventQuery:1+:999";
     run_with_fake(&[("CUDRV_FAKE_FAIL", fail), ("CUDRV_FAKE_DELAY_US", "150000")], || {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();
@@ -172,7 +173,7 @@ fn pitched_copy_to_host_never_returns_while_the_copy_runs() {
         let r = b.copy_to_host(reg.as_mut_slice());
         let took = started.elapsed();
         assert!(r.is_err(), "{r:?}");
-        assert!(fake_faults_injected() >= 2, "both the synchronize and the query failed");
+        assert!(fake_faults_injected() >= 2, "both the wait and the question failed");
         // The call returned: the slice is the caller's again.
         reg.as_mut_slice().fill(1);
         std::thread::sleep(Duration::from_millis(600));
@@ -392,13 +393,13 @@ fn ipc_buffer_keeps_its_mapping_when_the_wait_fails() {
         let mut b = IpcBuffer::<u32>::open(&h, &s).unwrap();
         b.memset(0x11).unwrap(); // runs 200 ms from now
         drop(b); // the wait fails: the mapping must stay
-        assert!(fake_faults_injected() >= 2, "the drop's synchronize and query failed");
+        assert!(fake_faults_injected() >= 2, "the drop's wait and question failed");
         let v = violations();
         assert!(v.is_empty(), "the mapping was closed under the queued memset: {v:?}");
         println!("peer done: importer");
         return;
     }
-    let fail = "cuStreamSynchronize:1+:999,cuStreamQuery:1+:999";
+    let fail = "cuEventSynchronize:1+:999,cuEventQuery:1+:999";
     run_with_fake(&[("CUDRV_FAKE_FAIL", fail), ("CUDRV_FAKE_DELAY_US", "200000")], || {
         let dev = Device::get(0).unwrap();
         let s = Stream::new(&dev).unwrap();

@@ -20,6 +20,7 @@ use cudrv_test_support::{
 };
 
 use crate::driver_pool_refused;
+use crate::graph_cases::release_everything;
 
 const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
 const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
@@ -39,13 +40,6 @@ pub(crate) fn within<R>(limit: Duration, what: &str, body: impl FnOnce() -> R) -
     let _ = tx.send(());
     let _ = watchdog.join();
     r
-}
-
-fn trim_all(dev: &Device) {
-    cudrv::flush_deferred_drops().unwrap();
-    dev.memory_resource().unwrap().trim(0).unwrap();
-    // The events the context keeps for waits (`Stream::synchronize`'s among them).
-    dev.primary_context().unwrap().release_cached_events();
 }
 
 /// Defect 1: `copy_to_pinned_async` used to queue the copy and only then create the event that
@@ -254,7 +248,7 @@ fn a_failed_drop_does_not_make_later_drops_leak() {
                 assert!(!matches!(**inner, Error::Deferred(_)), "nested: {err:?}");
                 assert_eq!(inner.code(), Some(CUresult::CUDA_ERROR_UNKNOWN));
                 stream.synchronize().unwrap();
-                trim_all(&dev);
+                release_everything(&dev);
                 drop(stream);
                 assert_eq!(fake_report().live_allocations, 0, "drops leaked: {}", fake_report());
             },
@@ -283,7 +277,7 @@ fn host_functions_may_drop_buffers_while_the_pool_trims() {
                 assert_eq!(again.to_vec().unwrap(), vec![0; 1 << 20], "round {round}");
             }
             stream.synchronize().unwrap();
-            trim_all(&dev);
+            release_everything(&dev);
             assert_eq!(fake_report().live_allocations, 0, "{}", fake_report());
         });
     });
@@ -329,7 +323,7 @@ fn host_functions_may_drop_every_cudrv_object() {
                 let refused = rx.recv().unwrap();
                 assert!(matches!(refused, Err(Error::InHostFunction { .. })), "{refused:?}");
             }
-            trim_all(&dev);
+            release_everything(&dev);
             drop(stream);
             assert_no_leaks();
         });
@@ -427,11 +421,11 @@ fn binding_restores_the_previous_context() {
     });
 }
 
-/// Waiting for memory never returns early: with `cuStreamSynchronize` failing, a synchronous copy
-/// still returns only once the copy is done (it polls the stream).
+/// Waiting for memory never returns early: with the wait failing (for an event recorded on the
+/// stream), a synchronous copy still returns only once the copy is done (it asks the event).
 #[test]
 fn a_failing_synchronize_does_not_cut_a_copy_short() {
-    run_with_fake(&[("CUDRV_FAKE_FAIL", "cuStreamSynchronize:1+:999"), ("CUDRV_FAKE_DELAY_US", "100000")], || {
+    run_with_fake(&[("CUDRV_FAKE_FAIL", "cuEventSynchronize:1+:999"), ("CUDRV_FAKE_DELAY_US", "100000")], || {
         let dev = Device::get(0).unwrap();
         let stream = Stream::new(&dev).unwrap();
         let mut buf = DeviceBuffer::<u16>::zeroed(1024, &stream).unwrap();

@@ -17,6 +17,7 @@ use cudrv_test_support::{assert_no_leaks, fake_report, run_with_fake};
 const POOL: [(&str, &str); 2] = [("CUDRV_MEMORY_RESOURCE", "pool"), ("CUDRV_FAKE_MODE", "tcc")];
 
 use crate::driver_pool_refused;
+use crate::graph_cases::release_everything;
 
 fn live_streams() -> u64 {
     fake_report().live_streams
@@ -24,16 +25,10 @@ fn live_streams() -> u64 {
 
 /// Every stream made since `base` was counted is gone, and nothing leaked or was misused.
 fn all_gone(dev: &Device, base: u64) {
-    trim_all(dev);
+    release_everything(dev);
     assert_eq!(live_streams(), base);
     assert!(fake_report().violations.is_empty(), "{:?}", fake_report().violations);
     assert_no_leaks();
-}
-
-fn trim_all(dev: &Device) {
-    cudrv::flush_deferred_drops().unwrap();
-    dev.memory_resource().unwrap().trim(0).unwrap();
-    dev.primary_context().unwrap().release_cached_events();
 }
 
 /// With every resource: a buffer outlives the last `Stream` of its stream, which stays valid
@@ -67,7 +62,7 @@ fn buffers_keep_their_stream_after_its_last_user_drops_it() {
             assert_eq!(live_streams(), base + 1, "{resource}: the second buffer keeps it");
             assert_eq!(second.to_vec().unwrap(), data, "{resource}");
             drop(second);
-            trim_all(&dev);
+            release_everything(&dev);
             assert_eq!(live_streams(), base, "{resource}: destroyed with its last buffer");
             assert_no_leaks();
         });
@@ -92,7 +87,7 @@ fn a_stream_goes_with_its_last_user_when_no_buffer_needs_it() {
         assert_eq!(live_streams(), base + 1, "a clone is left");
         drop(copy);
         assert_eq!(live_streams(), base, "the pool let go of its pin");
-        trim_all(&dev);
+        release_everything(&dev);
         assert_no_leaks();
     });
 }
@@ -256,7 +251,7 @@ fn last_user_drops_race_buffer_frees() {
             cudrv::flush_deferred_drops().unwrap();
             assert_eq!(live_streams(), base, "{resource} round {round}: a stream outlived its buffers");
         }
-        trim_all(dev);
+        release_everything(dev);
         assert_no_leaks();
     });
 }
@@ -322,7 +317,7 @@ fn a_host_function_may_drop_a_streams_last_buffer() {
             cudrv::flush_deferred_drops().unwrap();
             assert_eq!(live_streams(), base + 1, "only `other` is left");
             drop(other);
-            trim_all(&dev);
+            release_everything(&dev);
             assert_no_leaks();
         },
     );
@@ -539,7 +534,7 @@ fn raw_cross_stream_frees_race_the_last_user() {
                 assert_eq!(live_streams(), base + 1, "round {round}");
             }
             drop(b);
-            trim_all(&dev);
+            release_everything(&dev);
             assert_eq!(live_streams(), base);
             assert_no_leaks();
         });

@@ -80,3 +80,11 @@ fn an_invalidated_capture_reports_it_and_the_stream_stays_usable() {
 fn an_orphaned_capture_ends_when_its_last_buffer_goes() {
     run_in_own_process(graph_cases::an_orphaned_capture_ends_when_its_last_buffer_goes);
 }
+
+/// A host function on a stream waits for the thread that begins a capture there, while a third
+/// thread runs a synchronous host copy or memset on the stream behind it: the capture begins (it
+/// waited for the copy's gate, and all three hung), the memset completes, the copy is refused.
+#[test]
+fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
+    run_in_own_process(graph_cases::a_capture_begins_while_host_copies_wait_behind_a_host_function);
+}

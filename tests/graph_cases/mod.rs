@@ -4,16 +4,18 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
 
 use cudrv::graph::{CaptureMode, CaptureStatus, Graph, InstantiateFlags};
 use cudrv::launch::LaunchConfig;
 use cudrv::memory::{
-    DeviceBuffer, DeviceBuffer2D, ManagedBuffer, MemoryResource, PinnedBuffer, ResourceKind, StreamOrderedPool,
-    SyncResource,
+    DeviceBuffer, DeviceBuffer2D, DeviceBuffer3D, ManagedBuffer, MemoryResource, PinnedBuffer, ResourceKind,
+    StreamOrderedPool, SyncResource,
 };
 use cudrv::module::{Function, Module};
 use cudrv::sys::CUresult;
-use cudrv::{Device, Error, Event, Stream};
+use cudrv::{Device, Error, Event, Result, Stream};
 
 const PTX: &str = include_str!("../../examples/kernels/vector_add.ptx");
 
@@ -608,4 +610,154 @@ pub fn an_orphaned_capture_ends_when_its_last_buffer_goes() {
     assert_eq!(out.to_vec().unwrap(), vec![5; 256], "the joined stream runs work again");
     drop((out, side, pool));
     release_everything(&dev);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host copies and memsets while a capture begins (review 31)
+// ------------------------------------------------------------------------------------------------
+
+/// `f`'s result, if it returns within 10 s (on a thread of its own, left behind otherwise).
+fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(10)).ok()
+}
+
+/// What a host operation's destination holds, read once the capture has ended (the buffer is
+/// dropped there).
+type Check = Box<dyn FnOnce() -> Vec<u32> + Send>;
+
+/// A synchronous host operation on a buffer of the stream (made before anything is queued behind
+/// it): its result and the check of its destination.
+type Run = Box<dyn FnOnce() -> (Result<()>, Check) + Send>;
+
+/// A host operation, whether it is a copy, and what its destination must hold after it ran.
+struct HostOp {
+    name: &'static str,
+    run: Run,
+    /// A copy between the device and (pageable) host memory, which the driver may run
+    /// synchronously: cudrv waits for the stream's earlier work before it queues the copy, and
+    /// refuses the copy where a capture began on the stream meanwhile. A memset is queued at
+    /// once.
+    copy: bool,
+    /// What the destination holds after a memset or a copy that ran.
+    written: Vec<u32>,
+}
+
+const HOST_OP_LEN: usize = 64;
+
+/// Every synchronous host copy and memset of the buffer types with a stream, on buffers of `s`.
+/// The destinations start zeroed.
+fn host_ops(s: &Stream) -> Vec<HostOp> {
+    let data: Vec<u32> = (1..=HOST_OP_LEN as u32).collect();
+    let op = |name, copy, written: &[u32], run: Run| HostOp { name, run, copy, written: written.to_vec() };
+    // A memset that leaves every element `value`.
+    let memset = |name, value: u32, run: Run| HostOp { name, run, copy: false, written: vec![value; HOST_OP_LEN] };
+    // A copy to the host, into a zeroed `Vec`.
+    fn to_host(copy: impl FnOnce(&mut [u32]) -> Result<()> + Send + 'static) -> Run {
+        Box::new(move || {
+            let mut v = vec![0; HOST_OP_LEN];
+            (copy(&mut v), Box::new(move || v))
+        })
+    }
+    // A copy of `data` from the host into `b`, read back after.
+    fn from_host<B: Send + 'static>(
+        name: &'static str,
+        data: &[u32],
+        b: B,
+        copy: fn(&mut B, &[u32]) -> Result<()>,
+        read: fn(&B) -> Result<Vec<u32>>,
+    ) -> HostOp {
+        let d = data.to_vec();
+        HostOp { name, run: on_device(b, move |b| copy(b, &d), read), copy: true, written: data.to_vec() }
+    }
+    // An operation on a device buffer, read back after.
+    fn on_device<B: Send + 'static>(
+        mut b: B,
+        op: impl FnOnce(&mut B) -> Result<()> + Send + 'static,
+        read: impl FnOnce(&B) -> Result<Vec<u32>> + Send + 'static,
+    ) -> Run {
+        Box::new(move || (op(&mut b), Box::new(move || read(&b).unwrap())))
+    }
+    let (b1, b2, b3, b4) = (
+        DeviceBuffer::from_slice(&data, s).unwrap(),
+        DeviceBuffer::<u32>::zeroed(HOST_OP_LEN, s).unwrap(),
+        DeviceBuffer::<u32>::zeroed(HOST_OP_LEN, s).unwrap(),
+        DeviceBuffer::<u32>::zeroed(HOST_OP_LEN, s).unwrap(),
+    );
+    let p1 = DeviceBuffer2D::from_slice(&data, 16, 4, s).unwrap();
+    let (p2, p3) = (DeviceBuffer2D::<u32>::zeroed(16, 4, s).unwrap(), DeviceBuffer2D::<u32>::zeroed(16, 4, s).unwrap());
+    let v1 = DeviceBuffer3D::from_slice(&data, (4, 4, 4), s).unwrap();
+    let v2 = DeviceBuffer3D::<u32>::zeroed((4, 4, 4), s).unwrap();
+    let mut m1 = ManagedBuffer::<u32>::zeroed(HOST_OP_LEN, s).unwrap();
+    let m2 = ManagedBuffer::<u32>::zeroed(HOST_OP_LEN, s).unwrap();
+    m1.copy_from_host(&data).unwrap();
+    vec![
+        op("DeviceBuffer::copy_to_host", true, &data, to_host(move |v| b1.copy_to_host(v))),
+        from_host("DeviceBuffer::copy_from_host", &data, b2, DeviceBuffer::copy_from_host, DeviceBuffer::to_vec),
+        memset("DeviceBuffer::memset_sync", 0xABAB_ABAB, on_device(b3, |b| b.memset_sync(0xAB), DeviceBuffer::to_vec)),
+        memset("DeviceBuffer::fill_sync", 7, on_device(b4, |b| b.fill_sync(7), DeviceBuffer::to_vec)),
+        op("DeviceBuffer2D::copy_to_host", true, &data, to_host(move |v| p1.copy_to_host(v))),
+        from_host("DeviceBuffer2D::copy_from_host", &data, p2, DeviceBuffer2D::copy_from_host, DeviceBuffer2D::to_vec),
+        memset("DeviceBuffer2D::fill_sync", 9, on_device(p3, |b| b.fill_sync(9), DeviceBuffer2D::to_vec)),
+        op("DeviceBuffer3D::copy_to_host", true, &data, to_host(move |v| v1.copy_to_host(v))),
+        from_host("DeviceBuffer3D::copy_from_host", &data, v2, DeviceBuffer3D::copy_from_host, DeviceBuffer3D::to_vec),
+        op("ManagedBuffer::copy_to_host", true, &data, to_host(move |v| m1.copy_to_host(v))),
+        from_host("ManagedBuffer::copy_from_host", &data, m2, ManagedBuffer::copy_from_host, ManagedBuffer::to_vec),
+    ]
+}
+
+/// A host function on the stream waits for the thread that begins a capture there (host
+/// synchronisation that depends on no CUDA work, which the driver allows), while a third thread
+/// runs a synchronous host copy or memset on the stream, queued behind the host function. The
+/// gate was held through the wait (and, for a copy with pageable memory, through the driver's
+/// call, which waits for the host function), and `begin_capture` waited for it: all three hung.
+/// Now the capture begins; the host function returns; a memset, queued before the capture,
+/// completes, and a copy, which waited for the stream's earlier work before it was queued, is
+/// refused as the capture is under way, its destination untouched.
+pub fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
+    {
+        let dev = Device::get(0).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        let ops = host_ops(&s);
+        s.synchronize().unwrap();
+        for HostOp { name, run, copy, written } in ops {
+            let (tx, rx) = mpsc::channel::<()>();
+            s.launch_host_fn(move || {
+                // Bounded, so that the process ends either way.
+                let _ = rx.recv_timeout(Duration::from_secs(20));
+            })
+            .unwrap();
+            let op = std::thread::spawn(run);
+            // The operation is under way behind the host function, and waits for it.
+            std::thread::sleep(Duration::from_millis(200));
+            assert!(!op.is_finished(), "{name} returned before the host function ran");
+            let began = within_10s({
+                let s = s.clone();
+                move || {
+                    let r = s.begin_capture(CaptureMode::Relaxed);
+                    let _ = tx.send(());
+                    r
+                }
+            });
+            let began =
+                began.unwrap_or_else(|| panic!("begin_capture waited for {name}, which waits for the host function"));
+            began.unwrap();
+            // The capture lasts until the operation has returned.
+            let (result, check) = within_10s(move || op.join().unwrap())
+                .unwrap_or_else(|| panic!("{name} did not return once the host function had"));
+            s.end_capture().unwrap();
+            if copy {
+                assert!(matches!(result, Err(Error::Capturing { .. })), "{name}: {result:?}");
+                assert_eq!(check(), vec![0; HOST_OP_LEN], "{name} was refused, but wrote its destination");
+            } else {
+                result.unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert_eq!(check(), written, "{name}");
+            }
+        }
+        drop(s);
+        release_everything(&dev);
+    }
 }
