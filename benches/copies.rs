@@ -7,7 +7,10 @@
 //! 1 GiB host-to-device and device-to-host, from pinned and from pageable host memory, and
 //! device-to-device: GB/s (median of rounds, each timed with host clocks around a synchronised
 //! copy) for raw `cuMemcpy*Async` + `cuStreamSynchronize` and for cudrv's `DeviceBuffer` copies.
-//! Without a driver it prints the error and exits 0.
+//! Then small synchronous copies with pageable host memory (64 B and 4 KiB): µs per copy, the
+//! median of rounds of 500 that alternate between the raw pair and cudrv's `copy_to_host` /
+//! `copy_from_host`, which add the gate, a question whether the stream is idle, and a wait for an
+//! event instead of the stream. Without a driver it prints the error and exits 0.
 
 use std::time::Instant;
 
@@ -19,6 +22,9 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 const BYTES: usize = 1 << 30;
 const ROUNDS: usize = 9;
+/// Copies per round of the small-copy table, and its rounds (each side alternately).
+const SMALL_REPS: u32 = 500;
+const SMALL_ROUNDS: usize = 15;
 
 fn main() {
     if let Err(e) = run() {
@@ -43,6 +49,62 @@ fn gbps(mut f: impl FnMut() -> Res<()>) -> Res<f64> {
     }
     v.sort_by(|a, b| a.total_cmp(b));
     Ok(v[v.len() / 2])
+}
+
+/// µs per call of `raw` and of `ours`: the medians of [`SMALL_ROUNDS`] rounds of
+/// [`SMALL_REPS`] calls each, the two alternating round by round.
+fn small_latency(mut raw: impl FnMut() -> Res<()>, mut ours: impl FnMut() -> Res<()>) -> Res<(f64, f64)> {
+    let round = |f: &mut dyn FnMut() -> Res<()>| -> Res<f64> {
+        let t = Instant::now();
+        for _ in 0..SMALL_REPS {
+            f()?;
+        }
+        Ok(t.elapsed().as_secs_f64() * 1e6 / f64::from(SMALL_REPS))
+    };
+    round(&mut raw)?; // warm-up
+    round(&mut ours)?;
+    let (mut r, mut o) = (Vec::new(), Vec::new());
+    for _ in 0..SMALL_ROUNDS {
+        r.push(round(&mut raw)?);
+        o.push(round(&mut ours)?);
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((median(r), median(o)))
+}
+
+/// The small-copy table: synchronous copies of `bytes` bytes between a `DeviceBuffer` and
+/// pageable host memory, raw (`cuMemcpy*Async` + `cuStreamSynchronize`) and through cudrv.
+fn small_copies(d: &Driver, s: &Stream) -> Res<()> {
+    println!("\n| small copy (pageable) | raw driver µs | cudrv µs | cudrv / raw |\n|---|---|---|---|");
+    for bytes in [64usize, 4096] {
+        let mut buf = DeviceBuffer::<u8>::zeroed(bytes, s)?;
+        let mut host = vec![3u8; bytes];
+        let (p, hs, raw_s) = (buf.as_raw(), host.as_mut_ptr(), s.as_raw());
+        // SAFETY (raw closures): a live device buffer and host memory of `bytes` bytes; every copy
+        // is waited for before the next one and before the memory is touched again.
+        let wait = || ok(unsafe { d.cuStreamSynchronize(raw_s) });
+        let (raw, ours) = small_latency(
+            || {
+                ok(unsafe { d.cuMemcpyDtoHAsync_v2(hs.cast(), p, bytes, raw_s) })?;
+                wait()
+            },
+            || Ok(buf.copy_to_host(unsafe { std::slice::from_raw_parts_mut(hs, bytes) })?),
+        )?;
+        println!("| D2H {bytes} B | {raw:.2} | {ours:.2} | {:.3}x |", ours / raw);
+        let (raw, ours) = small_latency(
+            || {
+                ok(unsafe { d.cuMemcpyHtoDAsync_v2(p, hs.cast(), bytes, raw_s) })?;
+                wait()
+            },
+            || Ok(buf.copy_from_host(unsafe { std::slice::from_raw_parts(hs, bytes) })?),
+        )?;
+        println!("| H2D {bytes} B | {raw:.2} | {ours:.2} | {:.3}x |", ours / raw);
+        drop(host);
+    }
+    Ok(())
 }
 
 fn run() -> Res<()> {
@@ -148,5 +210,5 @@ fn run() -> Res<()> {
     for (name, raw, ours) in rows {
         println!("| {name} | {raw:.1} | {ours:.1} | {:.3}x |", ours / raw);
     }
-    Ok(())
+    small_copies(d, &s)
 }
