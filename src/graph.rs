@@ -67,6 +67,13 @@
 //! it wait until the capture's id is known. Graphs made by raw driver calls are unknown to cudrv
 //! and get none of this.
 //!
+//! A capture may begin on a stream while another thread's host copy, synchronous memset or
+//! [`Stream::synchronize`] waits for the stream's earlier work (a host function there may be
+//! waiting for the thread that begins the capture): the wait is for an event recorded before the
+//! capture began. A copy with pageable host memory waits for the stream's earlier work before
+//! it is queued (the driver's call would wait for it anyway), and is refused with
+//! [`Error::Capturing`] if a capture began on the stream meanwhile.
+//!
 //! [`Graph`] and [`GraphExec`] are `Send` but not `Sync`: the driver does not synchronise calls on
 //! one graph or executable graph (not even `cuGraphInstantiate` or `cuGraphLaunch`); share them
 //! behind a `Mutex`. Once an executable graph of a graph that owns pool memory is dropped, the next
