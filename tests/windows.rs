@@ -133,6 +133,8 @@ fn nvcuda_dll_is_loaded_from_the_system_folder() {
         drop(buf);
         dev.memory_resource().unwrap().trim(0).unwrap();
         drop(s);
+        // The events the context keeps for host waits.
+        dev.primary_context().unwrap().release_cached_events();
         assert_no_leaks();
     });
 }
@@ -358,6 +360,8 @@ fn tcc_allocates_from_the_stream_ordered_pool() {
         drop((a, b));
         resource.trim(0).unwrap();
         drop(s);
+        // The events the context keeps for host waits.
+        dev.primary_context().unwrap().release_cached_events();
         assert_no_leaks();
     });
 }
@@ -381,6 +385,8 @@ fn wddm_allocates_from_the_driver_pool() {
         drop(buf);
         resource.trim(0).unwrap();
         drop(s);
+        // The events the context keeps for host waits.
+        dev.primary_context().unwrap().release_cached_events();
         assert_no_leaks();
     });
 }
