@@ -1496,8 +1496,7 @@ impl Stream {
         if self.inner().per_thread_owner != 0 {
             return self.inner().ctx.stream_done(self.as_raw());
         }
-        // SAFETY: the stream is valid while `self` lives; its context is current (the caller's).
-        check_done("cuStreamQuery", unsafe { driver()?.cuStreamQuery(self.as_raw()) })
+        self.query_raw(driver()?)
     }
 
     /// Waits until all work queued on the stream is done, for memory that the work touches (see
@@ -1544,7 +1543,8 @@ impl Stream {
                 // SAFETY: as above; the event stays this call's until it returns.
                 match check_done("cuEventQuery", unsafe { d.cuEventQuery(event) }) {
                     // Where the event cannot be asked, the stream can, while it captures nothing
-                    // (under a gate again): its work includes the event's.
+                    // (under a gate again): its work includes the event's. The context is current
+                    // and the capture mode relaxed, as for the wait.
                     Err(q) if !q.ends_all_work() && self.inner().per_thread_owner == 0 => {
                         self.refuse_in_capture("waiting for a capturing stream").map_or(Err(q), |_g| self.query_raw(d))
                     }
@@ -1583,7 +1583,14 @@ impl Stream {
         let per_thread = self.inner().per_thread_owner != 0;
         let mut event = if per_thread { new_event() } else { None };
         Err(poll_until_done(e, || {
-            let asked = if let (true, Some(ev)) = (per_thread, &event) { ev.query() } else { self.query_raw(d) };
+            let asked = if let (true, Some(ev)) = (per_thread, &event) {
+                ev.query()
+            } else {
+                let _b = self.inner().ctx.bind();
+                // As `synchronize`'s.
+                let _relaxed = capture::RelaxedCaptureMode::enter();
+                self.query_raw(d)
+            };
             match asked {
                 Err(q) if !q.ends_all_work() => {
                     if event.is_none() {
@@ -1597,13 +1604,10 @@ impl Stream {
     }
 
     /// `cuStreamQuery` of the stream's handle (not for a per-thread stream's waits: see
-    /// `host_wait`), its context made current, for a caller that holds a gate of the stream, which
-    /// captures nothing.
+    /// `host_wait`), for a caller that holds a gate of the stream, which captures nothing, with
+    /// the stream's context current.
     fn query_raw(&self, d: &cudrv_sys::Driver) -> Result<bool> {
-        let _b = self.inner().ctx.bind();
-        // As `synchronize`'s.
-        let _relaxed = capture::RelaxedCaptureMode::enter();
-        // SAFETY: the stream is valid while `self` lives.
+        // SAFETY: the stream is valid while `self` lives; its context is current (the caller's).
         check_done("cuStreamQuery", unsafe { d.cuStreamQuery(self.as_raw()) })
     }
 

@@ -25,15 +25,7 @@ use cudrv::memory::{DeviceBuffer, ResourceKind, SyncResource};
 use cudrv::{Device, Error, Stream};
 use cudrv_test_support::{LEGACY_DRIVER_VERSION, fake_driver_version, in_fake_child, testing_oldest_driver};
 
-/// Runs `f` on a thread of its own: its result, or `None` when it has not returned after 10 s (it
-/// hangs; the thread is left behind, and the child process ends with the test).
-pub fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(std::time::Duration::from_secs(10)).ok()
-}
+pub use graph_cases::within_10s;
 
 /// Runs `body` while another thread captures, in `mode`, a fill of a buffer of its own on its
 /// per-thread stream (a blocking stream: the legacy stream then refuses work) or on a new

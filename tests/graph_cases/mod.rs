@@ -33,6 +33,16 @@ pub fn release_everything(dev: &Device) {
     dev.primary_context().unwrap().release_cached_events();
 }
 
+/// Runs `f` on a thread of its own: its result, or `None` when it has not returned after 10 s (it
+/// hangs; the thread is left behind, and the process ends with the test).
+pub fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(10)).ok()
+}
+
 fn refused<T: std::fmt::Debug>(r: Result<T, Error>, what: &str) {
     match r {
         Err(Error::Capturing { .. }) => {}
@@ -616,15 +626,6 @@ pub fn an_orphaned_capture_ends_when_its_last_buffer_goes() {
 // Host copies and memsets while a capture begins (review 31)
 // ------------------------------------------------------------------------------------------------
 
-/// `f`'s result, if it returns within 10 s (on a thread of its own, left behind otherwise).
-fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(std::time::Duration::from_secs(10)).ok()
-}
-
 /// What a host operation's destination holds, read once the capture has ended (the buffer is
 /// dropped there).
 type Check = Box<dyn FnOnce() -> Vec<u32> + Send>;
@@ -652,15 +653,17 @@ const HOST_OP_LEN: usize = 64;
 /// The destinations start zeroed.
 fn host_ops(s: &Stream) -> Vec<HostOp> {
     let data: Vec<u32> = (1..=HOST_OP_LEN as u32).collect();
-    let op = |name, copy, written: &[u32], run: Run| HostOp { name, run, copy, written: written.to_vec() };
-    // A memset that leaves every element `value`.
-    let memset = |name, value: u32, run: Run| HostOp { name, run, copy: false, written: vec![value; HOST_OP_LEN] };
     // A copy to the host, into a zeroed `Vec`.
-    fn to_host(copy: impl FnOnce(&mut [u32]) -> Result<()> + Send + 'static) -> Run {
-        Box::new(move || {
+    fn to_host(
+        name: &'static str,
+        data: &[u32],
+        copy: impl FnOnce(&mut [u32]) -> Result<()> + Send + 'static,
+    ) -> HostOp {
+        let run: Run = Box::new(move || {
             let mut v = vec![0; HOST_OP_LEN];
             (copy(&mut v), Box::new(move || v))
-        })
+        });
+        HostOp { name, run, copy: true, written: data.to_vec() }
     }
     // A copy of `data` from the host into `b`, read back after.
     fn from_host<B: Send + 'static>(
@@ -681,6 +684,8 @@ fn host_ops(s: &Stream) -> Vec<HostOp> {
     ) -> Run {
         Box::new(move || (op(&mut b), Box::new(move || read(&b).unwrap())))
     }
+    // A memset that leaves every element `value`.
+    let memset = |name, value: u32, run: Run| HostOp { name, run, copy: false, written: vec![value; HOST_OP_LEN] };
     let (b1, b2, b3, b4) = (
         DeviceBuffer::from_slice(&data, s).unwrap(),
         DeviceBuffer::<u32>::zeroed(HOST_OP_LEN, s).unwrap(),
@@ -695,16 +700,16 @@ fn host_ops(s: &Stream) -> Vec<HostOp> {
     let m2 = ManagedBuffer::<u32>::zeroed(HOST_OP_LEN, s).unwrap();
     m1.copy_from_host(&data).unwrap();
     vec![
-        op("DeviceBuffer::copy_to_host", true, &data, to_host(move |v| b1.copy_to_host(v))),
+        to_host("DeviceBuffer::copy_to_host", &data, move |v| b1.copy_to_host(v)),
         from_host("DeviceBuffer::copy_from_host", &data, b2, DeviceBuffer::copy_from_host, DeviceBuffer::to_vec),
         memset("DeviceBuffer::memset_sync", 0xABAB_ABAB, on_device(b3, |b| b.memset_sync(0xAB), DeviceBuffer::to_vec)),
         memset("DeviceBuffer::fill_sync", 7, on_device(b4, |b| b.fill_sync(7), DeviceBuffer::to_vec)),
-        op("DeviceBuffer2D::copy_to_host", true, &data, to_host(move |v| p1.copy_to_host(v))),
+        to_host("DeviceBuffer2D::copy_to_host", &data, move |v| p1.copy_to_host(v)),
         from_host("DeviceBuffer2D::copy_from_host", &data, p2, DeviceBuffer2D::copy_from_host, DeviceBuffer2D::to_vec),
         memset("DeviceBuffer2D::fill_sync", 9, on_device(p3, |b| b.fill_sync(9), DeviceBuffer2D::to_vec)),
-        op("DeviceBuffer3D::copy_to_host", true, &data, to_host(move |v| v1.copy_to_host(v))),
+        to_host("DeviceBuffer3D::copy_to_host", &data, move |v| v1.copy_to_host(v)),
         from_host("DeviceBuffer3D::copy_from_host", &data, v2, DeviceBuffer3D::copy_from_host, DeviceBuffer3D::to_vec),
-        op("ManagedBuffer::copy_to_host", true, &data, to_host(move |v| m1.copy_to_host(v))),
+        to_host("ManagedBuffer::copy_to_host", &data, move |v| m1.copy_to_host(v)),
         from_host("ManagedBuffer::copy_from_host", &data, m2, ManagedBuffer::copy_from_host, ManagedBuffer::to_vec),
     ]
 }
