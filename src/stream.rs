@@ -586,7 +586,13 @@ impl StreamKey {
         if self.0.marking.load(Ordering::Relaxed) != 0 {
             self.hold_back_for_marking();
         }
-        let owned = self.is_owner();
+        self.enter_counted(self.is_owner())
+    }
+
+    /// [`StreamKey::enter`] once held back for a marking thread: counted in the owner's slot
+    /// where `owned`.
+    #[inline]
+    fn enter_counted(&self, owned: bool) -> Gate<'_> {
         loop {
             if owned {
                 // Ordered before the looks at the marks below; `mark_ungated` pairs it with a heavy
@@ -883,6 +889,15 @@ impl<'a> Gate<'a> {
 impl Drop for Gate<'_> {
     #[inline]
     fn drop(&mut self) {
+        self.uncount();
+    }
+}
+
+impl Gate<'_> {
+    /// Takes the gate's count back (what dropping it does); the value must not be dropped after
+    /// unless the count is taken again ([`LentGates`]).
+    #[inline]
+    fn uncount(&self) {
         GATES_HELD.with(|held| held.set(held.get().saturating_sub(1)));
         if self.owned {
             let held = self.inner.owner_gated.load(Ordering::Relaxed);
@@ -891,6 +906,74 @@ impl Drop for Gate<'_> {
         } else {
             self.inner.gated.fetch_sub(1, Ordering::Release);
         }
+    }
+}
+
+thread_local! {
+    /// The gates that the calling thread lends to a wait before a synchronous free
+    /// ([`lend_gates`]): the lender's slice of [`KeyedGate`]s, as a pointer and a length; null
+    /// while none is lent, or while a wait has let them go ([`LentGates`]).
+    static LENT_GATES: Cell<(*const (), usize)> = const { Cell::new((std::ptr::null(), 0)) };
+}
+
+/// A gate with the key of the stream it was entered on: what [`lend_gates`] lends.
+pub(crate) type KeyedGate<'a> = (&'a StreamKey, Gate<'a>);
+
+/// Runs `f`, a memory resource's free and the last thing the calling thread does under `gates`
+/// that depends on their streams' captures, with the gates lent to the wait that cudrv's own
+/// resources make before a synchronous free ([`Stream::wait_to_free`]: `SyncResource`,
+/// `ManagedResource` and `PinnedHostResource`). That wait lets the gates go once its event's
+/// record is queued and takes them again before it returns, so that a buffer's drop does not
+/// keep a capture from beginning on its stream for as long as the stream's work runs (a host
+/// function queued there may be waiting for the thread that begins it). What `f` sees of the
+/// streams' captures after such a wait may have changed: the free after it queues nothing.
+pub(crate) fn lend_gates<R>(gates: &[KeyedGate<'_>], f: impl FnOnce() -> R) -> R {
+    /// Puts back what was lent before (nothing, or an outer lender's gates), also if `f` unwinds.
+    struct Restore((*const (), usize));
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LENT_GATES.with(|lent| lent.set(self.0));
+        }
+    }
+    let _restore = Restore(LENT_GATES.with(|lent| lent.replace((gates.as_ptr().cast(), gates.len()))));
+    f()
+}
+
+/// The gates lent to the calling thread ([`lend_gates`]), let go for a wait until this is
+/// dropped, which takes them again (waiting, as [`StreamKey::enter`] does, while a capture is
+/// being begun on one of their streams).
+struct LentGates((*const (), usize));
+
+impl LentGates {
+    /// Lets the lent gates go (none where nothing is lent, or another wait has them).
+    fn let_go() -> LentGates {
+        let lent = LentGates(LENT_GATES.with(|lent| lent.replace((std::ptr::null(), 0))));
+        for (_, gate) in lent.gates() {
+            gate.uncount();
+        }
+        lent
+    }
+
+    fn gates(&self) -> &[KeyedGate<'_>] {
+        let (ptr, len) = self.0;
+        if ptr.is_null() {
+            return &[];
+        }
+        // SAFETY: a slice that `lend_gates` stored for this thread, which its caller borrows
+        // until `lend_gates` returns; this value is made and dropped on this thread within the
+        // `f` of that call (a wait that `f` makes), so the slice outlives it.
+        unsafe { std::slice::from_raw_parts(ptr.cast::<KeyedGate<'_>>(), len) }
+    }
+}
+
+impl Drop for LentGates {
+    fn drop(&mut self) {
+        for (key, gate) in self.gates() {
+            // Counted again in the slot it was counted in: the lender's value stands for it once
+            // more, and drops it.
+            std::mem::forget(key.enter_counted(gate.owned));
+        }
+        LENT_GATES.with(|lent| lent.set(self.0));
     }
 }
 
@@ -1523,6 +1606,20 @@ impl Stream {
     /// asked (and, where that fails too, an event recorded on it) in the same way. Under a driver
     /// that fails every question with a passing error, it waits as long as that lasts.
     pub(crate) fn wait_for_access(&self, gate: Gate<'_>) -> Result<()> {
+        self.wait_for_access_lent(gate, false)
+    }
+
+    /// [`Stream::wait_for_memory`] before a synchronous free of the memory (a resource's
+    /// `deallocate`, which queues nothing on the stream after the wait): where the caller's
+    /// gates are lent to it ([`lend_gates`]: a buffer's drop), they go with `gate` while it waits,
+    /// so that the drop does not keep a capture from beginning on the stream meanwhile.
+    pub(crate) fn wait_to_free(&self) -> Result<()> {
+        self.wait_for_access_lent(self.refuse_in_capture("waiting for a capturing stream")?, true)
+    }
+
+    /// [`Stream::wait_for_access`], letting the gates lent to the calling thread go with `gate`
+    /// where `lent`.
+    fn wait_for_access_lent(&self, gate: Gate<'_>, lent: bool) -> Result<()> {
         let ctx = &self.inner().ctx;
         let mut gate = Some(gate);
         let waited = ctx.with_spare_event(|event| {
@@ -1533,6 +1630,8 @@ impl Stream {
             unsafe { drv!(cuEventRecord(event, self.as_raw())) }?;
             // The record is queued after the work (see `synchronize` for a per-thread stream's).
             drop(gate.take());
+            // Taken again once the wait (or the questions after it) is over.
+            let _lent = lent.then(LentGates::let_go);
             // SAFETY: as above.
             let Err(e) = (unsafe { drv!(cuEventSynchronize(event)) }) else { return Ok(()) };
             if e.ends_all_work() {

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::host::PinnedBuffer;
-use super::uses::{FreeStreams, Held};
+use super::uses::{FreeStreams, Held, order_after_uses};
 use super::{
     DevicePtr, DeviceResource, MemoryResource, StreamOrderedPool, UseGates, check_len, check_stream, unless_capturing,
 };
@@ -17,7 +17,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::result::drv;
 use crate::session::{CaptureSession, GraphOwned, GraphUse};
-use crate::stream::{Gate, Stream, StreamPin};
+use crate::stream::{Gate, Stream, StreamPin, lend_gates};
 
 /// Plain-old-data types that may live in device memory and be copied byte-wise to and from it.
 ///
@@ -905,12 +905,17 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
                 _ => {
                     // Another resource's free may queue work (or wait for the stream): under the
                     // stream's gate no capture begins between the look and the free.
-                    let gate = self.stream.key().enter();
+                    let gates = [(self.stream.key(), self.stream.key().enter())];
                     if self.stream.key().capture_id() == 0 && !self.stream.key().legacy_held_by_capture() {
+                        // The free is the last work queued under the gate: lent to the wait of a
+                        // resource whose free waits for the stream (see `lend_gates`).
                         // SAFETY: as above.
-                        if let Err(e) = unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) } {
+                        let freed =
+                            lend_gates(&gates, || unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) });
+                        if let Err(e) = freed {
                             report_drop_error(Some(self.stream.context()), e);
                         }
+                        let [(_, gate)] = gates;
                         // SAFETY: the buffer's own pin, let go once, here, under its stream's
                         // gate; the view is not used after. (The stream may go with what the
                         // call returns, dropped here, after it.)
@@ -1060,18 +1065,10 @@ impl Free {
 /// the memory (it may still be in use, or the resource refused it), which is sound, and is
 /// reported as a drop error.
 fn free_after_uses(resource: &dyn MemoryResource, ptr: DevicePtr, bytes: usize, stream: &Stream, used_on: &[Stream]) {
-    let freed = (|| {
-        for other in used_on {
-            if stream.wait_stream_in_gate(other).is_err() {
-                // Cannot order the free after `other` on the GPU: wait for it on the host (this
-                // never returns while its work may still run). If even that fails, the memory leaks.
-                other.wait_for_memory()?;
-            }
-        }
-        // SAFETY: the pointer came from this resource with this size and is freed once; every use
-        // is queued on `stream` or ordered before this point (above).
-        unsafe { resource.deallocate(ptr, bytes, stream) }
-    })();
+    // If a host wait for another stream fails, the memory leaks.
+    // SAFETY: the pointer came from this resource with this size and is freed once; every use is
+    // queued on `stream` or ordered before this point (`order_after_uses`).
+    let freed = order_after_uses(stream, used_on).and_then(|()| unsafe { resource.deallocate(ptr, bytes, stream) });
     if let Err(e) = freed {
         report_drop_error(Some(stream.context()), e);
     }

@@ -7,7 +7,7 @@ use std::mem::{align_of, size_of, size_of_val};
 use std::sync::{Arc, Mutex};
 
 use super::buffer::{DeviceRepr, byte_len};
-use super::{DevicePtr, MemoryResource, ResourceKind, check_stream};
+use super::{DevicePtr, MemoryResource, ResourceKind, check_stream, free_when_done};
 use crate::capture::RelaxedCaptureMode;
 use crate::context::{Context, bound_drop_call, report_drop_error};
 use crate::device::Device;
@@ -344,20 +344,10 @@ unsafe impl MemoryResource for PinnedHostResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: &Stream) -> Result<()> {
-        if stream.key().legacy_held_by_capture() {
-            // The legacy stream while a blocking stream of its context captures: a wait for it now
-            // would join that capture (the driver refuses it, and invalidates the capture) and
-            // wait for the capture's end, for ever when this thread is to end it. As
-            // `SyncResource`'s, the free waits on cudrv's deferred-work thread instead.
-            let (ctx, ptr) = (self.ctx.clone(), crate::host_fn::SendHandle(ptr as *mut c_void));
-            crate::session::after_stream_work(stream.clone(), move || host_free(&ctx, ptr.get()));
-            return Ok(());
-        }
-        stream.wait_for_memory()?;
-        let _b = self.ctx.bind()?;
-        let _relaxed = RelaxedCaptureMode::enter();
-        // SAFETY: the caller passes memory from `allocate`; the stream's uses are complete.
-        unsafe { drv!(cuMemFreeHost(ptr as *mut std::ffi::c_void)) }
+        let ptr = crate::host_fn::SendHandle(ptr as *mut c_void);
+        // SAFETY: the caller passes memory from `allocate`, freed once; `free_when_done` runs the
+        // free once the stream's uses are complete, with the context current.
+        free_when_done(&self.ctx, stream, move || unsafe { drv!(cuMemFreeHost(ptr.get())) })
     }
 
     fn device(&self) -> Device {

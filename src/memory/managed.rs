@@ -19,9 +19,9 @@ use std::mem::{MaybeUninit, size_of};
 use std::sync::Arc;
 
 use super::buffer::{DeviceRepr, aligned_bytes, as_uninit, element_bits, vec_written};
-use super::{DevicePtr, MemoryResource, ResourceKind, StreamUses, check_len, check_stream};
+use super::{DevicePtr, MemoryResource, ResourceKind, StreamUses, check_len, check_stream, free_when_done};
 use crate::capture::RelaxedCaptureMode;
-use crate::context::{Context, bound_drop_call};
+use crate::context::Context;
 use crate::device::Device;
 use crate::error::{Error, Result, check};
 use crate::result::drv;
@@ -95,22 +95,9 @@ unsafe impl MemoryResource for ManagedResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: &Stream) -> Result<()> {
-        if stream.key().legacy_held_by_capture() {
-            // The legacy stream while a blocking stream of its context captures: a wait for it
-            // now could not end before that capture does (for ever when this thread is to end
-            // it). The free waits on cudrv's deferred-work thread instead (as SyncResource's).
-            let ctx = self.ctx.clone();
-            crate::session::after_stream_work(stream.clone(), move || {
-                // SAFETY: the caller passed a pointer from `allocate`, freed once, here; the
-                // stream's work up to the free is done (the host saw it complete); the context is
-                // made current.
-                bound_drop_call(&ctx, || unsafe { free_managed(&ctx, ptr) });
-            });
-            return Ok(());
-        }
-        stream.wait_for_memory()?;
-        // SAFETY: the caller passes memory from `allocate`; the stream's uses are complete.
-        unsafe { free_managed(&self.ctx, ptr) }
+        // SAFETY: the caller passes memory from `allocate`, freed once; `free_when_done` runs the
+        // free once the stream's uses are complete, with the context current.
+        free_when_done(&self.ctx, stream, move || unsafe { drv!(cuMemFree_v2(ptr)) })
     }
 
     fn device(&self) -> Device {

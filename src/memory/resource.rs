@@ -45,7 +45,11 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// and the resource's work there: an implementation must not begin a capture on that stream (it
 /// would wait for ever), nor wait for another thread to begin one there or to end one that the
 /// stream takes part in (that thread waits for the gate). Ending such a capture itself is
-/// refused ([`Error::Capturing`]). Queueing work on it, and waiting for it, are fine.
+/// refused ([`Error::Capturing`]). Queueing work on it, and waiting for it, are fine; but a wait
+/// holds the gate while it lasts, so a capture that another thread begins on the stream waits
+/// for it too. cudrv's own resources whose free waits for the stream ([`SyncResource`],
+/// [`ManagedResource`](super::ManagedResource), [`PinnedHostResource`](super::PinnedHostResource))
+/// let the buffer's gate go while they wait.
 ///
 /// # Safety
 /// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least

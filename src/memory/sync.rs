@@ -3,9 +3,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
+use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream, free_when_done};
 use crate::capture::RelaxedCaptureMode;
-use crate::context::{Context, bound_drop_call};
+use crate::context::Context;
 use crate::device::Device;
 use crate::error::Result;
 use crate::result::drv;
@@ -83,29 +83,19 @@ unsafe impl MemoryResource for SyncResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        if stream.key().legacy_held_by_capture() {
-            // The legacy stream while a blocking stream of its context captures: a wait for it
-            // now would join that capture (the driver refuses it, and invalidates the capture) and
-            // wait for the capture's end, for ever when this thread is to end it. The free waits on
-            // cudrv's deferred-work thread instead, until the stream can be waited for.
-            let ctx = self.ctx.clone();
-            self.in_use.fetch_sub(bytes, Ordering::Relaxed);
-            crate::session::after_stream_work(stream.clone(), move || {
-                // SAFETY: the caller passed a pointer from `allocate`, freed once, here; the
-                // stream's work up to the free is done (the host saw it complete); the context is
-                // current.
-                bound_drop_call(&ctx, || unsafe { drv!(cuMemFree_v2(ptr)) });
-            });
-            return Ok(());
+        // Counted out at once where the free waits on cudrv's thread (see `free_when_done`).
+        let in_use = &self.in_use;
+        let deferred = stream.key().legacy_held_by_capture();
+        if deferred {
+            in_use.fetch_sub(bytes, Ordering::Relaxed);
         }
         // Waits even if an unrelated error is pending; never frees while the stream may use it.
-        stream.wait_for_memory()?;
-        let _b = self.ctx.bind()?;
-        // As `allocate`'s.
-        let _relaxed = RelaxedCaptureMode::enter();
-        // SAFETY: the caller passes a pointer from `allocate`; the stream's work is done.
-        unsafe { drv!(cuMemFree_v2(ptr)) }?;
-        self.in_use.fetch_sub(bytes, Ordering::Relaxed);
+        // SAFETY: the caller passes a pointer from `allocate`, freed once; `free_when_done` runs
+        // the free once the stream's work is done, with the context current.
+        free_when_done(&self.ctx, stream, move || unsafe { drv!(cuMemFree_v2(ptr)) })?;
+        if !deferred {
+            in_use.fetch_sub(bytes, Ordering::Relaxed);
+        }
         Ok(())
     }
 

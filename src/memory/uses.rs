@@ -2,10 +2,12 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::capture::RelaxedCaptureMode;
+use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::session::CaptureSession;
-use crate::stream::{Gate, ParkedStream, Stream, StreamKey};
+use crate::stream::{Gate, KeyedGate, ParkedStream, Stream, StreamKey, lend_gates};
 
 /// Checks that `stream` belongs to `device`.
 pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) -> Result<()> {
@@ -14,6 +16,42 @@ pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) 
     } else {
         Err(Error::DeviceMismatch { what, expected: device.ordinal_i32(), found: stream.device().ordinal_i32() })
     }
+}
+
+/// A resource's synchronous free (`free`: `cuMemFree`, `cuMemFreeHost`) of memory whose uses are
+/// queued on `stream`, once the stream's work is done; run with `ctx` current and captures
+/// relaxed (never part of one). The wait is [`Stream::wait_to_free`], which lets a dropping
+/// buffer's gates go while it waits. Where `stream` stands for the legacy default stream while a
+/// blocking stream captures, a wait now would join that capture (the driver refuses it, and
+/// invalidates the capture) and could not end before the capture does (for ever when this thread
+/// is to end it): the free then waits on cudrv's deferred-work thread, its error reported as a
+/// drop's, and `Ok` comes back at once.
+///
+/// # Errors
+/// The wait's error (the stream is capturing, or its work failed): `free` does not run, and the
+/// memory stays the caller's. Otherwise the bind's or `free`'s.
+pub(crate) fn free_when_done(
+    ctx: &Arc<Context>,
+    stream: &Stream,
+    free: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Result<()> {
+    // With the context current, never part of a capture.
+    fn bound(ctx: &Context, free: impl FnOnce() -> Result<()>) -> Result<()> {
+        let _b = ctx.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter();
+        free()
+    }
+    if stream.key().legacy_held_by_capture() {
+        let ctx = ctx.clone();
+        crate::session::after_stream_work(stream.clone(), move || {
+            if let Err(e) = bound(&ctx, free) {
+                report_drop_error(Some(&ctx), e);
+            }
+        });
+        return Ok(());
+    }
+    stream.wait_to_free()?;
+    bound(ctx, free)
 }
 
 /// The streams other than its own that a piece of memory was used on, so that its free and host
@@ -94,6 +132,21 @@ pub(crate) fn wait_for_uses(owner: &Stream, used: &[Stream]) -> Result<()> {
     used.iter().chain(std::iter::once(owner)).try_for_each(Stream::wait_for_memory)
 }
 
+/// Orders `stream` after the work queued so far on every stream of `used`, for a free on
+/// `stream`: on the GPU where it can, else by a wait for that stream on the host (which never
+/// returns while its work may still run). Under the gates of all of them, none capturing.
+///
+/// # Errors
+/// A failed host wait's error: the memory may still be in use.
+pub(crate) fn order_after_uses(stream: &Stream, used: &[Stream]) -> Result<()> {
+    for other in used {
+        if stream.wait_stream_in_gate(other).is_err() {
+            other.wait_for_memory()?;
+        }
+    }
+    Ok(())
+}
+
 /// A synchronous free (`cuMemFree` does not wait for queued work) of memory used on `owner` and
 /// `used`: waits for them, then runs `free`. Outside host functions (deferred from inside one),
 /// and after the end of a capture that any of the streams takes part in. The streams wait parked
@@ -137,7 +190,7 @@ fn try_wait_then_free<F: FnOnce() -> Result<()> + Send + 'static>(
     let mut free = Some(free);
     let held = unless_capturing(users.all(), 0, || {
         let Some(free) = free.take() else { return };
-        let done = match wait_for_uses(owner, used) {
+        let done = match order_after_uses(owner, used).and_then(|()| owner.wait_to_free()) {
             Ok(()) => free(),
             Err(e) => {
                 // The work may still run: the closure is not run, and not dropped either (what it
@@ -238,20 +291,21 @@ fn capture_of<'a>(keys: impl Iterator<Item = &'a StreamKey>, own: u64) -> Option
 /// Runs `f` unless one of `streams` takes part in a capture that cudrv tracks, other than `own`
 /// (0: none), or stands for the legacy default stream while a blocking stream captures; then `f`
 /// does not run, and what holds it comes back. The streams' gates are held from the look to the
-/// end of `f`, so that no capture begins on them in between.
+/// end of `f`, so that no capture begins on them in between, and lent to `f`'s wait before a
+/// synchronous free ([`lend_gates`]): `f` is a free, and queues nothing after that wait.
 pub(crate) fn unless_capturing<'a>(
     mut streams: impl Iterator<Item = &'a Stream> + Clone,
     own: u64,
     f: impl FnOnce(),
 ) -> Option<Held> {
-    let _gates: Vec<Gate<'_>> = streams.clone().map(|s| s.key().enter()).collect();
+    let gates: Vec<KeyedGate<'_>> = streams.clone().map(|s| (s.key(), s.key().enter())).collect();
     if let Some(session) = capture_of(streams.clone().map(Stream::key), own) {
         return Some(Held::Capture(session));
     }
     if streams.any(|s| s.key().legacy_held_by_capture()) {
         return Some(Held::Legacy);
     }
-    f();
+    lend_gates(&gates, f);
     None
 }
 

@@ -208,3 +208,8 @@ fn a_graph_keeps_the_modules_of_its_kernels_loaded() {
 fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
     each_mode("0", graph_cases::a_capture_begins_while_host_copies_wait_behind_a_host_function);
 }
+
+#[test]
+fn a_capture_begins_while_a_dropped_buffer_waits_for_its_stream() {
+    each_mode("0", graph_cases::a_capture_begins_while_a_dropped_buffer_waits_for_its_stream);
+}

@@ -88,3 +88,10 @@ fn an_orphaned_capture_ends_when_its_last_buffer_goes() {
 fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
     run_in_own_process(graph_cases::a_capture_begins_while_host_copies_wait_behind_a_host_function);
 }
+
+/// The same, with a buffer whose drop waits for the stream before its free (`SyncResource`,
+/// `ManagedResource`, `ManagedBuffer`, `DeviceBuffer2D`): the capture begins, the memory is freed.
+#[test]
+fn a_capture_begins_while_a_dropped_buffer_waits_for_its_stream() {
+    run_in_own_process(graph_cases::a_capture_begins_while_a_dropped_buffer_waits_for_its_stream);
+}

@@ -10,8 +10,8 @@ use std::time::Duration;
 use cudrv::graph::{CaptureMode, CaptureStatus, Graph, InstantiateFlags};
 use cudrv::launch::LaunchConfig;
 use cudrv::memory::{
-    DeviceBuffer, DeviceBuffer2D, DeviceBuffer3D, ManagedBuffer, MemoryResource, PinnedBuffer, ResourceKind,
-    StreamOrderedPool, SyncResource,
+    DeviceBuffer, DeviceBuffer2D, DeviceBuffer3D, ManagedBuffer, ManagedResource, MemoryResource, PinnedBuffer,
+    ResourceKind, StreamOrderedPool, SyncResource,
 };
 use cudrv::module::{Function, Module};
 use cudrv::sys::CUresult;
@@ -729,31 +729,7 @@ pub fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
         let ops = host_ops(&s);
         s.synchronize().unwrap();
         for HostOp { name, run, copy, written } in ops {
-            let (tx, rx) = mpsc::channel::<()>();
-            s.launch_host_fn(move || {
-                // Bounded, so that the process ends either way.
-                let _ = rx.recv_timeout(Duration::from_secs(20));
-            })
-            .unwrap();
-            let op = std::thread::spawn(run);
-            // The operation is under way behind the host function, and waits for it.
-            std::thread::sleep(Duration::from_millis(200));
-            assert!(!op.is_finished(), "{name} returned before the host function ran");
-            let began = within_10s({
-                let s = s.clone();
-                move || {
-                    let r = s.begin_capture(CaptureMode::Relaxed);
-                    let _ = tx.send(());
-                    r
-                }
-            });
-            let began =
-                began.unwrap_or_else(|| panic!("begin_capture waited for {name}, which waits for the host function"));
-            began.unwrap();
-            // The capture lasts until the operation has returned.
-            let (result, check) = within_10s(move || op.join().unwrap())
-                .unwrap_or_else(|| panic!("{name} did not return once the host function had"));
-            s.end_capture().unwrap();
+            let (result, check) = capture_begins_behind_a_waiting_host_fn(&s, name, run);
             if copy {
                 assert!(matches!(result, Err(Error::Capturing { .. })), "{name}: {result:?}");
                 assert_eq!(check(), vec![0; HOST_OP_LEN], "{name} was refused, but wrote its destination");
@@ -765,4 +741,79 @@ pub fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
         drop(s);
         release_everything(&dev);
     }
+}
+
+/// Runs `op` (named `name`) on a thread of its own, queued behind a host function on `s` that
+/// waits for the thread that begins a capture on `s`; checks that the capture begins while `op`
+/// waits, and that `op` returns once the host function has; ends the capture. What `op` returned.
+fn capture_begins_behind_a_waiting_host_fn<T: Send + 'static>(
+    s: &Stream,
+    name: &str,
+    op: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = mpsc::channel::<()>();
+    s.launch_host_fn(move || {
+        // Bounded, so that the process ends either way.
+        let _ = rx.recv_timeout(Duration::from_secs(20));
+    })
+    .unwrap();
+    let op = std::thread::spawn(op);
+    // The operation is under way behind the host function, and waits for it.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!op.is_finished(), "{name} returned before the host function ran");
+    let began = within_10s({
+        let s = s.clone();
+        move || {
+            let r = s.begin_capture(CaptureMode::Relaxed);
+            let _ = tx.send(());
+            r
+        }
+    });
+    let began = began.unwrap_or_else(|| panic!("begin_capture waited for {name}, which waits for the host function"));
+    began.unwrap();
+    // The capture lasts until the operation has returned.
+    let result = within_10s(move || op.join().unwrap())
+        .unwrap_or_else(|| panic!("{name} did not return once the host function had"));
+    s.end_capture().unwrap();
+    result
+}
+
+/// A buffer whose free waits for its stream on the host (a `DeviceBuffer` in a `SyncResource` or
+/// a `ManagedResource`, alone or used on a second stream too; a `ManagedBuffer`, a
+/// `DeviceBuffer2D`), dropped behind a host function that waits for the thread that begins a
+/// capture on the stream. The drop held the stream's gate through its wait, and `begin_capture`
+/// waited for it: all three hung. Now the gates go while the drop waits: the capture begins, the
+/// host function returns, and the drop frees the memory (the `SyncResource` counts none in use;
+/// the fake driver's leak check sees the rest).
+pub fn a_capture_begins_while_a_dropped_buffer_waits_for_its_stream() {
+    let dev = Device::get(0).unwrap();
+    let s = Stream::new(&dev).unwrap();
+    let other = Stream::new(&dev).unwrap();
+    let data: Vec<u32> = (1..=HOST_OP_LEN as u32).collect();
+    let sync = Arc::new(SyncResource::new(&dev).unwrap());
+    let resources: [(&str, Arc<dyn MemoryResource>); 2] =
+        [("SyncResource", sync.clone()), ("ManagedResource", Arc::new(ManagedResource::new(&dev).unwrap()))];
+    type Drop = Box<dyn FnOnce() + Send>;
+    let mut drops: Vec<(String, Drop)> = Vec::new();
+    for (name, resource) in resources {
+        let alone = DeviceBuffer::from_slice_in(&data, &s, resource.clone()).unwrap();
+        let shared = DeviceBuffer::from_slice_in(&data, &s, resource).unwrap();
+        shared.record_use(&other).unwrap();
+        drops.push((format!("a DeviceBuffer in a {name}"), Box::new(move || drop(alone))));
+        drops.push((format!("a DeviceBuffer in a {name} used on another stream"), Box::new(move || drop(shared))));
+    }
+    let managed = ManagedBuffer::from_slice(&data, &s).unwrap();
+    managed.record_use(&other).unwrap();
+    let pitched = DeviceBuffer2D::from_slice(&data, 16, 4, &s).unwrap();
+    drops.push(("a ManagedBuffer used on another stream".into(), Box::new(move || drop(managed))));
+    drops.push(("a DeviceBuffer2D".into(), Box::new(move || drop(pitched))));
+    assert_eq!(sync.stats().unwrap().in_use, 2 * size_of_val(&data[..]));
+    s.synchronize().unwrap();
+    other.synchronize().unwrap();
+    for (name, drop_it) in drops {
+        capture_begins_behind_a_waiting_host_fn(&s, &name, drop_it);
+    }
+    assert_eq!(sync.stats().unwrap().in_use, 0, "a SyncResource buffer's drop returned without its free");
+    drop((s, other));
+    release_everything(&dev);
 }
