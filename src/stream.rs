@@ -1889,7 +1889,7 @@ mod tests {
     use std::sync::{Arc, mpsc};
     use std::time::Duration;
 
-    use super::{Attachment, Stream, StreamKey, StreamPin, attachment_owner_id};
+    use super::{Attachment, GATES_HELD, LentGates, Stream, StreamKey, StreamPin, attachment_owner_id, lend_gates};
     use crate::context::Context;
 
     /// A stream that makes no driver call (a null handle in a detached context, never destroyed).
@@ -1908,6 +1908,37 @@ mod tests {
         // SAFETY: the pin and its view, as `pin` made them, let go once; the view is not used
         // after.
         drop(unsafe { StreamPin::let_go(&view, owner, view.key().enter()) });
+    }
+
+    /// Gates lent to a wait go while the wait has them and come back after, each in the slot it
+    /// was counted in (the owner's, the shared counter); a wait inside that wait, or one outside
+    /// a lend, lets nothing go.
+    #[test]
+    fn lent_gates_go_for_a_wait_and_come_back() {
+        let held = || GATES_HELD.with(std::cell::Cell::get);
+        let (a, b) = (stream(), stream());
+        // Another thread owns `b`'s gate: this thread's gates of it count in the shared counter.
+        std::thread::scope(|s| {
+            s.spawn(|| drop(b.key().enter()));
+        });
+        drop(LentGates::let_go());
+        let gates = [(a.key(), a.key().enter()), (b.key(), b.key().enter())];
+        assert!(gates[0].1.owned && !gates[1].1.owned);
+        let counts = || (a.key().0.owner_gated.load(Ordering::SeqCst), b.key().0.gated.load(Ordering::SeqCst));
+        assert_eq!((counts(), held()), ((1, 1), 2));
+        lend_gates(&gates, || {
+            let lent = LentGates::let_go();
+            assert!(!a.key().gated() && !b.key().gated());
+            assert_eq!(held(), 0);
+            drop(LentGates::let_go());
+            assert_eq!((counts(), held()), ((0, 0), 0));
+            drop(lent);
+            assert_eq!((counts(), held()), ((1, 1), 2));
+        });
+        drop(LentGates::let_go());
+        assert_eq!((counts(), held()), ((1, 1), 2));
+        drop(gates);
+        assert_eq!((counts(), held()), ((0, 0), 0));
     }
 
     /// The owner thread takes pins on a view and lets them go, on its thread and on another,
