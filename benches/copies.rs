@@ -8,14 +8,15 @@
 //! device-to-device: GB/s (median of rounds, each timed with host clocks around a synchronised
 //! copy) for raw `cuMemcpy*Async` + `cuStreamSynchronize` and for cudrv's `DeviceBuffer` copies.
 //! Then small synchronous copies with pageable host memory (64 B and 4 KiB): µs per copy, the
-//! median of rounds of 500 that alternate between the raw pair and cudrv's `copy_to_host` /
-//! `copy_from_host`, which add the gate, a question whether the stream is idle, and a wait for an
-//! event instead of the stream. Without a driver it prints the error and exits 0.
+//! median of rounds of 500, raw against cudrv's `copy_to_host` / `copy_from_host`, which add the
+//! gate, a question whether the stream is idle, and a wait for an event instead of the stream.
+//! In both tables the raw side's rounds and cudrv's alternate. Without a driver it prints the
+//! error and exits 0.
 
 use std::time::Instant;
 
 use cudrv::memory::{DeviceBuffer, PinnedBuffer};
-use cudrv::sys::{CUresult, Driver};
+use cudrv::sys::{CUcontext, CUresult, Driver};
 use cudrv::{Device, Stream};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -39,32 +40,40 @@ fn ok(rc: Result<CUresult, cudrv::sys::MissingSymbol>) -> Res<()> {
     }
 }
 
-fn gbps(mut f: impl FnMut() -> Res<()>) -> Res<f64> {
-    f()?; // warm-up
-    let mut v = Vec::with_capacity(ROUNDS);
-    for _ in 0..ROUNDS {
+/// GB/s of a 1 GiB copy by `raw` and by `ours`: see [`alternating`].
+fn gbps(raw: impl FnMut() -> Res<()>, ours: impl FnMut() -> Res<()>) -> Res<(f64, f64)> {
+    alternating(ROUNDS, raw, ours, |f| {
         let t = Instant::now();
         f()?;
-        v.push(BYTES as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    Ok(v[v.len() / 2])
+        Ok(BYTES as f64 / t.elapsed().as_secs_f64() / 1e9)
+    })
 }
 
-/// µs per call of `raw` and of `ours`: the medians of [`SMALL_ROUNDS`] rounds of
-/// [`SMALL_REPS`] calls each, the two alternating round by round.
-fn small_latency(mut raw: impl FnMut() -> Res<()>, mut ours: impl FnMut() -> Res<()>) -> Res<(f64, f64)> {
-    let round = |f: &mut dyn FnMut() -> Res<()>| -> Res<f64> {
+/// µs per call of `raw` and of `ours`, timed over rounds of [`SMALL_REPS`] calls: see
+/// [`alternating`].
+fn small_latency(raw: impl FnMut() -> Res<()>, ours: impl FnMut() -> Res<()>) -> Res<(f64, f64)> {
+    alternating(SMALL_ROUNDS, raw, ours, |f| {
         let t = Instant::now();
         for _ in 0..SMALL_REPS {
             f()?;
         }
         Ok(t.elapsed().as_secs_f64() * 1e6 / f64::from(SMALL_REPS))
-    };
-    round(&mut raw)?; // warm-up
+    })
+}
+
+/// The medians of what `round` measures (one round of a side: a figure for that round) over
+/// `rounds` rounds of `raw` and of `ours`, the two alternating round by round after a warm-up
+/// round each, so that what drifts during the run (clocks, the host's memory) moves both alike.
+fn alternating(
+    rounds: usize,
+    mut raw: impl FnMut() -> Res<()>,
+    mut ours: impl FnMut() -> Res<()>,
+    round: impl Fn(&mut dyn FnMut() -> Res<()>) -> Res<f64>,
+) -> Res<(f64, f64)> {
+    round(&mut raw)?;
     round(&mut ours)?;
-    let (mut r, mut o) = (Vec::new(), Vec::new());
-    for _ in 0..SMALL_ROUNDS {
+    let (mut r, mut o) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
+    for _ in 0..rounds {
         r.push(round(&mut raw)?);
         o.push(round(&mut ours)?);
     }
@@ -73,6 +82,28 @@ fn small_latency(mut raw: impl FnMut() -> Res<()>, mut ours: impl FnMut() -> Res
         v[v.len() / 2]
     };
     Ok((median(r), median(o)))
+}
+
+/// [`gbps`] of a peer copy from `src` to `dst` (each with its context), queued on `s`: raw
+/// `cuMemcpyPeerAsync` against `DeviceBuffer::copy_to_peer`.
+fn peer_gbps(
+    d: &Driver,
+    s: &Stream,
+    (src, src_ctx): (&DeviceBuffer<u8>, CUcontext),
+    (dst, dst_ctx): (&mut DeviceBuffer<u8>, CUcontext),
+) -> Res<(f64, f64)> {
+    let (ps, pd, raw_s) = (src.as_raw(), dst.as_raw(), s.as_raw());
+    gbps(
+        // SAFETY: live buffers of BYTES bytes each; every copy is waited for before the next one.
+        || {
+            ok(unsafe { d.cuMemcpyPeerAsync(pd, dst_ctx, ps, src_ctx, BYTES, raw_s) })?;
+            Ok(s.synchronize()?)
+        },
+        || {
+            src.copy_to_peer(dst, s)?;
+            Ok(s.synchronize()?)
+        },
+    )
 }
 
 /// The small-copy table: synchronous copies of `bytes` bytes between a `DeviceBuffer` and
@@ -124,51 +155,61 @@ fn run() -> Res<()> {
     let pin_ptr = pinned.as_mut_slice()?.as_mut_ptr();
     let sync = |s: &Stream| -> Res<()> { Ok(s.synchronize()?) };
 
-    let mut rows: Vec<(&str, f64, f64)> = Vec::new();
+    let mut rows: Vec<(String, f64, f64)> = Vec::new();
     // SAFETY (raw closures): live device buffers and host memory of BYTES bytes each; every copy is
     // waited for before the next one and before the memory is touched again.
-    let raw = gbps(|| {
-        ok(unsafe { d.cuMemcpyHtoDAsync_v2(pa, pin_ptr.cast(), BYTES, raw_s) })?;
-        sync(&s)
-    })?;
-    let ours = gbps(|| {
-        dev_a.copy_from_pinned_async(&pinned)?;
-        pinned.wait()?;
-        Ok(())
-    })?;
-    rows.push(("H2D pinned", raw, ours));
-    let raw = gbps(|| {
-        ok(unsafe { d.cuMemcpyDtoHAsync_v2(pin_ptr.cast(), pa, BYTES, raw_s) })?;
-        sync(&s)
-    })?;
-    let ours = gbps(|| {
-        dev_a.copy_to_pinned_async(&mut pinned)?;
-        pinned.wait()?;
-        Ok(())
-    })?;
-    rows.push(("D2H pinned", raw, ours));
+    let (raw, ours) = gbps(
+        || {
+            ok(unsafe { d.cuMemcpyHtoDAsync_v2(pa, pin_ptr.cast(), BYTES, raw_s) })?;
+            sync(&s)
+        },
+        || {
+            dev_a.copy_from_pinned_async(&pinned)?;
+            pinned.wait()?;
+            Ok(())
+        },
+    )?;
+    rows.push(("H2D pinned".into(), raw, ours));
+    let (raw, ours) = gbps(
+        || {
+            ok(unsafe { d.cuMemcpyDtoHAsync_v2(pin_ptr.cast(), pa, BYTES, raw_s) })?;
+            sync(&s)
+        },
+        || {
+            dev_a.copy_to_pinned_async(&mut pinned)?;
+            pinned.wait()?;
+            Ok(())
+        },
+    )?;
+    rows.push(("D2H pinned".into(), raw, ours));
     let pg = pageable.as_mut_ptr();
-    let raw = gbps(|| {
-        ok(unsafe { d.cuMemcpyHtoDAsync_v2(pa, pg.cast(), BYTES, raw_s) })?;
-        sync(&s)
-    })?;
-    let ours = gbps(|| Ok(dev_a.copy_from_host(&pageable)?))?;
-    rows.push(("H2D pageable", raw, ours));
-    let raw = gbps(|| {
-        ok(unsafe { d.cuMemcpyDtoHAsync_v2(pg.cast(), pa, BYTES, raw_s) })?;
-        sync(&s)
-    })?;
-    let ours = gbps(|| Ok(dev_a.copy_to_host(&mut pageable)?))?;
-    rows.push(("D2H pageable", raw, ours));
-    let raw = gbps(|| {
-        ok(unsafe { d.cuMemcpyDtoDAsync_v2(pa, pb, BYTES, raw_s) })?;
-        sync(&s)
-    })?;
-    let ours = gbps(|| {
-        dev_a.copy_from(&dev_b)?;
-        sync(&s)
-    })?;
-    rows.push(("D2D", raw, ours));
+    let (raw, ours) = gbps(
+        || {
+            ok(unsafe { d.cuMemcpyHtoDAsync_v2(pa, pg.cast(), BYTES, raw_s) })?;
+            sync(&s)
+        },
+        || Ok(dev_a.copy_from_host(&pageable)?),
+    )?;
+    rows.push(("H2D pageable".into(), raw, ours));
+    let (raw, ours) = gbps(
+        || {
+            ok(unsafe { d.cuMemcpyDtoHAsync_v2(pg.cast(), pa, BYTES, raw_s) })?;
+            sync(&s)
+        },
+        || Ok(dev_a.copy_to_host(&mut pageable)?),
+    )?;
+    rows.push(("D2H pageable".into(), raw, ours));
+    let (raw, ours) = gbps(
+        || {
+            ok(unsafe { d.cuMemcpyDtoDAsync_v2(pa, pb, BYTES, raw_s) })?;
+            sync(&s)
+        },
+        || {
+            dev_a.copy_from(&dev_b)?;
+            sync(&s)
+        },
+    )?;
+    rows.push(("D2D".into(), raw, ours));
 
     if Device::count()? >= 2 {
         let d1 = Device::get(1)?;
@@ -176,7 +217,6 @@ fn run() -> Res<()> {
         let mut on1 = DeviceBuffer::<u8>::zeroed(BYTES, &s1)?;
         s1.synchronize()?;
         let (ctx0, ctx1) = (ctx.as_raw(), d1.primary_context()?.as_raw());
-        let p1 = on1.as_raw();
         for peer in [false, true] {
             if peer {
                 if !dev.can_access_peer(&d1)? {
@@ -185,24 +225,11 @@ fn run() -> Res<()> {
                 dev.enable_peer_access(&d1)?;
                 d1.enable_peer_access(&dev)?;
             }
-            let raw = gbps(|| {
-                ok(unsafe { d.cuMemcpyPeerAsync(p1, ctx1, pa, ctx0, BYTES, raw_s) })?;
-                sync(&s)
-            })?;
-            let ours = gbps(|| {
-                dev_a.copy_to_peer(&mut on1, &s)?;
-                sync(&s)
-            })?;
-            rows.push((if peer { "peer 0->1 (peer access on)" } else { "peer 0->1 (peer access off)" }, raw, ours));
-            let raw = gbps(|| {
-                ok(unsafe { d.cuMemcpyPeerAsync(pa, ctx0, p1, ctx1, BYTES, raw_s) })?;
-                sync(&s)
-            })?;
-            let ours = gbps(|| {
-                on1.copy_to_peer(&mut dev_a, &s)?;
-                sync(&s)
-            })?;
-            rows.push((if peer { "peer 1->0 (peer access on)" } else { "peer 1->0 (peer access off)" }, raw, ours));
+            let on = if peer { "on" } else { "off" };
+            let (raw, ours) = peer_gbps(d, &s, (&dev_a, ctx0), (&mut on1, ctx1))?;
+            rows.push((format!("peer 0->1 (peer access {on})"), raw, ours));
+            let (raw, ours) = peer_gbps(d, &s, (&on1, ctx1), (&mut dev_a, ctx0))?;
+            rows.push((format!("peer 1->0 (peer access {on})"), raw, ours));
         }
     }
 
