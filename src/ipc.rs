@@ -689,8 +689,9 @@ const CAPTURE: &str = "IpcBuffer during a capture (capture work on DeviceBuffers
 /// (`len` elements of `T`), in this process's address space.
 ///
 /// It copies, fills and launches as a [`DeviceBuffer`] does, on its stream; uses on other streams
-/// are recorded, and `Drop` waits on the host for them before it lets the mapping go (legacy:
-/// `cuIpcCloseMemHandle` with the last buffer of the allocation; pool: `cuMemFree`). The exporter
+/// are recorded, and `Drop` orders its stream after them and waits on the host for that stream
+/// before it lets the mapping go (legacy: `cuIpcCloseMemHandle` with the last buffer of the
+/// allocation; pool: `cuMemFree`). The exporter
 /// must keep the memory alive until then (see [the module documentation](crate::ipc)).
 ///
 /// ```

@@ -1,6 +1,6 @@
 //! Streams: queues of device work that run in order.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::fmt;
@@ -20,6 +20,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::error::{check, check_done};
 use crate::host_fn;
+use crate::memory::MemoryResource;
 use crate::result::{driver, drv};
 
 /// `CU_STREAM_LEGACY`, a macro in cuda.h that bindgen cannot translate.
@@ -910,44 +911,110 @@ impl Gate<'_> {
 }
 
 thread_local! {
-    /// The gates that the calling thread lends to a wait before a synchronous free
-    /// ([`lend_gates`]): the lender's slice of [`KeyedGate`]s, as a pointer and a length; null
-    /// while none is lent, or while a wait has let them go ([`LentGates`]).
-    static LENT_GATES: Cell<(*const (), usize)> = const { Cell::new((std::ptr::null(), 0)) };
+    /// What the calling thread lends to a wait before a synchronous free ([`lend_gates`]).
+    static LENT_GATES: Cell<Lent> = const { Cell::new(Lent::NONE) };
 }
 
 /// A gate with the key of the stream it was entered on: what [`lend_gates`] lends.
 pub(crate) type KeyedGate<'a> = (&'a StreamKey, Gate<'a>);
 
+/// The memory resource whose free may borrow lent gates ([`lend_gates`]), or `None` for cudrv's
+/// own free of memory that no resource holds (a `ManagedBuffer`'s, a `DeviceBuffer2D`'s).
+pub(crate) type Lender<'a> = Option<&'a (dyn MemoryResource + 'static)>;
+
+/// The identity of a resource that waits to free ([`Stream::wait_to_free`]): its address and its
+/// type. A resource that wraps another may share its address, but not its type.
+pub(crate) type Borrower = Option<(*const (), TypeId)>;
+
+/// The borrower identity of `resource` (for [`Stream::wait_to_free`]).
+pub(crate) fn borrower<R: MemoryResource>(resource: &R) -> Borrower {
+    Some((std::ptr::from_ref(resource).cast(), TypeId::of::<R>()))
+}
+
+/// Gates lent by a thread: the lender's slice of [`KeyedGate`]s (a pointer and a length; null
+/// while none is lent, or while a wait has let them go), and the resource they are lent to.
+#[derive(Clone, Copy)]
+struct Lent {
+    gates: *const (),
+    len: usize,
+    to: Option<*const (dyn MemoryResource + 'static)>,
+}
+
+impl Lent {
+    const NONE: Lent = Lent { gates: std::ptr::null(), len: 0, to: None };
+
+    /// Whether `by`, waiting on `stream`, is what the gates were lent to, and `stream` one of
+    /// theirs.
+    fn lent_to(&self, by: Borrower, stream: &StreamKey) -> bool {
+        let to_by = match (self.to, by) {
+            (None, None) => true,
+            (Some(to), Some((addr, ty))) => {
+                // SAFETY: the lender borrows the resource until `lend_gates` returns, and this
+                // runs on its thread within that call (see `LentGates::gates`).
+                let to: &dyn Any = unsafe { &*to };
+                // The type of the resource itself (not of the reference).
+                let to_ty = Any::type_id(to);
+                std::ptr::from_ref(to).cast::<()>() == addr && to_ty == ty
+            }
+            _ => false,
+        };
+        // SAFETY: as `LentGates::gates`.
+        to_by && unsafe { self.gates() }.iter().any(|(key, _)| Arc::ptr_eq(&key.0, &stream.0))
+    }
+
+    /// The lent gates.
+    ///
+    /// # Safety
+    /// Called on the lending thread within its [`lend_gates`] call, which borrows the slice.
+    unsafe fn gates(&self) -> &[KeyedGate<'_>] {
+        if self.gates.is_null() {
+            return &[];
+        }
+        // SAFETY: a slice that `lend_gates` stored for this thread, borrowed by its caller until
+        // `lend_gates` returns (the caller's promise).
+        unsafe { std::slice::from_raw_parts(self.gates.cast::<KeyedGate<'_>>(), self.len) }
+    }
+}
+
 /// Runs `f`, a memory resource's free and the last thing the calling thread does under `gates`
-/// that depends on their streams' captures, with the gates lent to the wait that cudrv's own
-/// resources make before a synchronous free ([`Stream::wait_to_free`]: `SyncResource`,
-/// `ManagedResource` and `PinnedHostResource`). That wait lets the gates go once its event's
-/// record is queued and takes them again before it returns, so that a buffer's drop does not
-/// keep a capture from beginning on its stream for as long as the stream's work runs (a host
-/// function queued there may be waiting for the thread that begins it). What `f` sees of the
-/// streams' captures after such a wait may have changed: the free after it queues nothing.
-pub(crate) fn lend_gates<R>(gates: &[KeyedGate<'_>], f: impl FnOnce() -> R) -> R {
+/// that depends on their streams' captures, with the gates lent to the wait that `to` makes
+/// before its synchronous free ([`Stream::wait_to_free`], which cudrv's `SyncResource`,
+/// `ManagedResource` and `PinnedHostResource` make; `None`: cudrv's own free of memory no
+/// resource holds). That wait lets the gates go once its event's record is queued and takes them
+/// again before it returns, so that a buffer's drop does not keep a capture from beginning on its
+/// stream for as long as the stream's work runs (a host function queued there may be waiting for
+/// the thread that begins it). What `f` sees of the streams' captures after such a wait may have
+/// changed: the free after it queues nothing. Only `to` itself borrows them, for a wait on one of
+/// their streams: a resource written outside cudrv that wraps one of cudrv's (and may queue work
+/// after the inner free) keeps the gates held.
+pub(crate) fn lend_gates<R>(gates: &[KeyedGate<'_>], to: Lender<'_>, f: impl FnOnce() -> R) -> R {
     /// Puts back what was lent before (nothing, or an outer lender's gates), also if `f` unwinds.
-    struct Restore((*const (), usize));
+    struct Restore(Lent);
     impl Drop for Restore {
         fn drop(&mut self) {
             LENT_GATES.with(|lent| lent.set(self.0));
         }
     }
-    let _restore = Restore(LENT_GATES.with(|lent| lent.replace((gates.as_ptr().cast(), gates.len()))));
+    let lent = Lent { gates: gates.as_ptr().cast(), len: gates.len(), to: to.map(std::ptr::from_ref) };
+    let _restore = Restore(LENT_GATES.with(|l| l.replace(lent)));
     f()
 }
 
 /// The gates lent to the calling thread ([`lend_gates`]), let go for a wait until this is
 /// dropped, which takes them again (waiting, as [`StreamKey::enter`] does, while a capture is
 /// being begun on one of their streams).
-struct LentGates((*const (), usize));
+struct LentGates(Lent);
 
 impl LentGates {
-    /// Lets the lent gates go (none where nothing is lent, or another wait has them).
-    fn let_go() -> LentGates {
-        let lent = LentGates(LENT_GATES.with(|lent| lent.replace((std::ptr::null(), 0))));
+    /// Lets the gates go where they were lent to `by` and `stream` is one of theirs (none where
+    /// nothing is lent, or another wait has them).
+    fn let_go(by: Borrower, stream: &StreamKey) -> LentGates {
+        let lent = LENT_GATES.with(Cell::get);
+        if !lent.lent_to(by, stream) {
+            return LentGates(Lent::NONE);
+        }
+        LENT_GATES.with(|l| l.set(Lent::NONE));
+        let lent = LentGates(lent);
         for (_, gate) in lent.gates() {
             gate.uncount();
         }
@@ -955,19 +1022,17 @@ impl LentGates {
     }
 
     fn gates(&self) -> &[KeyedGate<'_>] {
-        let (ptr, len) = self.0;
-        if ptr.is_null() {
-            return &[];
-        }
-        // SAFETY: a slice that `lend_gates` stored for this thread, which its caller borrows
-        // until `lend_gates` returns; this value is made and dropped on this thread within the
-        // `f` of that call (a wait that `f` makes), so the slice outlives it.
-        unsafe { std::slice::from_raw_parts(ptr.cast::<KeyedGate<'_>>(), len) }
+        // SAFETY: made from what `lend_gates` stored for this thread, and made and dropped on
+        // this thread within the `f` of that call (a wait that `f` makes).
+        unsafe { self.0.gates() }
     }
 }
 
 impl Drop for LentGates {
     fn drop(&mut self) {
+        if self.0.gates.is_null() {
+            return;
+        }
         for (key, gate) in self.gates() {
             // Counted again in the slot it was counted in: the lender's value stands for it once
             // more, and drops it.
@@ -1606,20 +1671,25 @@ impl Stream {
     /// asked (and, where that fails too, an event recorded on it) in the same way. Under a driver
     /// that fails every question with a passing error, it waits as long as that lasts.
     pub(crate) fn wait_for_access(&self, gate: Gate<'_>) -> Result<()> {
-        self.wait_for_access_lent(gate, false)
+        self.wait_for_access_lent(gate, None)
     }
 
-    /// [`Stream::wait_for_memory`] before a synchronous free of the memory (a resource's
-    /// `deallocate`, which queues nothing on the stream after the wait): where the caller's
-    /// gates are lent to it ([`lend_gates`]: a buffer's drop), they go with `gate` while it waits,
-    /// so that the drop does not keep a capture from beginning on the stream meanwhile.
-    pub(crate) fn wait_to_free(&self) -> Result<()> {
-        self.wait_for_access_lent(self.refuse_in_capture("waiting for a capturing stream")?, true)
+    /// [`Stream::wait_for_memory`] before a synchronous free of the memory by `by` (a resource's
+    /// `deallocate`, or cudrv's own free where `None`), which queues nothing on the stream after
+    /// the wait: where the caller's gates are lent to `by` and include this stream's
+    /// ([`lend_gates`]: a buffer's drop), they go with the wait's own once its event is recorded,
+    /// so that the drop does not keep a capture from beginning on the stream meanwhile. Where no
+    /// event can be recorded they stay held through the wait; where the event's wait and its
+    /// questions fail, the stream is asked instead only while it captures nothing (see
+    /// [`Stream::wait_for_access`]), so the wait may then last until a capture begun meanwhile
+    /// ends.
+    pub(crate) fn wait_to_free(&self, by: Borrower) -> Result<()> {
+        self.wait_for_access_lent(self.refuse_in_capture("waiting for a capturing stream")?, Some(by))
     }
 
-    /// [`Stream::wait_for_access`], letting the gates lent to the calling thread go with `gate`
-    /// where `lent`.
-    fn wait_for_access_lent(&self, gate: Gate<'_>, lent: bool) -> Result<()> {
+    /// [`Stream::wait_for_access`], letting the gates lent to `lent_to` go with `gate` (see
+    /// [`Stream::wait_to_free`]).
+    fn wait_for_access_lent(&self, gate: Gate<'_>, lent_to: Option<Borrower>) -> Result<()> {
         let ctx = &self.inner().ctx;
         let mut gate = Some(gate);
         let waited = ctx.with_spare_event(|event| {
@@ -1631,7 +1701,7 @@ impl Stream {
             // The record is queued after the work (see `synchronize` for a per-thread stream's).
             drop(gate.take());
             // Taken again once the wait (or the questions after it) is over.
-            let _lent = lent.then(LentGates::let_go);
+            let _lent = lent_to.map(|by| LentGates::let_go(by, self.key()));
             // SAFETY: as above.
             let Err(e) = (unsafe { drv!(cuEventSynchronize(event)) }) else { return Ok(()) };
             if e.ends_all_work() {
@@ -1889,8 +1959,11 @@ mod tests {
     use std::sync::{Arc, mpsc};
     use std::time::Duration;
 
-    use super::{Attachment, GATES_HELD, LentGates, Stream, StreamKey, StreamPin, attachment_owner_id, lend_gates};
+    use super::{
+        Attachment, GATES_HELD, LentGates, Stream, StreamKey, StreamPin, attachment_owner_id, borrower, lend_gates,
+    };
     use crate::context::Context;
+    use crate::memory::{DevicePtr, MemoryResource, ResourceKind};
 
     /// A stream that makes no driver call (a null handle in a detached context, never destroyed).
     fn stream() -> Stream {
@@ -1921,24 +1994,85 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(|| drop(b.key().enter()));
         });
-        drop(LentGates::let_go());
+        drop(LentGates::let_go(None, a.key()));
         let gates = [(a.key(), a.key().enter()), (b.key(), b.key().enter())];
         assert!(gates[0].1.owned && !gates[1].1.owned);
         let counts = || (a.key().0.owner_gated.load(Ordering::SeqCst), b.key().0.gated.load(Ordering::SeqCst));
         assert_eq!((counts(), held()), ((1, 1), 2));
-        lend_gates(&gates, || {
-            let lent = LentGates::let_go();
+        lend_gates(&gates, None, || {
+            let lent = LentGates::let_go(None, a.key());
             assert!(!a.key().gated() && !b.key().gated());
             assert_eq!(held(), 0);
-            drop(LentGates::let_go());
+            drop(LentGates::let_go(None, a.key()));
             assert_eq!((counts(), held()), ((0, 0), 0));
             drop(lent);
             assert_eq!((counts(), held()), ((1, 1), 2));
         });
-        drop(LentGates::let_go());
+        drop(LentGates::let_go(None, a.key()));
         assert_eq!((counts(), held()), ((1, 1), 2));
         drop(gates);
         assert_eq!((counts(), held()), ((0, 0), 0));
+    }
+
+    /// A resource that nothing calls, to lend gates to.
+    #[derive(Debug)]
+    struct Plain(#[allow(dead_code)] u8);
+
+    /// A resource that wraps a [`Plain`] at its own address.
+    #[derive(Debug)]
+    #[repr(transparent)]
+    struct Wrapper(Plain);
+
+    macro_rules! never_called {
+        ($t:ty) => {
+            // SAFETY: it hands out no memory.
+            unsafe impl MemoryResource for $t {
+                fn allocate(&self, _: usize, _: &Stream) -> crate::Result<DevicePtr> {
+                    Err(crate::Error::InvalidArgument("never called".into()))
+                }
+                unsafe fn deallocate(&self, _: DevicePtr, _: usize, _: &Stream) -> crate::Result<()> {
+                    Err(crate::Error::InvalidArgument("never called".into()))
+                }
+                fn device(&self) -> crate::Device {
+                    unreachable!("never called")
+                }
+                fn kind(&self) -> ResourceKind {
+                    ResourceKind::Custom
+                }
+            }
+        };
+    }
+    never_called!(Plain);
+    never_called!(Wrapper);
+
+    /// Lent gates go only to the resource they were lent to (not to one it wraps, at the same
+    /// address, whose free a wrapper may follow with work of its own; not to cudrv's own free),
+    /// and only for a wait on one of their streams.
+    #[test]
+    fn lent_gates_go_only_to_their_resource_and_streams() {
+        let (a, b) = (stream(), stream());
+        let wrapper = Wrapper(Plain(1));
+        let gates = [(a.key(), a.key().enter())];
+        let (outer, inner) = (borrower(&wrapper), borrower(&wrapper.0));
+        assert_eq!(outer.unwrap().0, inner.unwrap().0);
+        lend_gates(&gates, Some(&wrapper), || {
+            for (by, key) in [(inner, a.key()), (None, a.key()), (outer, b.key())] {
+                let lent = LentGates::let_go(by, key);
+                assert!(a.key().gated());
+                drop(lent);
+            }
+            let lent = LentGates::let_go(outer, a.key());
+            assert!(!a.key().gated());
+            drop(lent);
+            assert!(a.key().gated());
+        });
+        lend_gates(&gates, None, || {
+            let lent = LentGates::let_go(None, a.key());
+            assert!(!a.key().gated());
+            drop(lent);
+        });
+        drop(gates);
+        assert!(!a.key().gated());
     }
 
     /// The owner thread takes pins on a view and lets them go, on its thread and on another,

@@ -910,8 +910,9 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
                         // The free is the last work queued under the gate: lent to the wait of a
                         // resource whose free waits for the stream (see `lend_gates`).
                         // SAFETY: as above.
-                        let freed =
-                            lend_gates(&gates, || unsafe { self.resource.deallocate(self.ptr, bytes, &self.stream) });
+                        let freed = lend_gates(&gates, Some(&*self.resource), || unsafe {
+                            self.resource.deallocate(self.ptr, bytes, &self.stream)
+                        });
                         if let Err(e) = freed {
                             report_drop_error(Some(self.stream.context()), e);
                         }
@@ -1029,7 +1030,7 @@ impl Free {
         // A capture in progress on the buffer's stream, or on a stream it was used on, that the
         // buffer does not belong to: the free would be captured (or join the capture); it waits
         // for the end of the capture.
-        let held = unless_capturing(streams.all(), self.capture, || {
+        let held = unless_capturing(streams.all(), self.capture, Some(&*self.resource), || {
             free_after_uses(&*self.resource, self.ptr, self.bytes, &streams.owner, &streams.used);
         });
         // Before the free waits on: the users go (see [`FreeStreams`]).

@@ -347,7 +347,7 @@ unsafe impl MemoryResource for PinnedHostResource {
         let ptr = crate::host_fn::SendHandle(ptr as *mut c_void);
         // SAFETY: the caller passes memory from `allocate`, freed once; `free_when_done` runs the
         // free once the stream's uses are complete, with the context current.
-        free_when_done(&self.ctx, stream, move || unsafe { drv!(cuMemFreeHost(ptr.get())) })
+        free_when_done(self, &self.ctx, stream, move || unsafe { drv!(cuMemFreeHost(ptr.get())) })
     }
 
     fn device(&self) -> Device {

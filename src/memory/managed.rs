@@ -97,7 +97,7 @@ unsafe impl MemoryResource for ManagedResource {
     unsafe fn deallocate(&self, ptr: DevicePtr, _bytes: usize, stream: &Stream) -> Result<()> {
         // SAFETY: the caller passes memory from `allocate`, freed once; `free_when_done` runs the
         // free once the stream's uses are complete, with the context current.
-        free_when_done(&self.ctx, stream, move || unsafe { drv!(cuMemFree_v2(ptr)) })
+        free_when_done(self, &self.ctx, stream, move || unsafe { drv!(cuMemFree_v2(ptr)) })
     }
 
     fn device(&self) -> Device {

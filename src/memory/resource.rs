@@ -49,7 +49,8 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// holds the gate while it lasts, so a capture that another thread begins on the stream waits
 /// for it too. cudrv's own resources whose free waits for the stream ([`SyncResource`],
 /// [`ManagedResource`](super::ManagedResource), [`PinnedHostResource`](super::PinnedHostResource))
-/// let the buffer's gate go while they wait.
+/// let the buffer's gate go while they wait, when the buffer holds them directly (not through a
+/// resource that wraps them, which may queue work after their free).
 ///
 /// # Safety
 /// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least

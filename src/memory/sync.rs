@@ -83,19 +83,13 @@ unsafe impl MemoryResource for SyncResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        // Counted out at once where the free waits on cudrv's thread (see `free_when_done`).
-        let in_use = &self.in_use;
-        let deferred = stream.key().legacy_held_by_capture();
-        if deferred {
-            in_use.fetch_sub(bytes, Ordering::Relaxed);
-        }
         // Waits even if an unrelated error is pending; never frees while the stream may use it.
         // SAFETY: the caller passes a pointer from `allocate`, freed once; `free_when_done` runs
         // the free once the stream's work is done, with the context current.
-        free_when_done(&self.ctx, stream, move || unsafe { drv!(cuMemFree_v2(ptr)) })?;
-        if !deferred {
-            in_use.fetch_sub(bytes, Ordering::Relaxed);
-        }
+        free_when_done(self, &self.ctx, stream, move || unsafe { drv!(cuMemFree_v2(ptr)) })?;
+        // Freed, or to be freed on cudrv's thread once the stream's work is done (a failed wait
+        // leaks the memory, which stays counted).
+        self.in_use.fetch_sub(bytes, Ordering::Relaxed);
         Ok(())
     }
 

@@ -6,8 +6,9 @@ use crate::capture::RelaxedCaptureMode;
 use crate::context::{Context, report_drop_error};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::memory::MemoryResource;
 use crate::session::CaptureSession;
-use crate::stream::{Gate, KeyedGate, ParkedStream, Stream, StreamKey, lend_gates};
+use crate::stream::{Gate, KeyedGate, Lender, ParkedStream, Stream, StreamKey, borrower, lend_gates};
 
 /// Checks that `stream` belongs to `device`.
 pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) -> Result<()> {
@@ -30,7 +31,8 @@ pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) 
 /// # Errors
 /// The wait's error (the stream is capturing, or its work failed): `free` does not run, and the
 /// memory stays the caller's. Otherwise the bind's or `free`'s.
-pub(crate) fn free_when_done(
+pub(crate) fn free_when_done<R: MemoryResource>(
+    resource: &R,
     ctx: &Arc<Context>,
     stream: &Stream,
     free: impl FnOnce() -> Result<()> + Send + 'static,
@@ -50,7 +52,7 @@ pub(crate) fn free_when_done(
         });
         return Ok(());
     }
-    stream.wait_to_free()?;
+    stream.wait_to_free(borrower(resource))?;
     bound(ctx, free)
 }
 
@@ -188,9 +190,9 @@ fn try_wait_then_free<F: FnOnce() -> Result<()> + Send + 'static>(
     // A stream that takes part in a capture cannot be waited for (and work queued on it would be
     // captured): the free waits for the end of the capture.
     let mut free = Some(free);
-    let held = unless_capturing(users.all(), 0, || {
+    let held = unless_capturing(users.all(), 0, None, || {
         let Some(free) = free.take() else { return };
-        let done = match order_after_uses(owner, used).and_then(|()| owner.wait_to_free()) {
+        let done = match order_after_uses(owner, used).and_then(|()| owner.wait_to_free(None)) {
             Ok(()) => free(),
             Err(e) => {
                 // The work may still run: the closure is not run, and not dropped either (what it
@@ -291,11 +293,12 @@ fn capture_of<'a>(keys: impl Iterator<Item = &'a StreamKey>, own: u64) -> Option
 /// Runs `f` unless one of `streams` takes part in a capture that cudrv tracks, other than `own`
 /// (0: none), or stands for the legacy default stream while a blocking stream captures; then `f`
 /// does not run, and what holds it comes back. The streams' gates are held from the look to the
-/// end of `f`, so that no capture begins on them in between, and lent to `f`'s wait before a
-/// synchronous free ([`lend_gates`]): `f` is a free, and queues nothing after that wait.
+/// end of `f`, so that no capture begins on them in between, and lent to the wait of `to` before
+/// its synchronous free ([`lend_gates`]): `f` is that free, and queues nothing after the wait.
 pub(crate) fn unless_capturing<'a>(
     mut streams: impl Iterator<Item = &'a Stream> + Clone,
     own: u64,
+    to: Lender<'_>,
     f: impl FnOnce(),
 ) -> Option<Held> {
     let gates: Vec<KeyedGate<'_>> = streams.clone().map(|s| (s.key(), s.key().enter())).collect();
@@ -305,7 +308,7 @@ pub(crate) fn unless_capturing<'a>(
     if streams.any(|s| s.key().legacy_held_by_capture()) {
         return Some(Held::Legacy);
     }
-    lend_gates(&gates, f);
+    lend_gates(&gates, to, f);
     None
 }
 
