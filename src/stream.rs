@@ -572,7 +572,7 @@ impl StreamKey {
     /// Held from the look to the queueing (and for
     /// host copies, to the record of the event their wait is for: see
     /// [`Stream::wait_for_access`]). The one user code run under it is a custom
-    /// [`MemoryResource`](crate::memory::MemoryResource)'s `allocate` or `deallocate` for a
+    /// [`MemoryResource`]'s `allocate` or `deallocate` for a
     /// `DeviceBuffer`: beginning a capture on the same stream there would wait for ever.
     ///
     /// The stream's owner counts its gates in a slot of its own, with [`barrier::publish`] (a
@@ -911,8 +911,9 @@ impl Gate<'_> {
 }
 
 thread_local! {
-    /// What the calling thread lends to a wait before a synchronous free ([`lend_gates`]).
-    static LENT_GATES: Cell<Lent> = const { Cell::new(Lent::NONE) };
+    /// What the calling thread lends to a wait before a synchronous free ([`lend_gates`]): the
+    /// lender's [`Lent`], on its stack; null while nothing is lent, or while a wait has it.
+    static LENT_GATES: Cell<*const Lent<'static>> = const { Cell::new(std::ptr::null()) };
 }
 
 /// A gate with the key of the stream it was entered on: what [`lend_gates`] lends.
@@ -931,48 +932,27 @@ pub(crate) fn borrower<R: MemoryResource>(resource: &R) -> Borrower {
     Some((std::ptr::from_ref(resource).cast(), TypeId::of::<R>()))
 }
 
-/// Gates lent by a thread: the lender's slice of [`KeyedGate`]s (a pointer and a length; null
-/// while none is lent, or while a wait has let them go), and the resource they are lent to.
-#[derive(Clone, Copy)]
-struct Lent {
-    gates: *const (),
-    len: usize,
-    to: Option<*const (dyn MemoryResource + 'static)>,
+/// Gates lent by a thread ([`lend_gates`]): the lender's [`KeyedGate`]s, and the resource they
+/// are lent to.
+struct Lent<'a> {
+    gates: &'a [KeyedGate<'a>],
+    to: Lender<'a>,
 }
 
-impl Lent {
-    const NONE: Lent = Lent { gates: std::ptr::null(), len: 0, to: None };
-
+impl Lent<'_> {
     /// Whether `by`, waiting on `stream`, is what the gates were lent to, and `stream` one of
     /// theirs.
     fn lent_to(&self, by: Borrower, stream: &StreamKey) -> bool {
         let to_by = match (self.to, by) {
             (None, None) => true,
             (Some(to), Some((addr, ty))) => {
-                // SAFETY: the lender borrows the resource until `lend_gates` returns, and this
-                // runs on its thread within that call (see `LentGates::gates`).
-                let to: &dyn Any = unsafe { &*to };
+                let to: &dyn Any = to;
                 // The type of the resource itself (not of the reference).
-                let to_ty = Any::type_id(to);
-                std::ptr::from_ref(to).cast::<()>() == addr && to_ty == ty
+                std::ptr::from_ref(to).cast::<()>() == addr && Any::type_id(to) == ty
             }
             _ => false,
         };
-        // SAFETY: as `LentGates::gates`.
-        to_by && unsafe { self.gates() }.iter().any(|(key, _)| Arc::ptr_eq(&key.0, &stream.0))
-    }
-
-    /// The lent gates.
-    ///
-    /// # Safety
-    /// Called on the lending thread within its [`lend_gates`] call, which borrows the slice.
-    unsafe fn gates(&self) -> &[KeyedGate<'_>] {
-        if self.gates.is_null() {
-            return &[];
-        }
-        // SAFETY: a slice that `lend_gates` stored for this thread, borrowed by its caller until
-        // `lend_gates` returns (the caller's promise).
-        unsafe { std::slice::from_raw_parts(self.gates.cast::<KeyedGate<'_>>(), self.len) }
+        to_by && self.gates.iter().any(|(key, _)| Arc::ptr_eq(&key.0, &stream.0))
     }
 }
 
@@ -986,51 +966,64 @@ impl Lent {
 /// the thread that begins it). What `f` sees of the streams' captures after such a wait may have
 /// changed: the free after it queues nothing. Only `to` itself borrows them, for a wait on one of
 /// their streams: a resource written outside cudrv that wraps one of cudrv's (and may queue work
-/// after the inner free) keeps the gates held.
+/// after the inner free) keeps the gates held. On the buffers' hot path: one pointer of the
+/// thread's is set and put back.
+#[inline]
 pub(crate) fn lend_gates<R>(gates: &[KeyedGate<'_>], to: Lender<'_>, f: impl FnOnce() -> R) -> R {
     /// Puts back what was lent before (nothing, or an outer lender's gates), also if `f` unwinds.
-    struct Restore(Lent);
+    struct Restore(*const Lent<'static>);
     impl Drop for Restore {
+        #[inline]
         fn drop(&mut self) {
             LENT_GATES.with(|lent| lent.set(self.0));
         }
     }
-    let lent = Lent { gates: gates.as_ptr().cast(), len: gates.len(), to: to.map(std::ptr::from_ref) };
-    let _restore = Restore(LENT_GATES.with(|l| l.replace(lent)));
+    let lent = Lent { gates, to };
+    // Only the lifetime changes: the pointer is used within this call (see `LentGates::lent`).
+    // Dropped before `lent`: the thread's pointer to it goes first.
+    let _restore = Restore(LENT_GATES.with(|l| l.replace((&raw const lent).cast())));
     f()
 }
 
 /// The gates lent to the calling thread ([`lend_gates`]), let go for a wait until this is
 /// dropped, which takes them again (waiting, as [`StreamKey::enter`] does, while a capture is
-/// being begun on one of their streams).
-struct LentGates(Lent);
+/// being begun on one of their streams). Null where none were let go.
+struct LentGates(*const Lent<'static>);
 
 impl LentGates {
     /// Lets the gates go where they were lent to `by` and `stream` is one of theirs (none where
     /// nothing is lent, or another wait has them).
     fn let_go(by: Borrower, stream: &StreamKey) -> LentGates {
-        let lent = LENT_GATES.with(Cell::get);
-        if !lent.lent_to(by, stream) {
-            return LentGates(Lent::NONE);
+        let lent = LentGates(LENT_GATES.with(Cell::get));
+        if !lent.lent().is_some_and(|l| l.lent_to(by, stream)) {
+            // Not lent to this wait: left as it is (`lent` puts nothing back).
+            std::mem::forget(lent);
+            return LentGates(std::ptr::null());
         }
-        LENT_GATES.with(|l| l.set(Lent::NONE));
-        let lent = LentGates(lent);
+        LENT_GATES.with(|l| l.set(std::ptr::null()));
         for (_, gate) in lent.gates() {
             gate.uncount();
         }
         lent
     }
 
+    /// What was lent, if anything.
+    fn lent(&self) -> Option<&Lent<'_>> {
+        // SAFETY: null, or what `lend_gates` stored for this thread: a `Lent` on the stack of
+        // that call, which borrows the gates and the resource until it returns; this value is
+        // made and dropped on this thread within the `f` of that call (a wait that `f` makes),
+        // and lends out nothing longer than itself.
+        unsafe { self.0.as_ref() }
+    }
+
     fn gates(&self) -> &[KeyedGate<'_>] {
-        // SAFETY: made from what `lend_gates` stored for this thread, and made and dropped on
-        // this thread within the `f` of that call (a wait that `f` makes).
-        unsafe { self.0.gates() }
+        self.lent().map_or(&[], |l| l.gates)
     }
 }
 
 impl Drop for LentGates {
     fn drop(&mut self) {
-        if self.0.gates.is_null() {
+        if self.0.is_null() {
             return;
         }
         for (key, gate) in self.gates() {

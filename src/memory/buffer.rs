@@ -909,9 +909,10 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
                     if self.stream.key().capture_id() == 0 && !self.stream.key().legacy_held_by_capture() {
                         // The free is the last work queued under the gate: lent to the wait of a
                         // resource whose free waits for the stream (see `lend_gates`).
+                        let resource = &*self.resource;
                         // SAFETY: as above.
-                        let freed = lend_gates(&gates, Some(&*self.resource), || unsafe {
-                            self.resource.deallocate(self.ptr, bytes, &self.stream)
+                        let freed = lend_gates(&gates, Some(resource), || unsafe {
+                            resource.deallocate(self.ptr, bytes, &self.stream)
                         });
                         if let Err(e) = freed {
                             report_drop_error(Some(self.stream.context()), e);

@@ -48,7 +48,7 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// refused ([`Error::Capturing`]). Queueing work on it, and waiting for it, are fine; but a wait
 /// holds the gate while it lasts, so a capture that another thread begins on the stream waits
 /// for it too. cudrv's own resources whose free waits for the stream ([`SyncResource`],
-/// [`ManagedResource`](super::ManagedResource), [`PinnedHostResource`](super::PinnedHostResource))
+/// [`ManagedResource`], [`PinnedHostResource`])
 /// let the buffer's gate go while they wait, when the buffer holds them directly (not through a
 /// resource that wraps them, which may queue work after their free).
 ///
