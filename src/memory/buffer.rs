@@ -130,6 +130,17 @@ enum ResourceRef {
     Given(Arc<dyn MemoryResource>),
 }
 
+impl ResourceRef {
+    /// The resource as a [`StreamOrderedPool`], if it is one (the device's, or one given).
+    #[inline]
+    fn stream_ordered_pool(&self) -> Option<&StreamOrderedPool> {
+        match self {
+            ResourceRef::Kept(pool) => Some(pool),
+            r => (&**r as &dyn std::any::Any).downcast_ref(),
+        }
+    }
+}
+
 impl std::ops::Deref for ResourceRef {
     type Target = dyn MemoryResource;
 
@@ -334,12 +345,15 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         let bytes = Self::buffer_bytes(len)?;
         // Another resource's allocation may be stream-ordered (a driver pool's): under the
         // stream's gate no capture begins between the look and the allocation, which would make
-        // it the graph's allocation unseen. The pool's needs no gate outside a capture: its block
-        // comes from the stream's cache, valid outside any graph, and its later uses see the
-        // capture. Inside one, the gate keeps the capture from ending between the look and the
-        // count of the capture's live buffers (`end_capture` looks at that count).
-        let gate =
-            (!matches!(resource, ResourceRef::Kept(_)) || stream.key().capture_id() != 0).then(|| stream.key().enter());
+        // it the graph's allocation unseen. A `StreamOrderedPool`'s needs no gate outside a
+        // capture: its block comes from the stream's cache, valid outside any graph, and its
+        // later uses see the capture. (Nor should it hold one: when it runs out of memory it
+        // waits on the host for other streams' frees, which may wait for a capture that another
+        // thread begins on this stream.) Inside one, the gate keeps the capture from ending
+        // between the look and the count of the capture's live buffers (`end_capture` looks at
+        // that count).
+        let pool = resource.stream_ordered_pool().is_some();
+        let gate = (!pool || stream.key().capture_id() != 0).then(|| stream.key().enter());
         let capture = stream.key().capture_id();
         let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
         let (ptr, resource) = match resource {
@@ -348,7 +362,15 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 // A graph's block: the pool does not keep the stream for it.
                 (ptr, false) => (ptr, ResourceRef::Device(pool)),
             },
-            r => (r.allocate(bytes, stream)?, r),
+            r => {
+                let ptr = match r.stream_ordered_pool() {
+                    // A pool given, with no gate: a capture begun since the look does not take
+                    // the block.
+                    Some(pool) if gate.is_none() => pool.allocate_uncaptured(bytes, stream)?,
+                    _ => r.allocate(bytes, stream)?,
+                };
+                (ptr, r)
+            }
         };
         // SAFETY: forwarded; `ptr` came from `resource` with `bytes` on `stream`, unused.
         unsafe { check_aligned(&*resource, ptr, bytes, stream)? };

@@ -50,7 +50,9 @@ pub type DevicePtr = cudrv_sys::CUdeviceptr;
 /// for it too. cudrv's own resources whose free waits for the stream ([`SyncResource`],
 /// [`ManagedResource`], [`PinnedHostResource`])
 /// let the buffer's gate go while they wait, when the buffer holds them directly (not through a
-/// resource that wraps them, which may queue work after their free).
+/// resource that wraps them, which may queue work after their free); a [`StreamOrderedPool`],
+/// whose allocation may wait for other streams' frees when memory runs short, allocates without
+/// the gate outside a capture.
 ///
 /// # Safety
 /// Implementations must return from [`allocate`](MemoryResource::allocate) memory of at least

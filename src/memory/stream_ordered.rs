@@ -721,6 +721,19 @@ impl StreamOrderedPool {
         }
     }
 
+    /// An allocation on `stream` held in the stream's cache, not a graph's block, for a caller
+    /// that saw no capture on the stream and holds no gate of it (a buffer from a pool it was
+    /// given: see `DeviceBuffer::allocate`). A capture that another thread begins meanwhile does
+    /// not take it: the block is valid outside any graph, as one allocated before the capture.
+    ///
+    /// # Errors
+    /// As [`MemoryResource::allocate`].
+    #[inline]
+    pub(crate) fn allocate_uncaptured(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        check_stream("StreamOrderedPool::allocate", self.device(), stream)?;
+        pool::allocate(&*self.shared, bytes, stream.key(), false).map_err(|e| self.map_error(e))
+    }
+
     /// An allocation on `stream`: a graph's block while the stream captures, else one held in the
     /// stream's cache, kept (`true` with the pointer) when `keep` asks for it.
     #[inline]

@@ -6,6 +6,10 @@
 
 use crate::graph_cases;
 
+use std::sync::Arc;
+
+use cudrv::memory::{DeviceBuffer, MemoryResource, PoolConfig, StreamOrderedPool};
+use cudrv::{Device, Stream};
 use cudrv_test_support::{assert_no_leaks, legacy_fake_driver_path, run_with_fake_modes};
 
 const MODES: [&str; 3] = ["linux", "wddm", "tcc"];
@@ -212,4 +216,58 @@ fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
 #[test]
 fn a_capture_begins_while_a_dropped_buffer_waits_for_its_stream() {
     each_mode("0", graph_cases::a_capture_begins_while_a_dropped_buffer_waits_for_its_stream);
+}
+
+/// A buffer from a `StreamOrderedPool` given explicitly (`uninit_in`), whose allocation finds the
+/// device full and, to make room, waits on the host for the frees of another stream, queued behind
+/// a host function that waits for the thread that begins a capture on the buffer's stream. The
+/// allocation held the stream's gate through that wait (only the device's own pool took none),
+/// and `begin_capture` waited for it: all three hung. Now the capture begins, the host function
+/// returns, the frees complete, and the pool gives their chunks back to the driver and grows:
+/// the buffer gets its memory, outside the graph (the capture began after the allocation's look).
+#[test]
+fn a_capture_begins_while_a_given_pool_waits_for_frees_to_make_room() {
+    const MIB: usize = 1 << 20;
+    run_with_fake_modes(&MODES, &[("CUDRV_FAKE_MEMORY", "67108864")], || {
+        let dev = Device::get(0).unwrap();
+        let (s, other) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+        // Chunks: a chunk of its own for each large request.
+        let pool = Arc::new(
+            StreamOrderedPool::with_config(&dev, PoolConfig { expandable: false, ..PoolConfig::default() }).unwrap(),
+        );
+        let r: Arc<dyn MemoryResource> = pool.clone();
+        // 60 of the device's 64 MiB: two chunks of 20 MiB on `other`, freed behind the host
+        // function, and one kept on `s`.
+        // SAFETY (all three): the contents are never read.
+        let (a, b) = unsafe {
+            (
+                DeviceBuffer::<u8>::uninit_in(20 * MIB, &other, r.clone()).unwrap(),
+                DeviceBuffer::<u8>::uninit_in(20 * MIB, &other, r.clone()).unwrap(),
+            )
+        };
+        let kept = unsafe { DeviceBuffer::<u8>::uninit_in(20 * MIB, &s, r.clone()) }.unwrap();
+        other.synchronize().unwrap();
+        let (s2, r2) = (s.clone(), r.clone());
+        let allocate = move || {
+            drop((a, b));
+            // SAFETY: as above.
+            unsafe { DeviceBuffer::<u8>::uninit_in(40 * MIB, &s2, r2) }
+        };
+        let buf = graph_cases::capture_begins_behind_a_waiting_host_fn(
+            &s,
+            &other,
+            "an allocation that waits for other streams' frees",
+            allocate,
+        )
+        .unwrap();
+        assert_eq!(buf.len(), 40 * MIB);
+        let stats = pool.pool_stats();
+        assert_eq!((stats.in_use, stats.reserved), (60 * MIB, 60 * MIB), "{stats:?}");
+        assert!(stats.oom_recoveries >= 1, "{stats:?}");
+        drop((buf, kept));
+        drop((s, other));
+        r.trim(0).unwrap();
+        drop((r, pool));
+        assert_no_leaks();
+    });
 }

@@ -729,7 +729,7 @@ pub fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
         let ops = host_ops(&s);
         s.synchronize().unwrap();
         for HostOp { name, run, copy, written } in ops {
-            let (result, check) = capture_begins_behind_a_waiting_host_fn(&s, name, run);
+            let (result, check) = capture_begins_behind_a_waiting_host_fn(&s, &s, name, run);
             if copy {
                 assert!(matches!(result, Err(Error::Capturing { .. })), "{name}: {result:?}");
                 assert_eq!(check(), vec![0; HOST_OP_LEN], "{name} was refused, but wrote its destination");
@@ -743,20 +743,23 @@ pub fn a_capture_begins_while_host_copies_wait_behind_a_host_function() {
     }
 }
 
-/// Runs `op` (named `name`) on a thread of its own, queued behind a host function on `s` that
-/// waits for the thread that begins a capture on `s`; checks that the capture begins while `op`
-/// waits, and that `op` returns once the host function has; ends the capture. What `op` returned.
-fn capture_begins_behind_a_waiting_host_fn<T: Send + 'static>(
+/// Runs `op` (named `name`) on a thread of its own, queued behind a host function on `waiting`
+/// that waits for the thread that begins a capture on `s` (`waiting` may be `s`); checks that the
+/// capture begins while `op` waits, and that `op` returns once the host function has; ends the
+/// capture. What `op` returned.
+pub fn capture_begins_behind_a_waiting_host_fn<T: Send + 'static>(
     s: &Stream,
+    waiting: &Stream,
     name: &str,
     op: impl FnOnce() -> T + Send + 'static,
 ) -> T {
     let (tx, rx) = mpsc::channel::<()>();
-    s.launch_host_fn(move || {
-        // Bounded, so that the process ends either way.
-        let _ = rx.recv_timeout(Duration::from_secs(20));
-    })
-    .unwrap();
+    waiting
+        .launch_host_fn(move || {
+            // Bounded, so that the process ends either way.
+            let _ = rx.recv_timeout(Duration::from_secs(20));
+        })
+        .unwrap();
     let op = std::thread::spawn(op);
     // The operation is under way behind the host function, and waits for it.
     std::thread::sleep(Duration::from_millis(200));
@@ -811,7 +814,7 @@ pub fn a_capture_begins_while_a_dropped_buffer_waits_for_its_stream() {
     s.synchronize().unwrap();
     other.synchronize().unwrap();
     for (name, drop_it) in drops {
-        capture_begins_behind_a_waiting_host_fn(&s, &name, drop_it);
+        capture_begins_behind_a_waiting_host_fn(&s, &s, &name, drop_it);
     }
     assert_eq!(sync.stats().unwrap().in_use, 0, "a SyncResource buffer's drop returned without its free");
     drop((s, other));
