@@ -923,13 +923,20 @@ pub(crate) type KeyedGate<'a> = (&'a StreamKey, Gate<'a>);
 /// own free of memory that no resource holds (a `ManagedBuffer`'s, a `DeviceBuffer2D`'s).
 pub(crate) type Lender<'a> = Option<&'a (dyn MemoryResource + 'static)>;
 
-/// The identity of a resource that waits to free ([`Stream::wait_to_free`]): its address and its
-/// type. A resource that wraps another may share its address, but not its type.
-pub(crate) type Borrower = Option<(*const (), TypeId)>;
+/// What waits to free ([`Stream::wait_to_free`]), as lent gates know their [`Lender`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Borrower {
+    /// cudrv's own free of memory that no resource holds (a `ManagedBuffer`'s, a
+    /// `DeviceBuffer2D`'s).
+    Cudrv,
+    /// A resource, by its address and its type: a resource that wraps another may share its
+    /// address, but not its type.
+    Resource(*const (), TypeId),
+}
 
 /// The borrower identity of `resource` (for [`Stream::wait_to_free`]).
 pub(crate) fn borrower<R: MemoryResource>(resource: &R) -> Borrower {
-    Some((std::ptr::from_ref(resource).cast(), TypeId::of::<R>()))
+    Borrower::Resource(std::ptr::from_ref(resource).cast(), TypeId::of::<R>())
 }
 
 /// Gates lent by a thread ([`lend_gates`]): the lender's [`KeyedGate`]s, and the resource they
@@ -944,8 +951,8 @@ impl Lent<'_> {
     /// theirs.
     fn lent_to(&self, by: Borrower, stream: &StreamKey) -> bool {
         let to_by = match (self.to, by) {
-            (None, None) => true,
-            (Some(to), Some((addr, ty))) => {
+            (None, Borrower::Cudrv) => true,
+            (Some(to), Borrower::Resource(addr, ty)) => {
                 let to: &dyn Any = to;
                 // The type of the resource itself (not of the reference).
                 std::ptr::from_ref(to).cast::<()>() == addr && Any::type_id(to) == ty
@@ -1953,7 +1960,8 @@ mod tests {
     use std::time::Duration;
 
     use super::{
-        Attachment, GATES_HELD, LentGates, Stream, StreamKey, StreamPin, attachment_owner_id, borrower, lend_gates,
+        Attachment, Borrower, GATES_HELD, LentGates, Stream, StreamKey, StreamPin, attachment_owner_id, borrower,
+        lend_gates,
     };
     use crate::context::Context;
     use crate::memory::{DevicePtr, MemoryResource, ResourceKind};
@@ -1987,21 +1995,21 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(|| drop(b.key().enter()));
         });
-        drop(LentGates::let_go(None, a.key()));
+        drop(LentGates::let_go(Borrower::Cudrv, a.key()));
         let gates = [(a.key(), a.key().enter()), (b.key(), b.key().enter())];
         assert!(gates[0].1.owned && !gates[1].1.owned);
         let counts = || (a.key().0.owner_gated.load(Ordering::SeqCst), b.key().0.gated.load(Ordering::SeqCst));
         assert_eq!((counts(), held()), ((1, 1), 2));
         lend_gates(&gates, None, || {
-            let lent = LentGates::let_go(None, a.key());
+            let lent = LentGates::let_go(Borrower::Cudrv, a.key());
             assert!(!a.key().gated() && !b.key().gated());
             assert_eq!(held(), 0);
-            drop(LentGates::let_go(None, a.key()));
+            drop(LentGates::let_go(Borrower::Cudrv, a.key()));
             assert_eq!((counts(), held()), ((0, 0), 0));
             drop(lent);
             assert_eq!((counts(), held()), ((1, 1), 2));
         });
-        drop(LentGates::let_go(None, a.key()));
+        drop(LentGates::let_go(Borrower::Cudrv, a.key()));
         assert_eq!((counts(), held()), ((1, 1), 2));
         drop(gates);
         assert_eq!((counts(), held()), ((0, 0), 0));
@@ -2047,9 +2055,12 @@ mod tests {
         let wrapper = Wrapper(Plain(1));
         let gates = [(a.key(), a.key().enter())];
         let (outer, inner) = (borrower(&wrapper), borrower(&wrapper.0));
-        assert_eq!(outer.unwrap().0, inner.unwrap().0);
+        let (Borrower::Resource(at, _), Borrower::Resource(inner_at, _)) = (outer, inner) else {
+            panic!("resources borrow as resources")
+        };
+        assert_eq!(at, inner_at);
         lend_gates(&gates, Some(&wrapper), || {
-            for (by, key) in [(inner, a.key()), (None, a.key()), (outer, b.key())] {
+            for (by, key) in [(inner, a.key()), (Borrower::Cudrv, a.key()), (outer, b.key())] {
                 let lent = LentGates::let_go(by, key);
                 assert!(a.key().gated());
                 drop(lent);
@@ -2060,7 +2071,7 @@ mod tests {
             assert!(a.key().gated());
         });
         lend_gates(&gates, None, || {
-            let lent = LentGates::let_go(None, a.key());
+            let lent = LentGates::let_go(Borrower::Cudrv, a.key());
             assert!(!a.key().gated());
             drop(lent);
         });

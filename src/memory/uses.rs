@@ -8,7 +8,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::MemoryResource;
 use crate::session::CaptureSession;
-use crate::stream::{Gate, KeyedGate, Lender, ParkedStream, Stream, StreamKey, borrower, lend_gates};
+use crate::stream::{Borrower, Gate, KeyedGate, Lender, ParkedStream, Stream, StreamKey, borrower, lend_gates};
 
 /// Checks that `stream` belongs to `device`.
 pub(crate) fn check_stream(what: &'static str, device: Device, stream: &Stream) -> Result<()> {
@@ -37,23 +37,27 @@ pub(crate) fn free_when_done<R: MemoryResource>(
     stream: &Stream,
     free: impl FnOnce() -> Result<()> + Send + 'static,
 ) -> Result<()> {
-    // With the context current, never part of a capture.
-    fn bound(ctx: &Context, free: impl FnOnce() -> Result<()>) -> Result<()> {
-        let _b = ctx.bind()?;
-        let _relaxed = RelaxedCaptureMode::enter();
-        free()
-    }
     if stream.key().legacy_held_by_capture() {
         let ctx = ctx.clone();
         crate::session::after_stream_work(stream.clone(), move || {
-            if let Err(e) = bound(&ctx, free) {
+            if let Err(e) = uncaptured(&ctx, free) {
                 report_drop_error(Some(&ctx), e);
             }
         });
         return Ok(());
     }
     stream.wait_to_free(borrower(resource))?;
-    bound(ctx, free)
+    uncaptured(ctx, free)
+}
+
+/// Runs `f`, a synchronous free, with `ctx` current and the thread's capture mode relaxed: never
+/// part of a capture, and allowed whatever captures other threads make (`cuMemFree` is a
+/// "potentially unsafe" call, which a capture in global mode on any thread would refuse, and be
+/// invalidated for).
+pub(crate) fn uncaptured(ctx: &Context, f: impl FnOnce() -> Result<()>) -> Result<()> {
+    let _b = ctx.bind()?;
+    let _relaxed = RelaxedCaptureMode::enter();
+    f()
 }
 
 /// The streams other than its own that a piece of memory was used on, so that its free and host
@@ -192,7 +196,7 @@ fn try_wait_then_free<F: FnOnce() -> Result<()> + Send + 'static>(
     let mut free = Some(free);
     let held = unless_capturing(users.all(), 0, None, || {
         let Some(free) = free.take() else { return };
-        let done = match order_after_uses(owner, used).and_then(|()| owner.wait_to_free(None)) {
+        let done = match order_after_uses(owner, used).and_then(|()| owner.wait_to_free(Borrower::Cudrv)) {
             Ok(()) => free(),
             Err(e) => {
                 // The work may still run: the closure is not run, and not dropped either (what it
