@@ -936,11 +936,9 @@ impl<T: DeviceRepr> Drop for IpcBuffer<T> {
                 // The last user closes the mapping (LegacyMapping's drop).
                 Some(Mapping::Legacy(m)) => drop(m),
                 Some(Mapping::Pool { ptr, _pool }) => {
-                    let _b = ctx.bind()?;
-                    let _relaxed = RelaxedCaptureMode::enter();
                     // SAFETY: the pointer was imported once by this buffer and is freed once,
                     // after every use completed (waited for).
-                    unsafe { drv!(cuMemFree_v2(ptr)) }?;
+                    crate::memory::uncaptured(&ctx, || unsafe { drv!(cuMemFree_v2(ptr)) })?;
                 }
                 None => {}
             }

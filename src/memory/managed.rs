@@ -63,10 +63,8 @@ fn require_managed(device: &Device) -> Result<()> {
 /// # Safety
 /// `ptr` came from [`alloc_managed`] in `ctx`, is freed once, and no queued work uses it any more.
 unsafe fn free_managed(ctx: &Context, ptr: DevicePtr) -> Result<()> {
-    let _b = ctx.bind()?;
-    let _relaxed = RelaxedCaptureMode::enter();
     // SAFETY: forwarded to the caller.
-    unsafe { drv!(cuMemFree_v2(ptr)) }
+    super::uses::uncaptured(ctx, || unsafe { drv!(cuMemFree_v2(ptr)) })
 }
 
 /// `cuMemAllocManaged` of `bytes` (at least 1), attached globally, in `ctx`.

@@ -45,6 +45,6 @@ pub use resource::{DevicePtr, MemoryResource, MemoryStats, ResourceKind};
 pub use stream_ordered::StreamOrderedPool;
 pub use sync::SyncResource;
 pub(crate) use uses::{
-    StreamUses, UseGates, check_len, check_stream, free_after_waiting, free_when_done, note_use, unless_capturing,
-    wait_for_uses,
+    StreamUses, UseGates, check_len, check_stream, free_after_waiting, free_when_done, note_use, uncaptured,
+    unless_capturing, wait_for_uses,
 };

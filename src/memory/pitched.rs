@@ -154,12 +154,9 @@ impl Drop for Pitched {
         }
         let (ptr, ctx) = (self.ptr, self.ctx.clone());
         free_after_waiting(self.stream.clone(), self.used_on.take(), move || {
-            let _b = ctx.bind()?;
-            // Never part of a capture (as the allocation).
-            let _relaxed = RelaxedCaptureMode::enter();
             // SAFETY: the allocation came from cuMemAllocPitch and is freed once; no queued work
             // uses it any more (waited for).
-            unsafe { drv!(cuMemFree_v2(ptr)) }
+            super::uncaptured(&ctx, || unsafe { drv!(cuMemFree_v2(ptr)) })
         });
     }
 }
