@@ -352,11 +352,18 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         // thread begins on this stream.) Inside one, the gate keeps the capture from ending
         // between the look and the count of the capture's live buffers (`end_capture` looks at
         // that count).
+        //
+        // Without the gate the stream is looked at once: a capture that another thread begins
+        // after that look must not count the buffer as its own (it is not the graph's memory),
+        // and the pool hands out a block of the stream's cache, which a capture begun meanwhile
+        // does not take. Under the gate the look is taken again, and holds.
         let pool = resource.stream_ordered_pool().is_some();
-        let gate = (!pool || stream.key().capture_id() != 0).then(|| stream.key().enter());
-        let capture = stream.key().capture_id();
+        let look = stream.key().capture_id();
+        let gate = (!pool || look != 0).then(|| stream.key().enter());
+        let capture = if gate.is_some() { stream.key().capture_id() } else { 0 };
         let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
         let (ptr, resource) = match resource {
+            ResourceRef::Kept(pool) if gate.is_none() => (pool.allocate_kept(bytes, stream)?, resource),
             ResourceRef::Kept(pool) => match pool.allocate_keeping(bytes, stream)? {
                 (ptr, true) => (ptr, resource),
                 // A graph's block: the pool does not keep the stream for it.
@@ -364,8 +371,6 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             },
             r => {
                 let ptr = match r.stream_ordered_pool() {
-                    // A pool given, with no gate: a capture begun since the look does not take
-                    // the block.
                     Some(pool) if gate.is_none() => pool.allocate_uncaptured(bytes, stream)?,
                     _ => r.allocate(bytes, stream)?,
                 };
