@@ -361,6 +361,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         let look = stream.key().capture_id();
         let gate = (!pool || look != 0).then(|| stream.key().enter());
         let capture = if gate.is_some() { stream.key().capture_id() } else { 0 };
+        // A pool's capture that ended before the gate was entered: no capture, seen under the
+        // gate, which then goes (a pool holds none outside a capture).
+        let gate = gate.filter(|_| !pool || capture != 0);
         let session = if capture == 0 { None } else { Self::capture_for_allocation(&resource, stream)? };
         let (ptr, resource) = match resource {
             ResourceRef::Kept(pool) if gate.is_none() => (pool.allocate_kept(bytes, stream)?, resource),
