@@ -722,15 +722,16 @@ impl StreamOrderedPool {
     }
 
     /// An allocation on `stream` held in the stream's cache, not a graph's block, for a caller
-    /// that saw no capture on the stream and holds no gate of it (a buffer from a pool it was
-    /// given: see `DeviceBuffer::allocate`). A capture that another thread begins meanwhile does
-    /// not take it: the block is valid outside any graph, as one allocated before the capture.
+    /// that checked that `stream` is of the pool's device and saw no capture on it (without a
+    /// gate: a buffer from a pool it was given, see `DeviceBuffer::allocate`). A capture that
+    /// another thread begins meanwhile does not take it: the block is valid outside any graph, as
+    /// one allocated before the capture. Nothing is kept: no pin changes, so the pool's plain
+    /// host serves.
     ///
     /// # Errors
     /// As [`MemoryResource::allocate`].
     #[inline]
     pub(crate) fn allocate_uncaptured(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        check_stream("StreamOrderedPool::allocate", self.device(), stream)?;
         pool::allocate(&*self.shared, bytes, stream.key(), false).map_err(|e| self.map_error(e))
     }
 
@@ -747,8 +748,7 @@ impl StreamOrderedPool {
         if keep {
             return self.allocate_kept(bytes, stream).map(|ptr| (ptr, true));
         }
-        // Nothing to keep: no pin changes, so the pool's plain host serves.
-        pool::allocate(&*self.shared, bytes, stream.key(), false).map(|ptr| (ptr, false)).map_err(|e| self.map_error(e))
+        self.allocate_uncaptured(bytes, stream).map(|ptr| (ptr, false))
     }
 
     /// Frees a kept allocation ([`StreamOrderedPool::allocate_keeping`]) on the stream it was made
