@@ -1220,6 +1220,9 @@ impl StreamKey {
 struct Inner {
     raw: CUstream,
     ctx: Arc<Context>,
+    /// `ctx`'s device, kept here: buffers ask for it on every allocation and free, and one load
+    /// less in their chain of dependent loads shows (see [`Stream::device`]).
+    device: Device,
     owned: bool,
     id: u64,
     /// For the per-thread default stream: the [`thread_token`] of the thread whose stream this
@@ -1406,6 +1409,7 @@ impl Stream {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let inner = Arc::new(Inner {
             raw,
+            device: ctx.device(),
             ctx,
             owned,
             id,
@@ -1585,7 +1589,7 @@ impl Stream {
 
     /// The stream's device.
     pub fn device(&self) -> Device {
-        self.inner().ctx.device()
+        self.inner().device
     }
 
     /// The stream's context.

@@ -58,6 +58,8 @@ impl Default for DriverPoolConfig {
 #[derive(Debug)]
 pub struct DriverPool {
     ctx: Arc<Context>,
+    /// `ctx`'s device, kept here for the hot path's device check (one dependent load less).
+    device: Device,
     pool: RawPool,
     owned: bool,
     fallback: OnceLock<StreamOrderedPool>,
@@ -114,6 +116,7 @@ impl DriverPool {
         }
         let p = DriverPool {
             ctx,
+            device: *device,
             pool: RawPool(pool),
             owned: false,
             fallback: OnceLock::new(),
@@ -161,6 +164,7 @@ impl DriverPool {
         }
         let p = DriverPool {
             ctx,
+            device: *device,
             pool: RawPool(pool),
             owned: true,
             fallback: OnceLock::new(),
@@ -324,7 +328,7 @@ unsafe impl MemoryResource for DriverPool {
     }
 
     fn device(&self) -> Device {
-        self.ctx.device()
+        self.device
     }
 
     fn supports_capture(&self) -> bool {
