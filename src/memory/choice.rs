@@ -107,11 +107,10 @@ pub(crate) fn pools_missing_reason(caps: &crate::Capabilities) -> String {
 /// stays valid for the buffers that came from it.
 struct Entry {
     resource: Arc<dyn MemoryResource>,
-    /// The same resource when it is a [`StreamOrderedPool`], which keeps buffers' streams for them
-    /// (see [`StreamOrderedPool::allocate_keeping`]).
-    stream_ordered: Option<Arc<StreamOrderedPool>>,
-    /// `resource.is_device_accessible()`, asked once.
-    device_accessible: bool,
+    /// The resource as buffers call it, made once (`None` when it is not device-accessible): a
+    /// reference held for the rest of the process, so that `DeviceBuffer::uninit` reads it with
+    /// one load, without the reference count's indirection.
+    for_buffers: Option<DeviceResource>,
     choice: Choice,
 }
 
@@ -139,13 +138,14 @@ fn slot(device: &Device) -> Result<&'static AtomicPtr<Entry>> {
 
 impl Entry {
     fn new(resource: Arc<dyn MemoryResource>, choice: Choice) -> Entry {
+        // Held for the rest of the process, as entries are (see `Entry`).
+        let held: &'static Arc<dyn MemoryResource> = Box::leak(Box::new(resource.clone()));
         let any: Arc<dyn std::any::Any + Send + Sync> = resource.clone();
-        Entry {
-            device_accessible: resource.is_device_accessible(),
-            stream_ordered: any.downcast::<StreamOrderedPool>().ok(),
-            resource,
-            choice,
-        }
+        let for_buffers = held.is_device_accessible().then(|| match any.downcast::<StreamOrderedPool>() {
+            Ok(pool) => DeviceResource::StreamOrdered(Box::leak(Box::new(pool))),
+            Err(_) => DeviceResource::Other(&**held),
+        });
+        Entry { resource, for_buffers, choice }
     }
 }
 
@@ -191,13 +191,8 @@ fn entry(device: &Device) -> Result<&'static Entry> {
 #[inline]
 pub(crate) fn device_resource_for_buffers(device: &Device) -> Result<DeviceResource> {
     let e = entry(device)?;
-    if !e.device_accessible {
-        return Err(Error::InvalidArgument(format!("{} is not device-accessible memory", e.resource.kind())));
-    }
-    Ok(match &e.stream_ordered {
-        Some(pool) => DeviceResource::StreamOrdered(pool),
-        None => DeviceResource::Other(&*e.resource),
-    })
+    e.for_buffers
+        .ok_or_else(|| Error::InvalidArgument(format!("{} is not device-accessible memory", e.resource.kind())))
 }
 
 /// Makes the resource for a choice.
