@@ -548,10 +548,15 @@ impl StreamKey {
     /// such work and invalidates that capture (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`), as it
     /// answers `cuStreamIsCapturing` of the legacy stream (without invalidating it). Asks the
     /// driver only while a capture that cudrv began is active.
+    #[inline]
     pub(crate) fn legacy_held_by_capture(&self) -> bool {
-        capture::any_active()
-            && self.as_raw() as usize <= CU_STREAM_LEGACY
-            && self.capture_status().is_err_and(|e| e.is_implicit_capture())
+        capture::any_active() && self.legacy_held_by_active_capture()
+    }
+
+    /// [`StreamKey::legacy_held_by_capture`] once a capture that cudrv began may be active.
+    #[cold]
+    fn legacy_held_by_active_capture(&self) -> bool {
+        self.as_raw() as usize <= CU_STREAM_LEGACY && self.capture_status().is_err_and(|e| e.is_implicit_capture())
     }
 
     /// [`Stream::refuse_in_capture`], for a key.
