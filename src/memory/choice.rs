@@ -139,11 +139,12 @@ fn slot(device: &Device) -> Result<&'static AtomicPtr<Entry>> {
 impl Entry {
     fn new(resource: Arc<dyn MemoryResource>, choice: Choice) -> Entry {
         // Held for the rest of the process, as entries are (see `Entry`).
-        let held: &'static Arc<dyn MemoryResource> = Box::leak(Box::new(resource.clone()));
-        let any: Arc<dyn std::any::Any + Send + Sync> = resource.clone();
-        let for_buffers = held.is_device_accessible().then(|| match any.downcast::<StreamOrderedPool>() {
-            Ok(pool) => DeviceResource::StreamOrdered(Box::leak(Box::new(pool))),
-            Err(_) => DeviceResource::Other(&**held),
+        let held: &'static dyn MemoryResource = &**Box::leak(Box::new(resource.clone()));
+        let for_buffers = held.is_device_accessible().then(|| {
+            match (held as &dyn std::any::Any).downcast_ref::<StreamOrderedPool>() {
+                Some(pool) => DeviceResource::StreamOrdered(pool),
+                None => DeviceResource::Other(held),
+            }
         });
         Entry { resource, for_buffers, choice }
     }
