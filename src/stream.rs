@@ -587,8 +587,33 @@ impl StreamKey {
     /// pair. The owner is the first thread to enter the gate (but for cudrv's and the driver's
     /// helper threads), for good: usually the one thread that queues work on the stream. Other
     /// threads count their gates in a shared counter.
-    #[inline]
+    ///
+    /// The owner's entry with no mark in the way is inlined into the caller (a `DeviceBuffer`'s
+    /// allocation and drop, a launch); anything else is a call.
+    #[inline(always)]
     pub(crate) fn enter(&self) -> Gate<'_> {
+        if self.0.marking.load(Ordering::Relaxed) == 0 && self.0.owner.load(Ordering::Relaxed) == thread_token() {
+            return match self.try_enter(true) {
+                Some(gate) => gate,
+                None => self.enter_after_marks(),
+            };
+        }
+        self.enter_slow()
+    }
+
+    /// The owner's [`StreamKey::enter`] that saw a mark after counting its gate: once the mark
+    /// is gone, as [`StreamKey::enter_counted`].
+    #[cold]
+    #[inline(never)]
+    fn enter_after_marks(&self) -> Gate<'_> {
+        self.wait_for_marks();
+        self.enter_counted(true)
+    }
+
+    /// [`StreamKey::enter`] for a thread that does not own the gate (or has not claimed it
+    /// yet), or while a thread waits to mark the stream.
+    #[inline(never)]
+    fn enter_slow(&self) -> Gate<'_> {
         if self.0.marking.load(Ordering::Relaxed) != 0 {
             self.hold_back_for_marking();
         }
@@ -600,23 +625,29 @@ impl StreamKey {
     #[inline]
     fn enter_counted(&self, owned: bool) -> Gate<'_> {
         loop {
-            if owned {
-                // Ordered before the looks at the marks below; `mark_ungated` pairs it with a heavy
-                // barrier between its mark and its look at this slot.
-                barrier::publish(&self.0.owner_gated, self.0.owner_gated.load(Ordering::Relaxed) + 1);
-            } else {
-                self.0.gated.fetch_add(1, Ordering::SeqCst);
-            }
-            let gate = Gate::counted(&self.0, owned);
-            if self.0.capture.load(Ordering::SeqCst) != CAPTURE_STARTING && self.0.retiring.load(Ordering::SeqCst) == 0
-            {
+            if let Some(gate) = self.try_enter(owned) {
                 return gate;
             }
             // A capture is being begun, or the stream's bank settled: let it (it waits for this
             // gate to empty, and is quick once it is).
-            drop(gate);
             self.wait_for_marks();
         }
+    }
+
+    /// Counts a gate (in the owner's slot where `owned`) and keeps it unless the stream is being
+    /// marked as beginning a capture or settling its bank: then the count is taken back.
+    #[inline(always)]
+    fn try_enter(&self, owned: bool) -> Option<Gate<'_>> {
+        if owned {
+            // Ordered before the looks at the marks below; `mark_ungated` pairs it with a heavy
+            // barrier between its mark and its look at this slot.
+            barrier::publish(&self.0.owner_gated, self.0.owner_gated.load(Ordering::Relaxed) + 1);
+        } else {
+            self.0.gated.fetch_add(1, Ordering::SeqCst);
+        }
+        let gate = Gate::counted(&self.0, owned);
+        (self.0.capture.load(Ordering::SeqCst) != CAPTURE_STARTING && self.0.retiring.load(Ordering::SeqCst) == 0)
+            .then_some(gate)
     }
 
     /// Waits until the stream is marked neither as beginning a capture nor as settling its bank.
