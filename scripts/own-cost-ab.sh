@@ -6,13 +6,21 @@
 # alternately, ROUNDS processes each, and the medians of their "+N ns" figures are printed.
 #
 #   bash scripts/own-cost-ab.sh [-n ROUNDS] REV...     # e.g. HEAD~1 HEAD (default ROUNDS: 12)
+#   bash scripts/own-cost-ab.sh --stage DIR REV...      # build only: the benches and a runner into
+#                                                      # DIR (e.g. .gpu/ab), for a device run:
+#                                                      # `bash DIR/run.sh [ROUNDS]` alternates their
+#                                                      # `--wraps` tables on the GPU (run 76)
 #
 # Timings on a shared or busy machine vary by a few ns between processes; only medians over the
 # same alternating run compare. See BENCHMARKS.md, run 71.
 set -euo pipefail
 rounds=12
+stage=
 if [[ ${1:-} == -n ]]; then
     rounds=$2
+    shift 2
+elif [[ ${1:-} == --stage ]]; then
+    stage=$2
     shift 2
 fi
 (($# >= 1)) || { echo "usage: $0 [-n ROUNDS] REV..." >&2; exit 2; }
@@ -45,6 +53,23 @@ for rev in "$@"; do
     cp "$exe" "$work/memory-$sha"
     names+=("$sha")
 done
+if [[ -n $stage ]]; then
+    mkdir -p "$stage"
+    for sha in "${names[@]}"; do cp "$work/memory-$sha" "$stage/memory-$sha"; done
+    cat >"$stage/run.sh" <<RUN
+# Staged by scripts/own-cost-ab.sh --stage: the builds' --wraps tables, alternating, ROUNDS each.
+here=\$(cd "\$(dirname "\$0")" && pwd)
+for ((i = 1; i <= \${1:-4}; i++)); do
+  for sha in ${names[*]}; do
+    echo "== \$sha round \$i"
+    "\$here/memory-\$sha" --wraps 2>&1 | grep -E '^\| DriverPool \| raw|^\| StreamOrdered|own cost'
+  done
+done
+RUN
+    echo "own-cost-ab: staged ${names[*]} in $stage; on the device: bash $stage/run.sh [ROUNDS]"
+    exit 0
+fi
+
 # The fake driver, from the first commit's build (its API is the driver's, the same for all).
 fake=$(find "${CARGO_AB_TARGET:-$work/target}/release/build" -path '*cudrv-test-support-*/out/libcuda.so' | head -1)
 [[ -n $fake ]] || { echo "own-cost-ab: the fake driver was not built" >&2; exit 1; }
