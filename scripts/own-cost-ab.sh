@@ -23,7 +23,7 @@ elif [[ ${1:-} == --stage ]]; then
     stage=$2
     shift 2
 fi
-(($# >= 1)) || { echo "usage: $0 [-n ROUNDS] REV..." >&2; exit 2; }
+(($# >= 1)) || { echo "usage: $0 [-n ROUNDS | --stage DIR] REV..." >&2; exit 2; }
 root=$(git rev-parse --show-toplevel)
 work=$(mktemp -d)
 trap 'for w in "$work"/wt-*; do [[ -d $w ]] && git -C "$root" worktree remove --force "$w"; done; rm -rf "$work"' EXIT
