@@ -16,3 +16,10 @@ ck(cu.cuDeviceGet(ctypes.byref(dev), 0), "dev")
 ctx = ctypes.c_void_p()
 ck(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "retain")
 ck(cu.cuCtxSetCurrent(ctx), "set")
+
+
+def free_memory():
+    """The device's free memory as `cuMemGetInfo` reports it, in bytes."""
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    ck(cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+    return free.value

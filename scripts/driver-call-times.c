@@ -31,7 +31,7 @@ static double now(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts
 enum { ALLOC, FREE, INFO, QUERY, RECORD, SSYNC, N };
 static const char *names[N] = {"cuMemAlloc", "cuMemFree", "cuMemGetInfo", "cuEventQuery", "cuEventRecord", "cuStreamSynchronize"};
 static double tot[N], mx[N]; static long cnt[N];
-static double big_ms; static long big_n; /* allocations of 1 GiB and more (the replay's hog) */
+static double big_ms; static long big_n; /* allocations of 8 GiB and more (the replay's hog) */
 #define TIME(i, call) do { double t0 = now(); CUresult r = call; double d = now() - t0; tot[i] += d; cnt[i]++; if (d > mx[i]) mx[i] = d; return r; } while (0)
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     static CUresult (*f)(CUdeviceptr *, size_t); if (!f) f = sym("cuMemAlloc_v2");

@@ -1,17 +1,14 @@
 #!/usr/bin/env python3
 """Why `cuMemAlloc` is slow for a pool trading chunks at the brim of a budget (run 79: about 5 ms a
-call, against 15-30 us for per-request allocations under the same budget). With all but 6 GiB of
+call, against 5-53 us for per-request allocations under the same budget). With all but 6 GiB of
 device 0 taken by one allocation, then 200 MiB blocks allocated until the device is full, times
 an allocation right after a free (a trade), after a pause, with room to spare, and at the brim
 without a free before it. `python3 scripts/near-full-alloc.py` on a machine with a GPU; medians
 of 10. See BENCHMARKS.md."""
 import ctypes, time, statistics as st
-from cuda_ctypes import cu, ck
+from cuda_ctypes import cu, ck, free_memory as info
 
 MIB = 1 << 20
-free = ctypes.c_size_t(); total = ctypes.c_size_t()
-def info():
-    ck(cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "info"); return free.value
 def alloc(n):
     p = ctypes.c_uint64(); t = time.perf_counter(); r = cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n))
     return (p if r == 0 else None), (time.perf_counter() - t) * 1e6
