@@ -18,6 +18,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <stdint.h>
@@ -32,13 +33,27 @@ enum { ALLOC, FREE, INFO, QUERY, RECORD, SSYNC, N };
 static const char *names[N] = {"cuMemAlloc", "cuMemFree", "cuMemGetInfo", "cuEventQuery", "cuEventRecord", "cuStreamSynchronize"};
 static double tot[N], mx[N]; static long cnt[N];
 static double big_ms; static long big_n; /* allocations of 8 GiB and more (the replay's hog) */
+static FILE *log_file; static int log_opened;
+static void log_call(const char *op, double t0, double d, CUdeviceptr p, size_t n) {
+    if (!log_opened) { const char *path = getenv("DRIVER_CALL_LOG"); log_opened = 1; if (path) log_file = fopen(path, "w"); }
+    if (log_file) fprintf(log_file, "%s,%.4f,%.1f,%llx,%zu\n", op, t0, d * 1e3, p, n);
+}
 #define TIME(i, call) do { double t0 = now(); CUresult r = call; double d = now() - t0; tot[i] += d; cnt[i]++; if (d > mx[i]) mx[i] = d; return r; } while (0)
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     static CUresult (*f)(CUdeviceptr *, size_t); if (!f) f = sym("cuMemAlloc_v2");
     if (n >= (1ull << 30) * 8) { double t0 = now(); CUresult r = f(p, n); big_ms += now() - t0; big_n++; return r; }
-    TIME(ALLOC, f(p, n));
+    double t0 = now(); CUresult r = f(p, n); double d = now() - t0;
+    tot[ALLOC] += d; cnt[ALLOC]++; if (d > mx[ALLOC]) mx[ALLOC] = d;
+    log_call(r == 0 ? "alloc" : "refused", t0, d, r == 0 ? *p : 0, n);
+    return r;
 }
-CUresult cuMemFree_v2(CUdeviceptr p) { static CUresult (*f)(CUdeviceptr); if (!f) f = sym("cuMemFree_v2"); TIME(FREE, f(p)); }
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    static CUresult (*f)(CUdeviceptr); if (!f) f = sym("cuMemFree_v2");
+    double t0 = now(); CUresult r = f(p); double d = now() - t0;
+    tot[FREE] += d; cnt[FREE]++; if (d > mx[FREE]) mx[FREE] = d;
+    log_call("free", t0, d, p, 0);
+    return r;
+}
 CUresult cuMemGetInfo_v2(size_t *a, size_t *b) { static CUresult (*f)(size_t *, size_t *); if (!f) f = sym("cuMemGetInfo_v2"); TIME(INFO, f(a, b)); }
 CUresult cuEventQuery(void *e) { static CUresult (*f)(void *); if (!f) f = sym("cuEventQuery"); TIME(QUERY, f(e)); }
 CUresult cuEventRecord(void *e, void *s) { static CUresult (*f)(void *, void *); if (!f) f = sym("cuEventRecord"); TIME(RECORD, f(e, s)); }
@@ -62,4 +77,5 @@ CUresult cuGetProcAddress(const char *s, void **pfn, int v, cuuint64_t fl) {
 __attribute__((destructor)) static void report(void) {
     for (int i = 0; i < N; i++) if (cnt[i]) fprintf(stderr, "shim: %-20s %8ld calls %10.1f ms (mean %8.1f us, max %8.1f ms)\n", names[i], cnt[i], tot[i], tot[i] * 1e3 / cnt[i], mx[i]);
     if (big_n) fprintf(stderr, "shim: hog allocations %ld, %.1f ms\n", big_n, big_ms);
+    if (log_file) fclose(log_file);
 }
