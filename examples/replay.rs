@@ -40,6 +40,8 @@
 //! With `--simulate` or `--resource pool`, a line `pool ...` gives the pool's driver frees,
 //! out-of-memory recoveries, reservoirs taken near capacity, event synchronisations and queries, and what it leaves of the
 //! reported free memory to the driver near capacity (2 MiB, or more where the driver refused).
+//! Where the driver made chunk allocations that came soon after a free wait, a line `pacing ...`
+//! follows: how many it made wait, and how many the pool then paced, with their pauses summed.
 //!
 //! Each trace ends with one line:
 //! `replay: <file> reserved/live=R.RRR peak_live=N peak_reserved=N driver_allocs=N`, or
@@ -308,6 +310,14 @@ fn print_report(name: &str, trace: &Trace, r: &Report) {
             p.event_queries,
             p.driver_spare >> 20
         );
+        if p.driver_waits_after_free > 0 || p.paced_allocations > 0 {
+            say!(
+                "  pacing            {} allocations the driver made wait after frees, {} paced ({:.1} ms)",
+                p.driver_waits_after_free,
+                p.paced_allocations,
+                p.pacing_time.as_secs_f64() * 1e3
+            );
+        }
     }
     let ratio = r.peak_reserved as f64 / trace.peak_live().max(1) as f64;
     match r.oom_at {

@@ -5,6 +5,7 @@
 
 use std::cell::RefCell;
 use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Instant;
 
 use cudrv_sys::{CUevent, CUresult};
 
@@ -13,6 +14,7 @@ use super::pool::backend::{Backend, RANGE_PER_BYTE, Segments};
 use super::pool::cache::{Cache, Found};
 use super::pool::config::PoolConfig;
 use super::pool::error::PoolError;
+use super::pool::pacing::{Pacing, PacingStats};
 use super::pool::stats::PoolStats;
 use super::pool::{self, Host};
 use super::{DevicePtr, MemoryResource, MemoryStats, ResourceKind, check_stream};
@@ -326,6 +328,9 @@ struct CudaBackend {
     /// anything is mapped over them or their address range is given back
     /// ([`CudaBackend::unstick`]).
     stuck: Mutex<Vec<(u64, usize)>>,
+    /// Paces chunk allocations after the pool's frees, where the driver makes an allocation that
+    /// comes too soon after a free wait for it.
+    pacing: Pacing,
 }
 
 impl CudaBackend {
@@ -452,17 +457,26 @@ impl Backend for CudaBackend {
         // Never part of a capture: allowed whatever captures are active.
         let _relaxed = RelaxedCaptureMode::enter();
         let mut ptr = 0;
-        // SAFETY: valid out-pointer; the context is current.
-        unsafe { drv!(cuMemAlloc_v2(&mut ptr, bytes)) }?;
+        // Where the driver makes an allocation soon after a free wait for it, a short pause first.
+        self.pacing.alloc(|| {
+            // SAFETY: valid out-pointer; the context is current.
+            unsafe { drv!(cuMemAlloc_v2(&mut ptr, bytes)) }
+        })?;
         Ok(ptr)
     }
 
-    fn free_chunk(&self, ptr: u64, _bytes: usize) -> Result<()> {
+    fn free_chunk(&self, ptr: u64, bytes: usize) -> Result<()> {
         let _b = self.ctx.bind()?;
         // Never part of a capture: allowed whatever captures are active.
         let _relaxed = RelaxedCaptureMode::enter();
         // SAFETY: the pool frees a chunk once, after the host saw every use of it complete.
-        unsafe { drv!(cuMemFree_v2(ptr)) }
+        unsafe { drv!(cuMemFree_v2(ptr)) }?;
+        self.pacing.freed(bytes, Instant::now());
+        Ok(())
+    }
+
+    fn pacing(&self) -> PacingStats {
+        self.pacing.stats()
     }
 
     fn segments(&self) -> Option<Segments> {
@@ -637,7 +651,7 @@ impl StreamOrderedPool {
         let ctx = device.primary_context()?;
         let segments = if config.expandable { CudaBackend::segments_on(device) } else { None };
         let access = if segments.is_some() { CudaBackend::access_on(device) } else { Vec::new() };
-        let backend = CudaBackend { ctx, segments, access, stuck: Mutex::new(Vec::new()) };
+        let backend = CudaBackend { ctx, segments, access, stuck: Mutex::new(Vec::new()), pacing: Pacing::default() };
         let mut arena = Arena::new(config);
         arena.use_segments(backend.segments());
         let shared = Arc::new_cyclic(|me| Shared {

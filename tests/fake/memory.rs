@@ -782,3 +782,59 @@ fn a_pool_without_virtual_memory_grows_in_chunks() {
         assert_eq!(pool.pool_stats().chunks, 1);
     });
 }
+
+/// Where the driver makes a `cuMemAlloc` that comes soon after a `cuMemFree` wait for the free's
+/// background work (driver 580 waits 5-7.5 ms: BENCHMARKS.md, run 81), the pool learns it from
+/// one such wait and paces its later chunk allocations: it first waits out its estimate of the
+/// work left (2.5 µs a MiB), and the driver no longer makes it wait. The fake leaves 2 ms of
+/// work per GiB freed and makes an allocation before it is done sleep 3 ms. A driver that never
+/// makes an allocation wait is never paced.
+#[test]
+fn chunk_allocations_soon_after_frees_are_paced_once_the_driver_was_seen_to_wait() {
+    let round = |pool: &Arc<StreamOrderedPool>, s: &Stream| {
+        // A raw allocation: a buffer of 1 GiB would be filled in host memory by the fake.
+        let ptr = pool.allocate(1 << 30, s).unwrap();
+        // SAFETY: allocated just above on `s`, freed once, and never used.
+        unsafe { pool.deallocate(ptr, 1 << 30, s) }.unwrap();
+        s.synchronize().unwrap();
+        // Gives the chunk back (`cuMemFree`): the next round's growth comes right after it.
+        pool.trim(0).unwrap();
+        assert_eq!(pool.pool_stats().reserved, 0);
+        pool.pool_stats()
+    };
+    let chunks = [("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_VMM", "0")];
+    run_with_fake(&[chunks[0], chunks[1], ("CUDRV_FAKE_FREE_US_PER_GIB", "2000")], || {
+        let dev = Device::get(0).unwrap();
+        let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        assert!(!pool.grows_in_segments());
+        let s = Stream::new(&dev).unwrap();
+        let first = round(&pool, &s);
+        assert_eq!((first.driver_waits_after_free, first.paced_allocations), (0, 0), "no free before: {first:?}");
+        // The next growth comes within the free's 2 ms (a host thread preempted that long would
+        // miss it: a few rounds are allowed).
+        let mut seen = first;
+        for _ in 0..10 {
+            seen = round(&pool, &s);
+            if seen.driver_waits_after_free > 0 {
+                break;
+            }
+        }
+        assert_eq!((seen.driver_waits_after_free, seen.paced_allocations), (1, 0), "{seen:?}");
+        // Paced from now on: 1 GiB at 2.5 µs a MiB is 2.56 ms, past the fake's 2 ms.
+        let paced = round(&pool, &s);
+        assert_eq!(paced.driver_waits_after_free, 1, "the paced allocation did not wait: {paced:?}");
+        assert_eq!(paced.paced_allocations, 1, "{paced:?}");
+        let most = std::time::Duration::from_micros(2560);
+        assert!(paced.pacing_time > std::time::Duration::ZERO && paced.pacing_time <= most, "{paced:?}");
+        assert_eq!(paced.driver_allocs, seen.driver_allocs + 1);
+    });
+    run_with_fake(&chunks, || {
+        let dev = Device::get(0).unwrap();
+        let pool = Arc::new(StreamOrderedPool::new(&dev).unwrap());
+        let s = Stream::new(&dev).unwrap();
+        for _ in 0..4 {
+            let st = round(&pool, &s);
+            assert_eq!((st.driver_waits_after_free, st.paced_allocations, st.pacing_time), (0, 0, Default::default()));
+        }
+    });
+}

@@ -103,6 +103,11 @@ pub(crate) trait Backend {
     fn report(&self, error: Self::Error) {
         let _ = error;
     }
+    /// What pacing chunk allocations after frees has counted, where the backend paces them (the
+    /// CUDA backend: [`Pacing`](super::pacing::Pacing)).
+    fn pacing(&self) -> super::pacing::PacingStats {
+        super::pacing::PacingStats::default()
+    }
     /// Whether `stream` is capturing a graph: then nothing may be recorded, waited or queried on
     /// it (it would be captured, not run), and its frees are not ordered before anything outside
     /// the capture. The real backend answers for the captures cudrv tracks.

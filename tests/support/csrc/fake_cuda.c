@@ -30,6 +30,10 @@
  *                                      (an integer, as for MEMORY).
  *  CUDRV_FAKE_UNMAP_US=<us>            cuMemUnmap sleeps this long (holding no lock) before it
  *                                      unmaps, as a real unmap of much memory takes a while.
+ *  CUDRV_FAKE_FREE_US_PER_GIB=<us>     cuMemFree_v2 of device memory leaves work behind, this long per
+ *                                      GiB freed, done one free after another; a cuMemAlloc_v2 that
+ *                                      comes before it is done first sleeps 3 ms (holding no lock), as
+ *                                      driver 580 makes such an allocation wait 5-7.5 ms.
  *  CUDRV_FAKE_LAUNCH_US=<us>           cuLaunchKernel, cuLaunchCooperativeKernel and cuLaunchKernelEx
  *                                      sleep this long (holding no lock) after they queued (or
  *                                      captured) a launch, before they return: the window between a
@@ -876,6 +880,8 @@ static struct {
     fk_device dev[FK_MAX_DEVICES];
     uint64_t delay_us;
     uint64_t unmap_us;
+    uint64_t free_us_per_gib;
+    double free_backlog_ms; /* when the work that device frees left behind is done (fk_now_ms) */
     uint64_t launch_us;
     int driver_version;
     int report_on_exit;
@@ -986,7 +992,7 @@ static int known_function_name(const char *name);
 /* Every CUDRV_FAKE_* variable that may be set. */
 static const char *const KNOWN_VARS[] = {
     "CUDRV_FAKE_MODE", "CUDRV_FAKE_DEVICES", "CUDRV_FAKE_VMM", "CUDRV_FAKE_MEMORY", "CUDRV_FAKE_DELAY_US",
-    "CUDRV_FAKE_UNMAP_US", "CUDRV_FAKE_LAUNCH_US", "CUDRV_FAKE_DRIVER_VERSION", "CUDRV_FAKE_FAIL",
+    "CUDRV_FAKE_UNMAP_US", "CUDRV_FAKE_FREE_US_PER_GIB", "CUDRV_FAKE_LAUNCH_US", "CUDRV_FAKE_DRIVER_VERSION", "CUDRV_FAKE_FAIL",
     "CUDRV_FAKE_REPORT_ON_EXIT",
     /* not read here: cudrv-test-support sets the first in its child processes, and its build
        script reads the second */
@@ -1101,7 +1107,8 @@ static void check_var_name(const char *entry) {
     fprintf(stderr,
             "cudrv fake driver: unknown variable %.*s=\"%s\": the fake driver reads CUDRV_FAKE_MODE, "
             "CUDRV_FAKE_DEVICES, CUDRV_FAKE_VMM, CUDRV_FAKE_MEMORY, CUDRV_FAKE_DELAY_US, "
-            "CUDRV_FAKE_UNMAP_US, CUDRV_FAKE_LAUNCH_US, CUDRV_FAKE_DRIVER_VERSION, CUDRV_FAKE_FAIL and "
+            "CUDRV_FAKE_UNMAP_US, CUDRV_FAKE_FREE_US_PER_GIB, CUDRV_FAKE_LAUNCH_US, "
+            "CUDRV_FAKE_DRIVER_VERSION, CUDRV_FAKE_FAIL and "
             "CUDRV_FAKE_REPORT_ON_EXIT "
             "(cuInit returns CUDA_ERROR_INVALID_VALUE)\n",
             (int)len, entry, entry[len] ? entry + len + 1 : "");
@@ -1158,6 +1165,10 @@ static void read_env_locked(void) {
     if ((s = env_value("CUDRV_FAKE_UNMAP_US"))) {
         if (parse_u64(s, &v)) G.unmap_us = v;
         else config_error("CUDRV_FAKE_UNMAP_US", s, "a number of microseconds (decimal, 0x-hex or 0-octal integer)");
+    }
+    if ((s = env_value("CUDRV_FAKE_FREE_US_PER_GIB"))) {
+        if (parse_u64(s, &v)) G.free_us_per_gib = v;
+        else config_error("CUDRV_FAKE_FREE_US_PER_GIB", s, "a number of microseconds (decimal, 0x-hex or 0-octal integer)");
     }
     if ((s = env_value("CUDRV_FAKE_LAUNCH_US"))) {
         if (parse_u64(s, &v)) G.launch_us = v;
@@ -2902,6 +2913,12 @@ API_OLD cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     ENTER("cuMemAlloc_v2");
     if (!dptr || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
     fk_lock(&G.lock);
+    if (G.free_us_per_gib && fk_now_ms() < G.free_backlog_ms) {
+        /* CUDRV_FAKE_FREE_US_PER_GIB: too soon after a free, the allocation waits. */
+        fk_unlock(&G.lock);
+        fk_sleep_us(3000);
+        fk_lock(&G.lock);
+    }
     r = cur_ctx_locked(&c);
     if (!r) r = capture_unsafe_call_locked(); /* fake_graph.c: a potentially unsafe call (review 25) */
     if (!r) r = reserve_block_locked(c->dev, bytesize, &b);
@@ -2932,7 +2949,15 @@ API_OLD cuMemFree_v2(CUdeviceptr dptr) {
         }
         /* a legacy IPC mapping is closed with cuIpcCloseMemHandle, not freed */
         if (!a || a->free_pending || (a->kind == AK_IPC && a->ipc == 1)) r = CUDA_ERROR_INVALID_VALUE;
-        else free_alloc_locked(a);
+        else {
+            if (G.free_us_per_gib && a->kind == AK_DEVICE) {
+                /* CUDRV_FAKE_FREE_US_PER_GIB: the work this free leaves behind follows what earlier
+                 * frees left. */
+                double now = fk_now_ms(), start = G.free_backlog_ms > now ? G.free_backlog_ms : now;
+                G.free_backlog_ms = start + (double)a->size * (double)G.free_us_per_gib / (double)(1ull << 30) / 1000.0;
+            }
+            free_alloc_locked(a);
+        }
     }
 out:
     fk_unlock(&G.lock);
