@@ -137,7 +137,7 @@ impl Pacing {
         let mut st = self.state();
         if ticket.pause > Duration::ZERO {
             st.stats.pauses += 1;
-            st.stats.paused += ticket.pause;
+            st.stats.paused = st.stats.paused.saturating_add(ticket.pause);
         }
         if !ticket.soon_after_free || took.is_none_or(|took| took < SLOW_ALLOCATION) {
             return;
@@ -179,8 +179,8 @@ impl Pacing {
 /// Waits `d` (at most [`MAX_PAUSE`]), yielding the processor: a sleep may oversleep by a timer
 /// tick, on Windows by a millisecond or more, where the pauses are a fraction of a millisecond.
 fn wait(d: Duration) {
-    let end = Instant::now() + d;
-    while Instant::now() < end {
+    let start = Instant::now();
+    while start.elapsed() < d {
         std::thread::yield_now();
     }
 }
