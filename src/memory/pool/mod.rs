@@ -102,7 +102,8 @@
 //!   before that is done wait 5-7.5 ms, where a pause of 0.5 ms after a 200 MiB free avoids the
 //!   wait. Once the driver was seen to make an allocation wait so, the real backend paces chunk
 //!   allocations: each first waits out an estimate of the work the pool's frees left (2.5 µs a
-//!   MiB, at most 10 ms). A driver that never makes an allocation wait is never paced.
+//!   MiB, at most 10 ms), and pacing stops for good where even its longest estimate does not
+//!   avoid the wait. A driver that never makes an allocation wait is never paced.
 #![forbid(unsafe_code)]
 
 pub(crate) mod arena;

@@ -17,7 +17,9 @@
 //! [`NOTICE_WINDOW`] of it) and takes [`SLOW_ALLOCATION`] or longer shows that this driver makes
 //! allocations wait for its frees: from then on, an allocation first waits out what is left of
 //! the backlog, at most [`MAX_PAUSE`]. A paced allocation that still waits doubles the estimate
-//! (at most [`MAX_NS_PER_MIB`]). A driver that never makes an allocation wait is never paced.
+//! (up to [`MAX_NS_PER_MIB`]); one that still waits at that estimate shows that pausing does not
+//! help with this driver, and the pool stops pacing for good. A driver that never makes an
+//! allocation wait is never paced.
 //! (Where the driver does make it wait, pausing 0.5 ms saves about 7 ms a trade. Run 81's
 //! mixed_images in chunks under 1.10x its peak made 1,117 slow allocations of its 2,652, and
 //! spent 8.5 s in `cuMemAlloc`; paced in run 82, one allocation was slow, `cuMemAlloc` took
@@ -77,6 +79,9 @@ struct State {
     /// Whether the driver was seen to make an allocation wait for a free: allocations pause only
     /// then.
     pacing: bool,
+    /// Set where pauses at the longest estimate did not avoid the driver's wait: its waits are not
+    /// the frees' doing, and the pool never paces again.
+    given_up: bool,
     stats: PacingStats,
 }
 
@@ -101,6 +106,7 @@ impl Default for Pacing {
                 backlog_until: None,
                 ns_per_mib: DEFAULT_NS_PER_MIB,
                 pacing: false,
+                given_up: false,
                 stats: PacingStats::default(),
             }),
         }
@@ -143,12 +149,18 @@ impl Pacing {
             return;
         }
         st.stats.driver_waits += 1;
-        if st.pacing {
+        if !st.pacing {
+            st.pacing = !st.given_up;
+        } else if st.ns_per_mib < MAX_NS_PER_MIB {
             // Paced (or the estimate ran out before the allocation) and the driver still waited:
             // its frees take longer than estimated.
             st.ns_per_mib = st.ns_per_mib.saturating_mul(2).min(MAX_NS_PER_MIB);
+        } else {
+            // Even the longest estimate did not avoid the wait (a driver whose allocations are
+            // slow for another reason, or another allocator's frees): pausing only adds to it.
+            st.pacing = false;
+            st.given_up = true;
         }
-        st.pacing = true;
     }
 
     /// Waits out the backlog where the driver was seen to need it, calls `alloc` (the driver's
@@ -250,7 +262,7 @@ mod tests {
     }
 
     #[test]
-    fn a_paced_allocation_that_still_waits_lengthens_the_estimate_up_to_a_bound() {
+    fn a_paced_allocation_that_still_waits_lengthens_the_estimate_and_past_its_bound_pacing_stops() {
         let p = Pacing::default();
         let t0 = Instant::now();
         let mut at = t0;
@@ -263,10 +275,13 @@ mod tests {
             p.after_alloc(ticket, Some(6 * MS));
         }
         let us = |n| Duration::from_micros(n);
-        // Not paced at first; then 100 MiB at 2.5, 5, 10 and 20 µs a MiB (the bound), capped
-        // at 2 ms.
-        assert_eq!(pauses, [Duration::ZERO, us(250), us(500), us(1000), us(2000), us(2000), us(2000), us(2000)]);
-        assert_eq!(p.state().ns_per_mib, MAX_NS_PER_MIB);
+        // Not paced at first; then 100 MiB at 2.5, 5, 10 and 20 µs a MiB (the bound); the driver
+        // still waits at the bound: no more pauses, however often it waits after that.
+        let zero = Duration::ZERO;
+        assert_eq!(pauses, [zero, us(250), us(500), us(1000), us(2000), zero, zero, zero]);
+        let st = p.stats();
+        assert_eq!((st.pauses, st.driver_waits), (4, 8), "{st:?}");
+        assert!(p.state().given_up);
     }
 
     #[test]

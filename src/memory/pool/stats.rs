@@ -71,7 +71,8 @@ pub struct PoolStats {
     /// Chunk allocations (`cuMemAlloc`) that first waited a little after the pool's own frees.
     /// The pool paces them once it saw the driver make an allocation that came soon after a free
     /// wait for it (on an H100 with driver 580: 5-7.5 ms, where a pause of 0.5 ms avoids the wait);
-    /// it never paces on a driver that does not. Always 0 in segments.
+    /// it never paces on a driver that does not, and stops where pauses of its longest estimate do
+    /// not avoid the wait. Always 0 in segments.
     pub paced_allocations: u64,
     /// Those allocations' pauses, summed.
     pub pacing_time: std::time::Duration,
