@@ -8,21 +8,10 @@ left. Each case starts from that brim, frees `freed` MiB, leaves `spare` MiB tha
 (taken back first, after a settling pause) and allocates `size` MiB. Medians of 10 (of 5 for the
 last cases: how the pause needed grows with the bytes freed).
 `cd scripts && python3 brim-pause.py` on a machine with a GPU. See BENCHMARKS.md, run 81."""
-import ctypes, time, statistics as st
-from cuda_ctypes import cu, ck, free_memory as info
+import time, statistics as st
+from cuda_ctypes import cu, ck, alloc_timed as alloc, free_timed as release, free_memory as info
 
 MIB = 1 << 20
-
-
-def alloc(n):
-    p = ctypes.c_uint64()
-    t = time.perf_counter()
-    r = cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n))
-    return (p if r == 0 else None), (time.perf_counter() - t) * 1e6
-
-
-def release(p):
-    ck(cu.cuMemFree_v2(p), "free")
 
 
 def spin(seconds):

@@ -1,6 +1,8 @@
 """The CUDA driver through ctypes, for the measurement scripts beside this file: `cu` (libcuda),
-`ck` (a call's result, or exit naming it), and device 0's primary context made current (`dev`)."""
+`ck` (a call's result, or exit naming it), and device 0's primary context made current (`dev`);
+`free_memory`, and `alloc_timed` / `free_timed` for the probes that time single calls."""
 import ctypes
+import time
 
 cu = ctypes.CDLL("libcuda.so.1")
 
@@ -23,3 +25,18 @@ def free_memory():
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     ck(cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
     return free.value
+
+
+def alloc_timed(n):
+    """`cuMemAlloc` of `n` bytes: (the pointer, or None where the driver refused), microseconds."""
+    p = ctypes.c_uint64()
+    t = time.perf_counter()
+    r = cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n))
+    return (p if r == 0 else None), (time.perf_counter() - t) * 1e6
+
+
+def free_timed(p):
+    """`cuMemFree` of `p` (or exit): microseconds."""
+    t = time.perf_counter()
+    ck(cu.cuMemFree_v2(p), "cuMemFree")
+    return (time.perf_counter() - t) * 1e6

@@ -38,19 +38,20 @@ static void log_call(const char *op, double t0, double d, CUdeviceptr p, size_t 
     if (!log_opened) { const char *path = getenv("DRIVER_CALL_LOG"); log_opened = 1; if (path) log_file = fopen(path, "w"); }
     if (log_file) fprintf(log_file, "%s,%.4f,%.1f,%llx,%zu\n", op, t0, d * 1e3, p, n);
 }
-#define TIME(i, call) do { double t0 = now(); CUresult r = call; double d = now() - t0; tot[i] += d; cnt[i]++; if (d > mx[i]) mx[i] = d; return r; } while (0)
+static void count(int i, double d) { tot[i] += d; cnt[i]++; if (d > mx[i]) mx[i] = d; }
+#define TIME(i, call) do { double t0 = now(); CUresult r = call; count(i, now() - t0); return r; } while (0)
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     static CUresult (*f)(CUdeviceptr *, size_t); if (!f) f = sym("cuMemAlloc_v2");
     if (n >= (1ull << 30) * 8) { double t0 = now(); CUresult r = f(p, n); big_ms += now() - t0; big_n++; return r; }
     double t0 = now(); CUresult r = f(p, n); double d = now() - t0;
-    tot[ALLOC] += d; cnt[ALLOC]++; if (d > mx[ALLOC]) mx[ALLOC] = d;
+    count(ALLOC, d);
     log_call(r == 0 ? "alloc" : "refused", t0, d, r == 0 ? *p : 0, n);
     return r;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
     static CUresult (*f)(CUdeviceptr); if (!f) f = sym("cuMemFree_v2");
     double t0 = now(); CUresult r = f(p); double d = now() - t0;
-    tot[FREE] += d; cnt[FREE]++; if (d > mx[FREE]) mx[FREE] = d;
+    count(FREE, d);
     log_call("free", t0, d, p, 0);
     return r;
 }

@@ -5,15 +5,10 @@ device 0 taken by one allocation, then 200 MiB blocks allocated until the device
 an allocation right after a free (a trade), after a pause, with room to spare, and at the brim
 without a free before it. `python3 scripts/near-full-alloc.py` on a machine with a GPU; medians
 of 10. See BENCHMARKS.md."""
-import ctypes, time, statistics as st
-from cuda_ctypes import cu, ck, free_memory as info
+import time, statistics as st
+from cuda_ctypes import alloc_timed as alloc, free_timed as release, free_memory as info
 
 MIB = 1 << 20
-def alloc(n):
-    p = ctypes.c_uint64(); t = time.perf_counter(); r = cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n))
-    return (p if r == 0 else None), (time.perf_counter() - t) * 1e6
-def release(p):
-    t = time.perf_counter(); ck(cu.cuMemFree_v2(p), "free"); return (time.perf_counter() - t) * 1e6
 
 hog, _ = alloc(info() - (6 << 30)); assert hog
 blocks = []
