@@ -799,8 +799,9 @@ fn chunk_allocations_soon_after_frees_are_paced_once_the_driver_was_seen_to_wait
         s.synchronize().unwrap();
         // Gives the chunk back (`cuMemFree`): the next round's growth comes right after it.
         pool.trim(0).unwrap();
-        assert_eq!(pool.pool_stats().reserved, 0);
-        pool.pool_stats()
+        let st = pool.pool_stats();
+        assert_eq!(st.reserved, 0);
+        st
     };
     let chunks = [("CUDRV_FAKE_MODE", "tcc"), ("CUDRV_FAKE_VMM", "0")];
     run_with_fake(&[chunks[0], chunks[1], ("CUDRV_FAKE_FREE_US_PER_GIB", "2000")], || {

@@ -992,8 +992,8 @@ static int known_function_name(const char *name);
 /* Every CUDRV_FAKE_* variable that may be set. */
 static const char *const KNOWN_VARS[] = {
     "CUDRV_FAKE_MODE", "CUDRV_FAKE_DEVICES", "CUDRV_FAKE_VMM", "CUDRV_FAKE_MEMORY", "CUDRV_FAKE_DELAY_US",
-    "CUDRV_FAKE_UNMAP_US", "CUDRV_FAKE_FREE_US_PER_GIB", "CUDRV_FAKE_LAUNCH_US", "CUDRV_FAKE_DRIVER_VERSION", "CUDRV_FAKE_FAIL",
-    "CUDRV_FAKE_REPORT_ON_EXIT",
+    "CUDRV_FAKE_UNMAP_US", "CUDRV_FAKE_FREE_US_PER_GIB", "CUDRV_FAKE_LAUNCH_US", "CUDRV_FAKE_DRIVER_VERSION",
+    "CUDRV_FAKE_FAIL", "CUDRV_FAKE_REPORT_ON_EXIT",
     /* not read here: cudrv-test-support sets the first in its child processes, and its build
        script reads the second */
     "CUDRV_FAKE_CHILD", "CUDRV_FAKE_CFLAGS",
